@@ -1,0 +1,281 @@
+"""One monitored process: ledger, hooks, emitter, socket and sidecar wired together.
+
+The agent owns the recording: it writes the preamble and hello synchronously at start (so even a
+job that dies at once leaves a readable file) and an `End` message at finish. A reader that finds
+no `End` knows the process was killed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket as _socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from memtui_agent import schema
+from memtui_agent.runtime_dir import ensure_private_dir, write_sidecar
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether an exception is an out-of-memory failure, on CUDA or from the CPU allocator."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
+    if isinstance(error, (RuntimeError, MemoryError)):
+        text = str(error).lower()
+        return isinstance(error, MemoryError) or any(marker in text for marker in OOM_MARKERS)
+    return False
+
+
+class Agent:
+    """Everything that runs inside the training process."""
+
+    def __init__(
+        self, record: Path | None, serve: bool, argv: list[str], budget: int | None
+    ) -> None:
+        self.pid = os.getpid()
+        self.record = record.resolve() if record is not None else None
+        self.serve = serve
+        self.argv = argv
+        self.budget = budget
+        self._reported: set[str] = set()
+        self._finished = False
+        self._forked_child = False
+        self.socket_path: Path | None = None
+        self.sidecar: Path | None = None
+        self.tracker: Any = None
+        self.emitter: Any = None
+
+    def start(self) -> None:
+        """Import torch, install hooks, open the recording and the socket."""
+        import torch
+
+        from memtui_agent.emitter import Emitter
+        from memtui_agent.ledger import Ledger
+        from memtui_agent.socket_server import SocketServer
+        from memtui_agent.tracker import Tracker
+
+        started = time.time()
+        hello = schema.Hello(
+            format_version=schema.FORMAT_VERSION,
+            agent_version=_agent_version(),
+            pid=self.pid,
+            argv=self.argv,
+            started=_dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(),
+            started_unix=started,
+            torch=str(torch.__version__),
+            device=_device_description(torch),
+            python=platform.python_version(),
+            hostname=_socket.gethostname(),
+            cwd=os.getcwd(),
+            recording=str(self.record) if self.record is not None else None,
+            rank=_env_int("RANK"),
+            local_rank=_env_int("LOCAL_RANK"),
+            world_size=_env_int("WORLD_SIZE"),
+            budget=self.budget,
+            process_create_time=_create_time(),
+        )
+        server = None
+        if self.serve:
+            try:
+                directory = ensure_private_dir()
+                self.socket_path = directory / f"{self.pid}.sock"
+                server = SocketServer(self.socket_path)
+            except OSError as exc:
+                self.report_failure("socket", exc)
+                server = None
+                self.socket_path = None
+        self.ledger = Ledger()
+        self.tracker = Tracker(self.ledger, self._emit, self.report_failure)
+        self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
+        self.tracker.install()
+        if self.socket_path is not None:
+            try:
+                self.sidecar = write_sidecar(
+                    self.socket_path.parent,
+                    str(self.pid),
+                    {
+                        "pid": self.pid,
+                        "argv": self.argv,
+                        "started": hello.started,
+                        "started_unix": started,
+                        "socket": str(self.socket_path),
+                        "recording": hello.recording,
+                        "rank": hello.rank,
+                        "process_create_time": hello.process_create_time,
+                    },
+                )
+            except OSError as exc:
+                self.report_failure("sidecar", exc)
+
+    # ----- plumbing -----------------------------------------------------------------------------
+
+    def _emit(self, item: Any) -> None:
+        if self.emitter is not None and not self._forked_child:
+            if hasattr(item, "dropped"):
+                item.dropped = self.emitter.dropped
+            self.emitter.put(item)
+
+    def _tick(self) -> schema.Tick | None:
+        if self.tracker is None:
+            return None
+        return self.tracker.tick()
+
+    def report_failure(self, component: str, exc: BaseException) -> None:
+        """Say once, on stderr and in the stream, that a part of the agent turned itself off."""
+        if component in self._reported:
+            return
+        self._reported.add(component)
+        message = f"{type(exc).__name__}: {exc}"
+        try:
+            print(
+                f"memtui: {component} failed and is off for the rest of this run ({message}); "
+                "the job continues",
+                file=sys.stderr,
+            )
+        except Exception:
+            pass
+        if self.emitter is not None and component not in ("recording", "emitter"):
+            self.emitter.put(schema.AgentError(time=time.time(), component=component, message=message))
+
+    # ----- user-facing ------------------------------------------------------------------------
+
+    def watch(self, model: Any, optimizer: Any) -> None:
+        """Register a model tree and an optimizer ahead of their first use."""
+        tracker = self.tracker
+        if model is not None:
+            tracker.registry.lookup(model)
+        if optimizer is not None:
+            tracker.registry.add_optimizer(optimizer)
+            tracker._primary = optimizer
+        tracker._on_new_objects()
+
+    def finish(self, exit_code: int | None = 0, error: BaseException | None = None) -> None:
+        """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once."""
+        if self._finished or self._forked_child or os.getpid() != self.pid:
+            return
+        self._finished = True
+        tracker = self.tracker
+        try:
+            end = self._end_message(exit_code, error)
+        except Exception as exc:
+            end = schema.End(time=time.time(), status="error", error=f"agent: {exc}")
+        if self.emitter is not None:
+            self.emitter.put(end)
+        try:
+            if tracker is not None and threading.current_thread() is threading.main_thread():
+                tracker.remove()
+        except Exception as exc:
+            self.report_failure("remove-hooks", exc)
+        if self.emitter is not None:
+            self.emitter.close()
+        if self.sidecar is not None:
+            try:
+                self.sidecar.unlink()
+            except OSError:
+                pass
+
+    def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
+        tracker = self.tracker
+        step = tracker.closed_steps + 1 if tracker is not None else None
+        piles = tracker.ledger.current() if tracker is not None else None
+        if error is None or (isinstance(error, SystemExit) and exit_code == 0):
+            status = "ok" if not exit_code else "error"
+            return schema.End(
+                time=time.time(),
+                status=status,
+                code=exit_code,
+                error=None if status == "ok" else f"exit code {exit_code}",
+                step=tracker.closed_steps if tracker is not None else None,
+                piles=piles,
+            )
+        phase = tracker.phase() if tracker is not None else None
+        where = None
+        context = tracker.error_context if tracker is not None else None
+        if context is not None and _same_failure(error, context[0]):
+            phase, where = context[1], context[2]
+        oom = is_oom(error)
+        alerts = []
+        if oom:
+            alerts.append(
+                schema.Alert(
+                    kind="oom",
+                    message=f"out of memory in {phase} of step {step}: {_first_line(error)}",
+                    where=where,
+                )
+            )
+        return schema.End(
+            time=time.time(),
+            status="error",
+            code=exit_code,
+            error_type=type(error).__name__,
+            error=_first_line(error),
+            step=step,
+            phase=phase,
+            oom=oom,
+            piles=piles,
+            alerts=alerts,
+        )
+
+    def disable_in_fork_child(self) -> None:
+        """Called in a forked child: hooks become no-ops, nothing is written or sent."""
+        self._forked_child = True
+        if self.tracker is not None:
+            for component in self.tracker.enabled:
+                self.tracker.enabled[component] = False
+        self.emitter = None
+
+
+def _same_failure(error: BaseException, noted: BaseException) -> bool:
+    current: BaseException | None = error
+    for _ in range(32):
+        if current is None:
+            return False
+        if current is noted:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _create_time() -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:
+        return None
+
+
+def _device_description(torch: Any) -> str:
+    """"cuda" or "cpu", without creating a CUDA context (that would change the job)."""
+    try:
+        if torch.cuda.is_available():
+            return "cuda"
+    except Exception:
+        pass
+    return "cpu"
+
+
+def _agent_version() -> str:
+    from memtui_agent import __version__
+
+    return __version__

@@ -1,0 +1,127 @@
+"""Public API of the agent: `start`, `stop`, `watch`, `monitor`.
+
+Zero-code use goes through `memtui run`, which calls the same `start()` from its runner or from the
+bootstrap `sitecustomize`. By hand:
+
+    import memtui_agent
+    with memtui_agent.monitor(record="run.memtui"):
+        train()
+
+torch is imported only inside `start()`. Whatever goes wrong inside the agent is reported once on
+stderr and in the stream, and the failing part turns itself off; the job is never interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_lock = threading.Lock()
+_agent: Any = None
+_fork_hook_installed = False
+
+
+def start(
+    record: str | os.PathLike[str] | None = None,
+    *,
+    socket: bool = True,
+    argv: list[str] | None = None,
+    budget: int | None = None,
+) -> Any:
+    """Start monitoring this process (idempotent: a second call returns the running agent).
+
+    Args:
+        record: recording path; None records nothing.
+        socket: serve frames to live viewers on a private Unix socket.
+        argv: the command line shown to viewers (defaults to `sys.argv`).
+        budget: memory budget in bytes, carried in the hello for viewers and reports.
+
+    Returns:
+        The running `Agent`, or None if it could not start (the reason is printed once).
+    """
+    global _agent, _fork_hook_installed
+    with _lock:
+        if _agent is not None and _agent.pid == os.getpid():
+            return _agent
+        try:
+            from memtui_agent.agent import Agent
+
+            agent = Agent(
+                record=Path(record) if record is not None else None,
+                serve=socket,
+                argv=list(argv) if argv is not None else list(sys.argv),
+                budget=budget,
+            )
+            agent.start()
+        except Exception as exc:
+            print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return None
+        _agent = agent
+        if not _fork_hook_installed:
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _fork_hook_installed = True
+        return agent
+
+
+def stop(exit_code: int | None = 0, error: BaseException | None = None) -> None:
+    """Record how the job ended, flush the recording and remove every hook."""
+    global _agent
+    with _lock:
+        agent, _agent = _agent, None
+    if agent is not None and agent.pid == os.getpid():
+        agent.finish(exit_code=exit_code, error=error)
+
+
+def current() -> Any:
+    """The agent running in this process, if any."""
+    agent = _agent
+    return agent if agent is not None and agent.pid == os.getpid() else None
+
+
+def watch(model: Any = None, optimizer: Any = None) -> None:
+    """Tell the agent about a model and an optimizer before they first run (optional).
+
+    Global hooks find both on their own; watching early makes the weights visible before the
+    first forward and makes `optimizer` the one whose `step()` closes steps.
+    """
+    agent = current()
+    if agent is not None:
+        agent.watch(model, optimizer)
+
+
+@contextlib.contextmanager
+def monitor(
+    record: str | os.PathLike[str] | None = None, *, socket: bool = True, budget: int | None = None
+) -> Iterator[Any]:
+    """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
+    agent = start(record, socket=socket, budget=budget)
+    try:
+        yield agent
+    except BaseException as exc:
+        stop(exit_code=_exit_code_of(exc), error=exc)
+        raise
+    else:
+        stop(exit_code=0)
+
+
+def _exit_code_of(exc: BaseException) -> int | None:
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0
+        return code if isinstance(code, int) else 1
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 1
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) must not feed or write the parent's recording."""
+    agent = _agent
+    if agent is not None:
+        agent.disable_in_fork_child()

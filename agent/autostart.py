@@ -1,0 +1,149 @@
+"""Start the agent when the job imports torch, configured from the environment `memtui run` sets.
+
+Starting at the import of torch, not before, keeps the job's own start-up intact: scripts often set
+`OMP_NUM_THREADS` or allocator options before importing torch, and importing it for them would
+silently change those. A post-import hook on `sys.meta_path` wraps torch's loader once, calls
+`start()` after torch's module has executed, and restores the original loader on the module.
+
+Environment (all optional): MEMTUI_RECORD (path; empty for none), MEMTUI_SOCKET ("0" disables),
+MEMTUI_BUDGET (bytes), MEMTUI_ARGV (JSON list shown to viewers). MEMTUI_AGENT_OWNER is set by the
+first process that starts an agent, so its children (spawned DataLoader workers) do not start
+duplicates.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
+
+
+def config_from_environment() -> dict[str, Any]:
+    """`start()` keyword arguments from the variables `memtui run` sets."""
+    record = os.environ.get("MEMTUI_RECORD") or None
+    argv = None
+    if os.environ.get("MEMTUI_ARGV"):
+        try:
+            argv = [str(item) for item in json.loads(os.environ["MEMTUI_ARGV"])]
+        except (ValueError, TypeError):
+            argv = None
+    budget = None
+    if os.environ.get("MEMTUI_BUDGET"):
+        try:
+            budget = int(os.environ["MEMTUI_BUDGET"])
+        except ValueError:
+            budget = None
+    return {
+        "record": record,
+        "socket": os.environ.get("MEMTUI_SOCKET", "1") != "0",
+        "argv": argv,
+        "budget": budget,
+    }
+
+
+class _LoaderProxy:
+    """Delegates to torch's loader and runs a callback after torch's module has executed."""
+
+    def __init__(self, loader: Any, callback: Callable[[], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._callback()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _TorchImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps torch's spec so that `callback` runs once torch is loaded."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._busy = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch" or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        _remove_watcher(self)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _LoaderProxy(spec.loader, self._callback)
+        return spec
+
+
+def _remove_watcher(watcher: Any) -> None:
+    try:
+        sys.meta_path.remove(watcher)
+    except ValueError:
+        pass
+
+
+def when_torch_imported(callback: Callable[[], None]) -> None:
+    """Run `callback` right after torch is imported (at once if it already is)."""
+    if "torch" in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _TorchImportWatcher(callback))
+
+
+def arm_from_environment(install_exit_handlers: bool) -> bool:
+    """Arm the agent for this process; False when another process already owns monitoring.
+
+    Args:
+        install_exit_handlers: record uncaught exceptions (via `sys.excepthook`) and the end of
+            the process (via `atexit`). The runner, which sees exceptions itself, passes False.
+    """
+    owner = os.environ.get(OWNER_VARIABLE)
+    if owner and owner != str(os.getpid()):
+        return False
+    config = config_from_environment()
+
+    def start_agent() -> None:
+        from memtui_agent import api
+
+        try:
+            if api.start(**config) is not None:
+                os.environ[OWNER_VARIABLE] = str(os.getpid())
+        except Exception as exc:  # never into the user's import of torch
+            print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    when_torch_imported(start_agent)
+    if install_exit_handlers:
+        _install_exit_handlers()
+    return True
+
+
+def _install_exit_handlers() -> None:
+    from memtui_agent import api
+
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        try:
+            api.stop(exit_code=1, error=error)
+        except Exception:
+            pass
+        previous(kind, error, traceback)
+
+    sys.excepthook = excepthook
+    atexit.register(lambda: api.stop(exit_code=None))

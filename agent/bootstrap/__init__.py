@@ -1,0 +1,1 @@
+"""Folder put first on the job's PYTHONPATH by `memtui run -- COMMAND`; holds only sitecustomize."""

@@ -1,0 +1,1 @@
+"""Bundled demo training jobs."""

@@ -1,0 +1,259 @@
+"""Incremental pile counters over unique storages.
+
+Every tensor the hooks see is reduced to its storages, keyed by `(device index, data_ptr)`, and
+each storage is counted once with `nbytes()`, so tied weights, views and flat buffers never count
+twice (DESIGN.md, "Memory piles"). A storage can belong to several piles at once (a weight packed
+by autograd as `weight.t()`); it is counted in the first of weights, gradients, optimizer state,
+activations that claims it.
+
+Updates are O(1) per hook event. Membership in weights, gradients and optimizer state lasts until
+the next `sync()` of that pile or until the storage is freed (a weakref callback on the storage,
+as PyTorch's mem_tracker does); activation membership lasts while any autograd pack wrapper holds
+the storage. Callbacks can fire on autograd worker threads, hence the lock.
+
+Known limitations:
+    - Tensor subclasses whose storage is not reachable through `untyped_storage()` (wrapper
+      subclasses, some quantized types) are skipped rather than guessed.
+    - Storages packed inside `checkpoint(use_reentrant=False)` regions are packed by the
+      checkpoint's own hooks, not ours, so recomputed activations are not counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from memtui_agent.schema import PILES, DtypeStat, ModuleBytes, Piles
+
+WEIGHTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS = range(4)
+_ALL_BITS = (1, 2, 4, 8)
+NO_MODULE = -1
+"""Module id for activations packed outside any module's forward (e.g. the loss function)."""
+
+Key = tuple[int, int]
+StorageInfo = tuple[Key, int, str, Any]
+"""(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
+
+_dtype_names: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """`torch.float32` -> `"float32"`, cached because it runs on every pack."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def storages_of(tensor: Any) -> list[StorageInfo]:
+    """The storages a tensor keeps alive: one for strided tensors, several for sparse ones.
+
+    Meta tensors own no memory and give an empty list, as do empty storages.
+    """
+    if tensor.is_meta:
+        return []
+    layout = tensor.layout
+    if layout is torch.strided:
+        parts = [tensor]
+    elif layout is torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+    elif layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        parts = [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    elif layout is torch.sparse_csc or layout is torch.sparse_bsc:
+        parts = [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    else:
+        parts = [tensor]
+    found = []
+    for part in parts:
+        storage = part.untyped_storage()
+        nbytes = storage.nbytes()
+        pointer = storage.data_ptr()
+        if nbytes == 0 or pointer == 0:
+            continue
+        found.append(((part.get_device(), pointer), nbytes, dtype_name(part.dtype), storage))
+    return found
+
+
+class _Entry:
+    """One unique storage and the piles that claim it."""
+
+    __slots__ = ("act_refs", "dtype", "mask", "module", "nbytes", "pile", "ref")
+
+    def __init__(self, nbytes: int, dtype: str) -> None:
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.mask = 0
+        self.pile = -1
+        self.act_refs = 0
+        self.module = NO_MODULE
+        self.ref: weakref.ref[Any] | None = None
+
+
+class Ledger:
+    """The four piles, their per-step high-water marks and their dtype inventories."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[Key, _Entry] = {}
+        self._members: list[set[Key]] = [set(), set(), set()]
+        self.piles = [0, 0, 0, 0]
+        self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
+        self._module_live: dict[int, int] = {}
+        self.reset_step()
+
+    # ----- step window ---------------------------------------------------------------------
+
+    def reset_step(self) -> None:
+        """Start a new step window: high-water marks restart from the current state."""
+        with self._lock:
+            self.max = list(self.piles)
+            self.peak = list(self.piles)
+            self.peak_total = sum(self.piles)
+            self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            self._module_max = dict(self._module_live)
+
+    def snapshot(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
+        """(current, max, peak, dtypes) for the step that is closing."""
+        with self._lock:
+            dtypes = {PILES[pile]: self._dtype_snapshot(pile) for pile in range(3)}
+            dtypes[PILES[ACTIVATIONS]] = dict(self._act_dtypes_at_max)
+            return Piles(*self.piles), Piles(*self.max), Piles(*self.peak), dtypes
+
+    def current(self) -> Piles:
+        """The piles now."""
+        return Piles(*self.piles)
+
+    def top_modules(self, limit: int) -> list[ModuleBytes]:
+        """Modules with the most saved-activation bytes live at once during the step."""
+        with self._lock:
+            ranked = sorted(self._module_max.items(), key=lambda item: item[1], reverse=True)
+        return [ModuleBytes(module, size) for module, size in ranked[:limit] if size > 0]
+
+    def _dtype_snapshot(self, pile: int) -> dict[str, DtypeStat]:
+        return {name: DtypeStat(size, count) for name, (size, count) in self._dtypes[pile].items()}
+
+    # ----- membership ----------------------------------------------------------------------
+
+    def sync(self, pile: int, tensors: Iterable[Any]) -> None:
+        """Make `pile` exactly the storages of `tensors` (weights or optimizer state or grads).
+
+        Called once per step close; it catches reassigned buffers, `p.data = ...`, state loaded
+        from a checkpoint and anything else no hook reports.
+        """
+        found: dict[Key, StorageInfo] = {}
+        for tensor in tensors:
+            for info in storages_of(tensor):
+                found[info[0]] = info
+        with self._lock:
+            members = self._members[pile]
+            for key in members - found.keys():
+                self._clear_bit(key, pile)
+            for key, info in found.items():
+                if key not in members:
+                    self._claim(info, pile)
+
+    def add(self, pile: int, tensor: Any) -> None:
+        """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""
+        infos = storages_of(tensor)
+        with self._lock:
+            for info in infos:
+                if info[0] not in self._members[pile]:
+                    self._claim(info, pile)
+
+    def _claim(self, info: StorageInfo, pile: int) -> None:
+        key, nbytes, dtype, storage = info
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(nbytes, dtype)
+        if entry.ref is None:
+            entry.ref = weakref.ref(storage, self._make_free_callback(key))
+        self._members[pile].add(key)
+        self._set_mask(key, entry, entry.mask | _ALL_BITS[pile])
+
+    def _clear_bit(self, key: Key, pile: int) -> None:
+        self._members[pile].discard(key)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._set_mask(key, entry, entry.mask & ~_ALL_BITS[pile])
+
+    def _make_free_callback(self, key: Key) -> Any:
+        def freed(ref: weakref.ref[Any]) -> None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is None or entry.ref is not ref:
+                    return
+                for members in self._members:
+                    members.discard(key)
+                self._set_mask(key, entry, 0)
+
+        return freed
+
+    # ----- activations ---------------------------------------------------------------------
+
+    def acquire_activation(self, info: StorageInfo, module: int) -> None:
+        """A pack hook saved a tensor on this storage."""
+        key, nbytes, dtype, _storage = info
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry(nbytes, dtype)
+            entry.act_refs += 1
+            if entry.act_refs == 1:
+                entry.module = module
+                self._set_mask(key, entry, entry.mask | 8)
+
+    def release_activation(self, key: Key) -> None:
+        """A pack wrapper was freed (its graph was released)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.act_refs == 0:
+                return
+            entry.act_refs -= 1
+            if entry.act_refs == 0:
+                self._set_mask(key, entry, entry.mask & ~8)
+
+    # ----- the one place where bytes move --------------------------------------------------
+
+    def _set_mask(self, key: Key, entry: _Entry, mask: int) -> None:
+        entry.mask = mask
+        pile = (mask & -mask).bit_length() - 1 if mask else -1
+        old = entry.pile
+        if pile == old:
+            return
+        nbytes = entry.nbytes
+        if old >= 0:
+            self._account(old, entry, -nbytes)
+        entry.pile = pile
+        if pile >= 0:
+            self._account(pile, entry, nbytes)
+        else:
+            del self._entries[key]
+
+    def _account(self, pile: int, entry: _Entry, delta: int) -> None:
+        piles = self.piles
+        piles[pile] += delta
+        stat = self._dtypes[pile].get(entry.dtype)
+        if stat is None:
+            stat = self._dtypes[pile][entry.dtype] = [0, 0]
+        stat[0] += delta
+        stat[1] += 1 if delta > 0 else -1
+        if stat[1] == 0:
+            del self._dtypes[pile][entry.dtype]
+        if pile == ACTIVATIONS:
+            live = self._module_live.get(entry.module, 0) + delta
+            self._module_live[entry.module] = live
+            if live > self._module_max.get(entry.module, 0):
+                self._module_max[entry.module] = live
+        if delta > 0:
+            if piles[pile] > self.max[pile]:
+                self.max[pile] = piles[pile]
+                if pile == ACTIVATIONS:
+                    self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            total = piles[0] + piles[1] + piles[2] + piles[3]
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak = list(piles)

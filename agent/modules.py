@@ -1,0 +1,119 @@
+"""Which modules and optimizers the job uses, and their names, found without user code.
+
+A module seen by the global forward pre-hook that is not inside an already known tree becomes a
+root: its qualified names are computed once (as PyTorch's mod_tracker does) and sent once as a
+`Names` message; afterwards hooks refer to modules by integer id. Lookups are keyed by `id()` and
+confirmed through a weakref, so a freed module whose id is reused is never confused with a new one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from memtui_agent import schema
+
+
+class ModuleRegistry:
+    """Roots, module ids and parameter names for everything the job has run."""
+
+    def __init__(self, publish: Callable[[schema.Names], None]) -> None:
+        self._publish = publish
+        self._by_id: dict[int, tuple[weakref.ref[Any], int, bool]] = {}
+        self._names: list[str] = []
+        self.roots: list[weakref.ref[Any]] = []
+        self.optimizers: list[weakref.ref[Any]] = []
+        self.param_names: dict[int, str] = {}
+        self.generation = 0
+        """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
+
+    def lookup(self, module: Any) -> tuple[int, bool]:
+        """(name id, has parameters) of a module, registering its tree if it is new."""
+        known = self._by_id.get(id(module))
+        if known is not None and known[0]() is module:
+            return known[1], known[2]
+        self._add_root(module)
+        known = self._by_id[id(module)]
+        return known[1], known[2]
+
+    def name(self, module_id: int) -> str:
+        """The qualified name behind an id."""
+        return self._names[module_id] if 0 <= module_id < len(self._names) else "<no module>"
+
+    def _add_root(self, root: Any) -> None:
+        first_id = len(self._names)
+        root_name = type(root).__name__
+        new_names = []
+        for qualified, module in root.named_modules():
+            name = qualified or root_name
+            has_params = next(module.parameters(recurse=True), None) is not None
+            self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names), has_params)
+            new_names.append(name)
+        for qualified, parameter in root.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(parameter), qualified)
+        self._names.extend(new_names)
+        self.roots.append(weakref.ref(root))
+        self.generation += 1
+        if new_names:
+            self._publish(schema.Names(kind="module", first_id=first_id, names=new_names))
+
+    def add_optimizer(self, optimizer: Any) -> bool:
+        """Remember an optimizer; True the first time it is seen."""
+        if any(ref() is optimizer for ref in self.optimizers):
+            return False
+        self.optimizers.append(weakref.ref(optimizer))
+        self.generation += 1
+        return True
+
+    def live_roots(self) -> Iterator[Any]:
+        """Roots still alive; dead ones are dropped so their memory no longer counts."""
+        alive = [ref for ref in self.roots if ref() is not None]
+        self.roots = alive
+        for ref in alive:
+            root = ref()
+            if root is not None:
+                yield root
+
+    def live_optimizers(self) -> Iterator[Any]:
+        """Optimizers still alive."""
+        self.optimizers = [ref for ref in self.optimizers if ref() is not None]
+        for ref in self.optimizers:
+            optimizer = ref()
+            if optimizer is not None:
+                yield optimizer
+
+    def weight_tensors(self) -> Iterator[Any]:
+        """Parameters and buffers of every root, plus optimizer parameters outside any root."""
+        for root in self.live_roots():
+            yield from root.parameters()
+            yield from root.buffers()
+        for optimizer in self.live_optimizers():
+            for group in optimizer.param_groups:
+                yield from group["params"]
+
+    def parameters(self) -> Iterator[Any]:
+        """Every known parameter (duplicates possible; callers dedupe by storage)."""
+        for root in self.live_roots():
+            yield from root.parameters()
+        for optimizer in self.live_optimizers():
+            for group in optimizer.param_groups:
+                yield from group["params"]
+
+    def optimizer_state_tensors(self) -> Iterator[Any]:
+        """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
+        for optimizer in self.live_optimizers():
+            for state in list(optimizer.state.values()):
+                if not isinstance(state, dict):
+                    continue
+                for value in list(state.values()):
+                    if _is_tensor(value):
+                        yield value
+                    elif isinstance(value, (list, tuple)):
+                        yield from (item for item in value if _is_tensor(item))
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)

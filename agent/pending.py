@@ -1,0 +1,85 @@
+"""A closed step waiting for the values that must not be read on the training thread.
+
+The loss and the GradScaler scale are device tensors: turning them into floats syncs the device,
+so the emitter thread does it. Process RSS (about 20 us through psutil) is read there too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from memtui_agent import schema
+
+_process: Any = None
+
+
+def process_rss() -> int:
+    """Resident set size of this process, through a cached psutil handle."""
+    global _process
+    if _process is None:
+        import psutil
+
+        _process = psutil.Process()
+    return int(_process.memory_info().rss)
+
+
+def host_now() -> schema.Host:
+    """Process RSS and the machine's memory."""
+    import psutil
+
+    system = psutil.virtual_memory()
+    return schema.Host(rss=process_rss(), system_total=system.total, system_used=system.used)
+
+
+@dataclass
+class PendingStep:
+    """Everything `close_step` captured on the training thread."""
+
+    step: int
+    t_start: float
+    t_end: float
+    end: schema.Piles
+    high: schema.Piles
+    peak: schema.Piles
+    dtypes: dict[str, dict[str, schema.DtypeStat]]
+    microbatches: int
+    skipped: bool
+    losses: list[Any]
+    scale: Any
+    alerts: list[schema.Alert]
+    top: list[schema.ModuleBytes]
+    allocator: schema.Allocator
+    dropped: int = 0
+    extra_alerts: list[schema.Alert] = field(default_factory=list)
+
+    def finalize(self) -> schema.Step:
+        """The `Step` message, with loss and scale resolved to floats."""
+        loss = None
+        if self.losses:
+            loss = float(sum(float(value.item()) for value in self.losses))
+        scale = float(self.scale.item()) if self.scale is not None else None
+        alerts = self.alerts + self.extra_alerts
+        if loss is not None and not math.isfinite(loss):
+            alerts.append(
+                schema.Alert(kind="nonfinite_loss", message=f"the loss is {loss} at this step")
+            )
+        return schema.Step(
+            step=self.step,
+            t_start=self.t_start,
+            t_end=self.t_end,
+            end=self.end,
+            max=self.high,
+            peak=self.peak,
+            microbatches=self.microbatches,
+            skipped=self.skipped,
+            dtypes=self.dtypes,
+            allocator=self.allocator,
+            host=host_now(),
+            loss=loss,
+            scale=scale,
+            alerts=alerts,
+            top_activations=self.top,
+            dropped=self.dropped,
+        )

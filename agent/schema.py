@@ -1,0 +1,197 @@
+"""Every message the agent emits, shared by the agent and the viewer.
+
+This module is the single source of truth for the wire and the recording: a recording is the
+preamble followed by exactly the messages a socket viewer receives, so live and replay feed the
+same model. It depends only on the standard library and msgspec, because it is imported both
+inside the training process (where torch is present) and by `memtui replay`/`report` (where torch
+may not be installed).
+
+Compatibility rules: new fields get defaults and go last; a change that an older reader cannot
+ignore bumps `FORMAT_VERSION`, which readers check before decoding anything else.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import msgspec
+
+FORMAT_VERSION = 1
+"""Version of the framing and of the message set below."""
+
+PILES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
+"""The tracked piles, in display order. `other` is derived from the allocator, never tracked."""
+
+
+class Pile(str, Enum):
+    """The tracked memory piles (DESIGN.md, "Memory piles: definitions")."""
+
+    WEIGHTS = "weights"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+
+
+class Phase(str, Enum):
+    """Where the training loop was when something happened."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    BETWEEN = "between steps"
+
+
+class Piles(msgspec.Struct, array_like=True, frozen=True):
+    """Bytes in each tracked pile, sent as a 4-element array to keep frames small."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of the four tracked piles."""
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        """The piles keyed by their report names."""
+        return {name: getattr(self, name) for name in PILES}
+
+
+class DtypeStat(msgspec.Struct, array_like=True, frozen=True):
+    """Bytes and number of unique storages of one dtype within one pile."""
+
+    bytes: int
+    count: int
+
+
+class Allocator(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Device-side counters; every field is None where the counter does not exist (CPU)."""
+
+    allocated: int | None = None
+    reserved: int | None = None
+    peak_allocated: int | None = None
+    process_gpu: int | None = None
+    device_used: int | None = None
+    device_total: int | None = None
+
+
+class Host(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Host memory of the training process and of the machine."""
+
+    rss: int = 0
+    system_total: int | None = None
+    system_used: int | None = None
+
+
+class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Something the user should act on. `kind` is one of DESIGN.md's alert kinds."""
+
+    kind: str
+    message: str
+    where: str | None = None
+
+
+class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
+    """Saved-activation bytes attributed to one module (by id from a `Names` message)."""
+
+    module: int
+    bytes: int
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
+    """First message of every stream and recording: who the job is."""
+
+    format_version: int
+    agent_version: str
+    pid: int
+    argv: list[str]
+    started: str
+    started_unix: float
+    torch: str = ""
+    device: str = "cpu"
+    python: str = ""
+    hostname: str = ""
+    cwd: str = ""
+    recording: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    budget: int | None = None
+    process_create_time: float | None = None
+
+
+class Names(msgspec.Struct, tag="names", frozen=True):
+    """Names sent once and referenced by id afterwards (`first_id` + position)."""
+
+    kind: str
+    first_id: int
+    names: list[str]
+
+
+class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
+    """One closed optimizer step (or one GradScaler-skipped update).
+
+    `end` is taken when the step closes; `max` is each pile's high-water mark during the step;
+    `peak` is the pile composition at the moment the tracked total was highest. `dtypes` is the
+    inventory at close for weights, gradients and optimizer state, and at the pile's high-water
+    mark for activations (which are normally freed by the time the step closes).
+    """
+
+    step: int
+    t_start: float
+    t_end: float
+    end: Piles
+    max: Piles
+    peak: Piles
+    microbatches: int = 0
+    skipped: bool = False
+    dtypes: dict[str, dict[str, DtypeStat]] = {}
+    allocator: Allocator = Allocator()
+    host: Host = Host()
+    loss: float | None = None
+    scale: float | None = None
+    alerts: list[Alert] = []
+    top_activations: list[ModuleBytes] = []
+    dropped: int = 0
+
+
+class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
+    """Live piles between step closes, at most about once a second.
+
+    Jobs without an optimizer (inference, evaluation) and very long steps still show progress.
+    """
+
+    time: float
+    piles: Piles
+    phase: str = Phase.BETWEEN.value
+    step: int = 0
+    host: Host = Host()
+
+
+class AgentError(msgspec.Struct, tag="agent_error", frozen=True):
+    """A part of the agent failed and disabled itself; the job goes on."""
+
+    time: float
+    component: str
+    message: str
+
+
+class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
+    """Last message: how the job ended. Its absence means the process was killed."""
+
+    time: float
+    status: str
+    code: int | None = None
+    error_type: str | None = None
+    error: str | None = None
+    step: int | None = None
+    phase: str | None = None
+    oom: bool = False
+    piles: Piles | None = None
+    alerts: list[Alert] = []
+
+
+Message = Hello | Names | Step | Tick | AgentError | End
+"""Every message type, as a tagged union decoded by `wire`."""

@@ -1,0 +1,416 @@
+"""The hooks: they feed the ledger, follow the training phase and close steps.
+
+Installed globally so that any script is instrumented without code changes: module forward
+pre/post hooks, optimizer step pre/post hooks, saved-tensor default hooks on the thread that
+starts the agent, post-accumulate-grad hooks on every discovered parameter, and thin wrappers
+around `torch.autograd.backward` (to see the loss) and `GradScaler.step`/`scale` (to notice a
+skipped update, which fires no optimizer hook). Every handle is kept and removed by `remove()`.
+
+Each hook does constant-time work inside a `try`: an exception disables that hook, is reported
+once, and never reaches the training code.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from memtui_agent import schema
+from memtui_agent.allocator import read_allocator
+from memtui_agent.ledger import (
+    ACTIVATIONS,
+    GRADIENTS,
+    NO_MODULE,
+    OPTIMIZER_STATE,
+    WEIGHTS,
+    Ledger,
+    storages_of,
+)
+from memtui_agent.modules import ModuleRegistry
+from memtui_agent.pending import PendingStep
+
+MAX_LOSSES_PER_STEP = 256
+TOP_MODULES = 10
+
+
+class _Saved:
+    """What autograd holds instead of a saved tensor while our pack hook is active.
+
+    It holds `tensor.detach()`, never the tensor itself: ops that save their own output would
+    otherwise form a reference cycle through the graph and the wrapper would never be freed.
+    """
+
+    __slots__ = ("__weakref__", "keys", "ledger", "tensor")
+
+    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger) -> None:
+        self.tensor = tensor
+        self.keys = keys
+        self.ledger = ledger
+
+    def __del__(self) -> None:
+        try:
+            for key in self.keys:
+                self.ledger.release_activation(key)
+        except Exception:
+            pass
+
+
+def _unpack(saved: Any) -> Any:
+    return saved.tensor if type(saved) is _Saved else saved
+
+
+class Tracker:
+    """Hook state for one process: phase, module stack, current step, pending losses."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        emit: Callable[[Any], None],
+        fail: Callable[[str, BaseException], None],
+    ) -> None:
+        self.ledger = ledger
+        self._emit = emit
+        self._fail = fail
+        self.registry = ModuleRegistry(emit)
+        self.closed_steps = 0
+        self.microbatches = 0
+        self.step_started = time.time()
+        self._stack: list[int] = []
+        self._in_backward = 0
+        self._in_optimizer = False
+        self._primary: Any = None
+        self._primary_posts = 0
+        self._losses: list[Any] = []
+        self._scaled_loss: tuple[int, Any] | None = None
+        self._scale: Any = None
+        self._grad_hooked: dict[int, Any] = {}
+        self._handles: list[Any] = []
+        self._restore: list[tuple[Any, str, Any]] = []
+        self._hooks_pushed = False
+        self._synced_generation = 0
+        self.enabled = {"modules": True, "pack": True, "grads": True, "steps": True, "loss": True}
+        self.error_context: tuple[BaseException, str, str | None] | None = None
+        self.pending_alerts: list[schema.Alert] = []
+
+    # ----- install / remove -----------------------------------------------------------------
+
+    def install(self) -> None:
+        """Register every global hook; call on the thread that runs the forward."""
+        module_mod = torch.nn.modules.module
+        self._handles.append(module_mod.register_module_forward_pre_hook(self._module_pre))
+        self._handles.append(
+            module_mod.register_module_forward_hook(self._module_post, always_call=True)
+        )
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+        self._hooks_pushed = True
+        self._wrap(torch.autograd, "backward", self._wrap_backward)
+        scaler_cls = torch.amp.grad_scaler.GradScaler
+        self._wrap(scaler_cls, "step", self._wrap_scaler_step)
+        self._wrap(scaler_cls, "scale", self._wrap_scaler_scale)
+
+    def remove(self) -> None:
+        """Undo `install()` and drop per-parameter hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for handle in self._grad_hooked.values():
+            handle.remove()
+        self._grad_hooked.clear()
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+        self._restore.clear()
+        if self._hooks_pushed:
+            try:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            except RuntimeError:
+                pass
+            self._hooks_pushed = False
+
+    def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        wrapper = make(original)
+        wrapper.__wrapped__ = original
+        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
+            try:
+                setattr(wrapper, attribute, getattr(original, attribute))
+            except (AttributeError, TypeError):
+                pass
+        setattr(owner, name, wrapper)
+        self._restore.append((owner, name, original))
+
+    # ----- phase -----------------------------------------------------------------------------
+
+    def phase(self) -> str:
+        """The training phase right now."""
+        if self._in_optimizer:
+            return schema.Phase.OPTIMIZER.value
+        if self._in_backward:
+            return schema.Phase.BACKWARD.value
+        if self._stack:
+            return schema.Phase.FORWARD.value
+        return schema.Phase.BETWEEN.value
+
+    def _note_error(self, phase: str, where: str | None) -> None:
+        """Remember where the exception now propagating started (first sighting wins)."""
+        error = sys.exc_info()[1]
+        if error is not None and (self.error_context is None or self.error_context[0] is not error):
+            if self.error_context is None or not _chained(error, self.error_context[0]):
+                self.error_context = (error, phase, where)
+
+    # ----- module hooks ----------------------------------------------------------------------
+
+    def _module_pre(self, module: Any, args: Any) -> None:
+        if not self.enabled["modules"]:
+            return
+        try:
+            module_id, has_params = self.registry.lookup(module)
+            if self.registry.generation != self._synced_generation:
+                self._on_new_objects()
+            if not self._stack:
+                self._in_optimizer = False
+                if has_params and torch.is_grad_enabled():
+                    self.microbatches += 1
+            self._stack.append(module_id)
+        except Exception as exc:
+            self._disable("modules", exc)
+
+    def _module_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self.enabled["modules"]:
+            return
+        try:
+            if sys.exc_info()[1] is not None and self._stack:
+                self._note_error(schema.Phase.FORWARD.value, self.registry.name(self._stack[-1]))
+            if self._stack:
+                self._stack.pop()
+        except Exception as exc:
+            self._disable("modules", exc)
+
+    # ----- saved tensors -----------------------------------------------------------------------
+
+    def _pack(self, tensor: Any) -> Any:
+        if not self.enabled["pack"]:
+            return tensor
+        try:
+            infos = storages_of(tensor)
+            module = self._stack[-1] if self._stack else NO_MODULE
+            saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
+            for info in infos:
+                self.ledger.acquire_activation(info, module)
+            return saved
+        except Exception as exc:
+            self._disable("pack", exc)
+            return tensor
+
+    # ----- gradients ---------------------------------------------------------------------------
+
+    def _hook_new_parameters(self) -> None:
+        for parameter in self.registry.parameters():
+            if id(parameter) in self._grad_hooked or not parameter.requires_grad:
+                continue
+            if not parameter.is_leaf:
+                continue
+            handle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
+            self._grad_hooked[id(parameter)] = handle
+
+    def _grad_ready(self, parameter: Any) -> None:
+        if not self.enabled["grads"]:
+            return
+        try:
+            grad = parameter.grad
+            if grad is not None:
+                self.ledger.add(GRADIENTS, grad)
+        except Exception as exc:
+            self._disable("grads", exc)
+
+    # ----- backward and loss -------------------------------------------------------------------
+
+    def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            outermost = self._in_backward == 0
+            if outermost:
+                self._record_loss(tensors)
+                self._stack.clear()
+                self._in_optimizer = False
+            self._in_backward += 1
+            try:
+                return original(tensors, *args, **kwargs)
+            except BaseException:
+                self._note_error(schema.Phase.BACKWARD.value, None)
+                raise
+            finally:
+                self._in_backward -= 1
+
+        return backward
+
+    def _record_loss(self, tensors: Any) -> None:
+        if not self.enabled["loss"]:
+            return
+        try:
+            if not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+                return
+            if len(self._losses) >= MAX_LOSSES_PER_STEP:
+                return
+            scaled = self._scaled_loss
+            if scaled is not None and scaled[0] == id(tensors):
+                self._losses.append(scaled[1])
+            else:
+                self._losses.append(tensors.detach())
+        except Exception as exc:
+            self._disable("loss", exc)
+
+    def _wrap_scaler_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def scale(scaler: Any, outputs: Any) -> Any:
+            result = original(scaler, outputs)
+            try:
+                if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                    self._scaled_loss = (id(result), outputs.detach())
+            except Exception:
+                pass
+            return result
+
+        return scale
+
+    def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            posts_before = self._primary_posts
+            result = original(scaler, optimizer, *args, **kwargs)
+            try:
+                if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+                    self._scale = scaler._scale.detach().clone()
+                primary = self._primary is None or self._primary is optimizer
+                if primary and self._primary_posts == posts_before and self.enabled["steps"]:
+                    if self._primary is None:
+                        self._primary = optimizer
+                        self.registry.add_optimizer(optimizer)
+                        self._on_new_objects()
+                    self._in_optimizer = False
+                    self.close_step(skipped=True)
+            except Exception as exc:
+                self._disable("steps", exc)
+            return result
+
+        return step
+
+    # ----- optimizer hooks ---------------------------------------------------------------------
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.enabled["steps"]:
+            return
+        try:
+            self._in_optimizer = True
+            self.registry.add_optimizer(optimizer)
+            if self.registry.generation != self._synced_generation:
+                self._on_new_objects()
+        except Exception as exc:
+            self._disable("steps", exc)
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.enabled["steps"]:
+            return
+        try:
+            self._in_optimizer = False
+            if self._primary is None:
+                self._primary = optimizer
+            if optimizer is self._primary:
+                self._primary_posts += 1
+                self.close_step(skipped=False)
+        except Exception as exc:
+            self._disable("steps", exc)
+
+    def _on_new_objects(self) -> None:
+        """A new model tree or optimizer appeared: count its weights and hook its parameters."""
+        self._synced_generation = self.registry.generation
+        self._hook_new_parameters()
+        self.resync()
+
+    # ----- closing a step ----------------------------------------------------------------------
+
+    def resync(self) -> None:
+        """Recount the persistent piles from the objects themselves (once per step close)."""
+        self.ledger.sync(WEIGHTS, self.registry.weight_tensors())
+        grads = [p.grad for p in self.registry.parameters() if p.grad is not None]
+        self.ledger.sync(GRADIENTS, grads)
+        self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+
+    def close_step(self, skipped: bool) -> None:
+        """Turn the current window into a `Step` and start the next one."""
+        self._synced_generation = self.registry.generation
+        self._hook_new_parameters()
+        self.resync()
+        end, high, peak, dtypes = self.ledger.snapshot()
+        self.closed_steps += 1
+        step = self.closed_steps
+        alerts = list(self.pending_alerts)
+        self.pending_alerts.clear()
+        if skipped:
+            alerts.append(
+                schema.Alert(
+                    kind="skipped_step",
+                    message="GradScaler skipped the optimizer update (non-finite gradients)",
+                )
+            )
+        if step == 1 and end.optimizer_state > 0:
+            alerts.append(
+                schema.Alert(
+                    kind="first_step_growth",
+                    message=f"the first optimizer step allocated {end.optimizer_state} bytes "
+                    "of optimizer state",
+                )
+            )
+        pending = PendingStep(
+            step=step,
+            t_start=self.step_started,
+            t_end=time.time(),
+            end=end,
+            high=high,
+            peak=peak,
+            dtypes=dtypes,
+            microbatches=self.microbatches,
+            skipped=skipped,
+            losses=self._losses,
+            scale=self._scale,
+            alerts=alerts,
+            top=self.ledger.top_modules(TOP_MODULES),
+            allocator=read_allocator(),
+        )
+        self._emit(pending)
+        self._losses = []
+        self._scale = None
+        self.microbatches = 0
+        self.step_started = pending.t_end
+        self.ledger.reset_step()
+
+    def tick(self) -> schema.Tick:
+        """Live piles for the emitter's once-a-second heartbeat."""
+        return schema.Tick(
+            time=time.time(),
+            piles=self.ledger.current(),
+            phase=self.phase(),
+            step=self.closed_steps,
+        )
+
+    def _disable(self, component: str, exc: BaseException) -> None:
+        self.enabled[component] = False
+        self._fail(f"hook:{component}", exc)
+
+
+def _chained(error: BaseException, earlier: BaseException) -> bool:
+    """Whether `earlier` is in `error`'s cause/context chain (the same failure re-raised)."""
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 32:
+        if current is earlier:
+            return True
+        current = current.__cause__ or current.__context__
+        seen += 1
+    return False
