@@ -18,19 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from memtui_agent import schema
+from memtui_agent.failures import first_line, is_oom
 from memtui_agent.runtime_dir import ensure_private_dir, write_sidecar
-
-OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
-
-
-def is_oom(error: BaseException) -> bool:
-    """Whether an exception is an out-of-memory failure, on CUDA or from the CPU allocator."""
-    if type(error).__name__ == "OutOfMemoryError":
-        return True
-    if isinstance(error, (RuntimeError, MemoryError)):
-        text = str(error).lower()
-        return isinstance(error, MemoryError) or any(marker in text for marker in OOM_MARKERS)
-    return False
 
 
 class Agent:
@@ -142,7 +131,9 @@ class Agent:
         except Exception:
             pass
         if self.emitter is not None and component not in ("recording", "emitter"):
-            self.emitter.put(schema.AgentError(time=time.time(), component=component, message=message))
+            self.emitter.put(
+                schema.AgentError(time=time.time(), component=component, message=message)
+            )
 
     # ----- user-facing ------------------------------------------------------------------------
 
@@ -198,15 +189,15 @@ class Agent:
         phase = tracker.phase() if tracker is not None else None
         where = None
         context = tracker.error_context if tracker is not None else None
-        if context is not None and _same_failure(error, context[0]):
-            phase, where = context[1], context[2]
+        if context is not None and context.matches(error):
+            phase, where = context.phase, context.where
         oom = is_oom(error)
         alerts = []
         if oom:
             alerts.append(
                 schema.Alert(
                     kind="oom",
-                    message=f"out of memory in {phase} of step {step}: {_first_line(error)}",
+                    message=f"out of memory in {phase} of step {step}: {first_line(error)}",
                     where=where,
                 )
             )
@@ -215,7 +206,7 @@ class Agent:
             status="error",
             code=exit_code,
             error_type=type(error).__name__,
-            error=_first_line(error),
+            error=first_line(error),
             step=step,
             phase=phase,
             oom=oom,
@@ -230,22 +221,6 @@ class Agent:
             for component in self.tracker.enabled:
                 self.tracker.enabled[component] = False
         self.emitter = None
-
-
-def _same_failure(error: BaseException, noted: BaseException) -> bool:
-    current: BaseException | None = error
-    for _ in range(32):
-        if current is None:
-            return False
-        if current is noted:
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:500] if text else type(error).__name__
 
 
 def _env_int(name: str) -> int | None:
@@ -266,7 +241,7 @@ def _create_time() -> float | None:
 
 
 def _device_description(torch: Any) -> str:
-    """"cuda" or "cpu", without creating a CUDA context (that would change the job)."""
+    """ "cuda" or "cpu", without creating a CUDA context (that would change the job)."""
     try:
         if torch.cuda.is_available():
             return "cuda"

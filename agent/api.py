@@ -111,10 +111,9 @@ def monitor(
 
 def _exit_code_of(exc: BaseException) -> int | None:
     if isinstance(exc, SystemExit):
-        code = exc.code
-        if code is None:
-            return 0
-        return code if isinstance(code, int) else 1
+        from memtui_agent.failures import exit_code_of
+
+        return exit_code_of(exc)
     if isinstance(exc, KeyboardInterrupt):
         return 130
     return 1

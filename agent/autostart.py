@@ -134,16 +134,36 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
 
 
 def _install_exit_handlers() -> None:
-    from memtui_agent import api
+    """Record the end of a process that no runner wraps (`memtui run -- COMMAND`).
 
-    previous = sys.excepthook
+    An uncaught exception reaches `sys.excepthook`. A `SystemExit` never does and atexit cannot
+    see its code, so `sys.exit` is wrapped to remember the requested code (a bare
+    `raise SystemExit(N)` is still recorded as a clean exit: a documented limitation).
+    """
+    from memtui_agent import api
+    from memtui_agent.failures import exit_code_of, without_agent_frames
+
+    previous_hook = sys.excepthook
+    original_exit = sys.exit
+    requested: list[object] = []
 
     def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
         try:
             api.stop(exit_code=1, error=error)
+            traceback = without_agent_frames(traceback)
+            error = error.with_traceback(traceback)
         except Exception:
             pass
-        previous(kind, error, traceback)
+        previous_hook(kind, error, traceback)
+
+    def exit(status: object = None) -> None:
+        requested[:] = [status]
+        original_exit(status)
+
+    def at_exit() -> None:
+        code = exit_code_of(SystemExit(requested[0])) if requested else 0
+        api.stop(exit_code=code, error=SystemExit(code) if code else None)
 
     sys.excepthook = excepthook
-    atexit.register(lambda: api.stop(exit_code=None))
+    sys.exit = exit
+    atexit.register(at_exit)

@@ -52,7 +52,9 @@ def dtype_name(dtype: Any) -> str:
 def storages_of(tensor: Any) -> list[StorageInfo]:
     """The storages a tensor keeps alive: one for strided tensors, several for sparse ones.
 
-    Meta tensors own no memory and give an empty list, as do empty storages.
+    Meta tensors own no memory and give an empty list, as do empty storages. Wrapper subclasses
+    (nested jagged tensors, DTensor, float8 wrappers) have no storage of their own: their inner
+    tensors are followed through `__tensor_flatten__`; anything else unreachable is skipped.
     """
     if tensor.is_meta:
         return []
@@ -67,14 +69,34 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
         parts = [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
     else:
         parts = [tensor]
-    found = []
+    found: list[StorageInfo] = []
     for part in parts:
-        storage = part.untyped_storage()
-        nbytes = storage.nbytes()
-        pointer = storage.data_ptr()
+        try:
+            storage = part.untyped_storage()
+            nbytes = storage.nbytes()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            found.extend(_inner_storages(part))
+            continue
         if nbytes == 0 or pointer == 0:
+            if type(part) is not torch.Tensor and type(part) is not torch.nn.Parameter:
+                found.extend(_inner_storages(part))
             continue
         found.append(((part.get_device(), pointer), nbytes, dtype_name(part.dtype), storage))
+    return found
+
+
+def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
+    """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
+    flatten = getattr(wrapper, "__tensor_flatten__", None)
+    if flatten is None or depth > 4:
+        return []
+    names, _context = flatten()
+    found = []
+    for name in names:
+        inner = getattr(wrapper, name, None)
+        if isinstance(inner, torch.Tensor) and inner is not wrapper:
+            found.extend(storages_of(inner) if depth < 4 else [])
     return found
 
 
@@ -163,6 +185,14 @@ class Ledger:
             for info in infos:
                 if info[0] not in self._members[pile]:
                     self._claim(info, pile)
+
+    def add_if_new(self, pile: int, tensor: Any) -> None:
+        """Like `add`, but a no-op (one dict lookup) for storages already in the pile."""
+        infos = storages_of(tensor)
+        members = self._members[pile]
+        if all(info[0] in members for info in infos):
+            return
+        self.add(pile, tensor)
 
     def _claim(self, info: StorageInfo, pile: int) -> None:
         key, nbytes, dtype, storage = info

@@ -20,7 +20,7 @@ class ModuleRegistry:
 
     def __init__(self, publish: Callable[[schema.Names], None]) -> None:
         self._publish = publish
-        self._by_id: dict[int, tuple[weakref.ref[Any], int, bool]] = {}
+        self._by_id: dict[int, tuple[weakref.ref[Any], int]] = {}
         self._names: list[str] = []
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
@@ -28,14 +28,13 @@ class ModuleRegistry:
         self.generation = 0
         """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
 
-    def lookup(self, module: Any) -> tuple[int, bool]:
-        """(name id, has parameters) of a module, registering its tree if it is new."""
+    def lookup(self, module: Any) -> int:
+        """Name id of a module, registering its tree if it is new."""
         known = self._by_id.get(id(module))
         if known is not None and known[0]() is module:
-            return known[1], known[2]
+            return known[1]
         self._add_root(module)
-        known = self._by_id[id(module)]
-        return known[1], known[2]
+        return self._by_id[id(module)][1]
 
     def name(self, module_id: int) -> str:
         """The qualified name behind an id."""
@@ -47,8 +46,7 @@ class ModuleRegistry:
         new_names = []
         for qualified, module in root.named_modules():
             name = qualified or root_name
-            has_params = next(module.parameters(recurse=True), None) is not None
-            self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names), has_params)
+            self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names))
             new_names.append(name)
         for qualified, parameter in root.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(parameter), qualified)

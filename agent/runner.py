@@ -12,20 +12,9 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from types import TracebackType
 
 from memtui_agent import api, autostart
-
-_OWN_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-
-
-def _trim(traceback: TracebackType | None) -> TracebackType | None:
-    while traceback is not None and (
-        os.path.abspath(traceback.tb_frame.f_code.co_filename) in _OWN_FILES
-        or traceback.tb_frame.f_code.co_filename.startswith("<frozen runpy")
-    ):
-        traceback = traceback.tb_next
-    return traceback
+from memtui_agent.failures import exit_code_of, without_agent_frames
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,18 +36,18 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.argv = [target, *arguments]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            runpy.run_path(os.path.abspath(target), run_name="__main__")
     except SystemExit as exit_request:
-        code = exit_request.code
-        numeric = 0 if code is None else code if isinstance(code, int) else 1
-        api.stop(exit_code=numeric, error=exit_request)
+        api.stop(exit_code=exit_code_of(exit_request), error=exit_request)
         raise
     except KeyboardInterrupt as interrupt:
         api.stop(exit_code=130, error=interrupt)
         raise
     except BaseException as error:
         api.stop(exit_code=1, error=error)
-        sys.excepthook(type(error), error, _trim(error.__traceback__))
+        trimmed = without_agent_frames(error.__traceback__)
+        error = error.with_traceback(trimmed)
+        sys.excepthook(type(error), error, trimmed)
         return 1
     api.stop(exit_code=0)
     return 0

@@ -25,8 +25,8 @@ from torch.optim.optimizer import (
 
 from memtui_agent import schema
 from memtui_agent.allocator import read_allocator
+from memtui_agent.failures import ErrorContext
 from memtui_agent.ledger import (
-    ACTIVATIONS,
     GRADIENTS,
     NO_MODULE,
     OPTIMIZER_STATE,
@@ -36,6 +36,7 @@ from memtui_agent.ledger import (
 )
 from memtui_agent.modules import ModuleRegistry
 from memtui_agent.pending import PendingStep
+from memtui_agent.units import format_bytes
 
 MAX_LOSSES_PER_STEP = 256
 TOP_MODULES = 10
@@ -92,12 +93,13 @@ class Tracker:
         self._scaled_loss: tuple[int, Any] | None = None
         self._scale: Any = None
         self._grad_hooked: dict[int, Any] = {}
+        self._seen_params: set[int] = set()
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._hooks_pushed = False
         self._synced_generation = 0
         self.enabled = {"modules": True, "pack": True, "grads": True, "steps": True, "loss": True}
-        self.error_context: tuple[BaseException, str, str | None] | None = None
+        self.error_context: ErrorContext | None = None
         self.pending_alerts: list[schema.Alert] = []
 
     # ----- install / remove -----------------------------------------------------------------
@@ -161,11 +163,16 @@ class Tracker:
         return schema.Phase.BETWEEN.value
 
     def _note_error(self, phase: str, where: str | None) -> None:
-        """Remember where the exception now propagating started (first sighting wins)."""
+        """Remember where the exception now propagating started (first sighting wins).
+
+        Only the exception's identity is kept, never the object: holding it would pin its
+        traceback, and with it every frame's tensors (checkpointing raises through modules).
+        """
         error = sys.exc_info()[1]
-        if error is not None and (self.error_context is None or self.error_context[0] is not error):
-            if self.error_context is None or not _chained(error, self.error_context[0]):
-                self.error_context = (error, phase, where)
+        noted = self.error_context
+        if error is None or (noted is not None and noted.matches(error)):
+            return
+        self.error_context = ErrorContext.of(error, phase, where)
 
     # ----- module hooks ----------------------------------------------------------------------
 
@@ -173,13 +180,11 @@ class Tracker:
         if not self.enabled["modules"]:
             return
         try:
-            module_id, has_params = self.registry.lookup(module)
+            module_id = self.registry.lookup(module)
             if self.registry.generation != self._synced_generation:
                 self._on_new_objects()
             if not self._stack:
                 self._in_optimizer = False
-                if has_params and torch.is_grad_enabled():
-                    self.microbatches += 1
             self._stack.append(module_id)
         except Exception as exc:
             self._disable("modules", exc)
@@ -188,7 +193,13 @@ class Tracker:
         if not self.enabled["modules"]:
             return
         try:
-            if sys.exc_info()[1] is not None and self._stack:
+            # Hooks run from `_call_impl` itself only when forward raised; on success they run
+            # from its inner function (an outer `except` block also sets sys.exc_info()).
+            if (
+                sys.exc_info()[1] is not None
+                and self._stack
+                and sys._getframe(1).f_code.co_name == "_call_impl"
+            ):
                 self._note_error(schema.Phase.FORWARD.value, self.registry.name(self._stack[-1]))
             if self._stack:
                 self._stack.pop()
@@ -201,6 +212,11 @@ class Tracker:
         if not self.enabled["pack"]:
             return tensor
         try:
+            origin = tensor._base if tensor._is_view() else tensor
+            if isinstance(origin, torch.nn.Parameter) and id(origin) not in self._seen_params:
+                # A parameter no module or optimizer has shown us yet: it is a weight.
+                self._seen_params.add(id(origin))
+                self.ledger.add_if_new(WEIGHTS, origin)
             infos = storages_of(tensor)
             module = self._stack[-1] if self._stack else NO_MODULE
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
@@ -238,6 +254,7 @@ class Tracker:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
             outermost = self._in_backward == 0
             if outermost:
+                self.microbatches += 1
                 self._record_loss(tensors)
                 self._stack.clear()
                 self._in_optimizer = False
@@ -363,7 +380,8 @@ class Tracker:
             alerts.append(
                 schema.Alert(
                     kind="first_step_growth",
-                    message=f"the first optimizer step allocated {end.optimizer_state} bytes "
+                    message="the first optimizer step allocated "
+                    f"{format_bytes(end.optimizer_state)} ({end.optimizer_state:,} bytes) "
                     "of optimizer state",
                 )
             )
@@ -402,15 +420,3 @@ class Tracker:
     def _disable(self, component: str, exc: BaseException) -> None:
         self.enabled[component] = False
         self._fail(f"hook:{component}", exc)
-
-
-def _chained(error: BaseException, earlier: BaseException) -> bool:
-    """Whether `earlier` is in `error`'s cause/context chain (the same failure re-raised)."""
-    seen = 0
-    current: BaseException | None = error
-    while current is not None and seen < 32:
-        if current is earlier:
-            return True
-        current = current.__cause__ or current.__context__
-        seen += 1
-    return False

@@ -26,7 +26,7 @@ def _chain_user_sitecustomize() -> None:
         print(f"memtui: your sitecustomize raised {type(exc).__name__}: {exc}", file=sys.stderr)
     finally:
         sys.modules["sitecustomize"] = ours
-        for position, entry in sorted(zip(positions, removed)):
+        for position, entry in sorted(zip(positions, removed, strict=True)):
             sys.path.insert(position, entry)
 
 

@@ -1,0 +1,59 @@
+"""Byte sizes in and out (shared by agent messages and the viewer).
+
+Accepted: `24GB`, `22.4GiB`, `512MiB`, plain bytes.
+
+The seeds insist on the difference: a GB is 10**9 bytes, a GiB is 2**30, and "16 GB is about
+14.90 GiB" is not a saving. Parsing honours the suffix exactly; formatting uses one system per
+view (binary by default), never both.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+BINARY = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+DECIMAL = (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def parse_size(text: str) -> int:
+    """`"22.4GiB"` -> bytes.
+
+    Raises:
+        ValueError: with a message naming the accepted forms.
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: use bytes or a unit such as 24GB, 22.4GiB, 512MiB"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(value: int | float | None, binary: bool = True, missing: str = "n/a") -> str:
+    """Human size in one unit system: `format_bytes(16e9)` -> `"14.90 GiB"`."""
+    if value is None:
+        return missing
+    sign = "-" if value < 0 else ""
+    magnitude = abs(value)
+    for name, factor in BINARY if binary else DECIMAL:
+        if magnitude >= factor:
+            return f"{sign}{magnitude / factor:.2f} {name}"
+    return f"{sign}{int(magnitude)} B"

@@ -1,0 +1,193 @@
+"""The `memtui` command line: one small function per subcommand.
+
+Nothing heavy is imported at module level, so `memtui report` starts fast and never imports
+torch. Every user error ends as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import NoReturn
+
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 1
+EXIT_PARTIAL = 3
+"""`memtui report` on a damaged recording: the valid prefix was reported, with a warning."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"memtui: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _size(text: str) -> int:
+    from memtui_agent.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All subcommands and their flags."""
+    parser = _Parser(prog="memtui", description="Live memory monitor for PyTorch training.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = commands.add_parser(
+        "run",
+        help="run a training job under the agent",
+        description="Run script.py, -m module, or -- COMMAND with the memtui agent injected.",
+    )
+    run.add_argument("--headless", action="store_true", help="no TUI; print a summary at the end")
+    target = run.add_mutually_exclusive_group()
+    target.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    target.add_argument("--no-record", action="store_true", help="write no recording")
+    run.add_argument("--budget", type=_size, metavar="SIZE", help="memory budget, e.g. 24GB")
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
+    run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
+
+    report = commands.add_parser("report", help="summarise a recording")
+    report.add_argument("path", help="a .memtui recording")
+    report.add_argument("--json", action="store_true", help="print the JSON report")
+    report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
+
+    demo = commands.add_parser("demo", help="run the bundled small training job")
+    demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
+    demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    demo.add_argument("demo_args", nargs="*", help="arguments for the demo job, e.g. --steps 60")
+    return parser
+
+
+RUN_VALUE_FLAGS = {"-o", "--output", "--budget"}
+
+
+def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """Split `run` arguments into memtui's own and the job's.
+
+    The job's part starts at `--`, at the first token that is not a flag (the script), or right
+    after `-m MODULE`; everything from there on belongs to the job, flags included, so
+    `memtui run -m mod --lr 3` passes `--lr 3` to the module.
+    """
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token == "--":
+            return tokens[:index], tokens[index + 1 :]
+        if token in RUN_VALUE_FLAGS:
+            index += 2
+            continue
+        if token == "-m":
+            return tokens[: index + 2], tokens[index + 2 :]
+        if token.startswith("-m") and len(token) > 2:
+            return tokens[: index + 1], tokens[index + 1 :]
+        if not token.startswith("-"):
+            return tokens[:index], tokens[index:]
+        index += 1
+    return tokens, []
+
+
+DEMO_FLAGS = {"--headless", "-h", "--help"}
+DEMO_VALUE_FLAGS = {"-o", "--output"}
+
+
+def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """Split `demo` arguments: memtui's own flags first, anything else goes to the demo job."""
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token == "--":
+            return tokens[:index], tokens[index + 1 :]
+        if token in DEMO_VALUE_FLAGS:
+            index += 2
+        elif token in DEMO_FLAGS:
+            index += 1
+        else:
+            return tokens[:index], tokens[index:]
+    return tokens, []
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`memtui run`: until the TUI lands, every run is headless."""
+    from memtui.run_command import UsageError, build_job, run_headless
+
+    target = list(args.target)
+    try:
+        job = build_job(target, args.module, args.output, args.no_record, args.budget)
+    except UsageError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run_headless(job)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`memtui demo`: the bundled tiny language model, recorded like any other job."""
+    from memtui.run_command import UsageError, build_job, default_recording_name, run_headless
+
+    extra = list(args.demo_args)
+    output = args.output or str(default_recording_name("demo"))
+    try:
+        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, None)
+    except UsageError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run_headless(job)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """`memtui report PATH [--json]`."""
+    from memtui.recording import RecordingError, read_recording
+    from memtui.report import build_report, render_text
+
+    try:
+        recording = read_recording(args.path)
+    except RecordingError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(build_report(recording), indent=2))
+    else:
+        print(render_text(recording, binary=not args.decimal))
+    if recording.warning:
+        print(f"memtui: warning: {args.path}: {recording.warning}", file=sys.stderr)
+        return EXIT_PARTIAL
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `memtui` console script."""
+    parser = build_parser()
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    job_tokens: list[str] | None = None
+    splitters = {"run": split_run_argv, "demo": split_demo_argv}
+    if tokens and tokens[0] in splitters:
+        own, job_tokens = splitters[tokens[0]](tokens[1:])
+        tokens = [tokens[0], *own]
+    args = parser.parse_args(tokens)
+    if job_tokens is not None:
+        setattr(args, "target" if args.command == "run" else "demo_args", job_tokens)
+    if args.version:
+        from memtui import __version__
+
+        print(f"memtui {__version__}")
+        return 0
+    handlers = {"run": cmd_run, "report": cmd_report, "demo": cmd_demo}
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

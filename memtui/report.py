@@ -1,0 +1,192 @@
+"""`memtui report`: the recording as the JSON contract of DESIGN.md, or as a short text summary.
+
+Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the recording is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memtui.recording import Recording
+from memtui_agent.schema import PILES, Step
+from memtui_agent.units import format_bytes
+
+ALLOCATOR_KEYS = (
+    "allocated",
+    "reserved",
+    "peak_allocated",
+    "process_gpu",
+    "device_used",
+    "device_total",
+)
+
+
+def step_report(step: Step, recording: Recording) -> dict[str, Any]:
+    """One entry of `steps` in the report contract (plus a few extra keys)."""
+    return {
+        "step": step.step,
+        "skipped": step.skipped,
+        "microbatches": step.microbatches,
+        "end": step.end.as_dict(),
+        "max": step.max.as_dict(),
+        "peak": {"total": step.peak.total, "piles": step.peak.as_dict()},
+        "dtypes": {
+            pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
+            for pile in PILES
+        },
+        "dtype_tensors": {
+            pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
+            for pile in PILES
+        },
+        "allocator": {key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS},
+        "host": {"rss": step.host.rss},
+        "loss": step.loss,
+        "scale": step.scale,
+        "duration_s": round(step.t_end - step.t_start, 6),
+        "top_activations": [
+            {"module": recording.module_name(item.module), "bytes": item.bytes}
+            for item in step.top_activations
+        ],
+        "alerts": [
+            {"kind": alert.kind, "message": alert.message, "where": alert.where}
+            for alert in step.alerts
+        ],
+    }
+
+
+def exit_report(recording: Recording) -> dict[str, Any]:
+    """How the job ended; a job with no final frame was killed (or is still running)."""
+    end = recording.end
+    if end is not None:
+        return {
+            "status": end.status,
+            "code": end.code,
+            "error": end.error if end.error_type is None else f"{end.error_type}: {end.error}",
+            "step": end.step,
+            "phase": end.phase,
+        }
+    status = recording.status()
+    last_step = recording.steps[-1].step if recording.steps else 0
+    tick = recording.last_tick
+    phase = tick.phase if tick is not None and tick.time >= _last_step_time(recording) else None
+    return {
+        "status": status,
+        "code": None,
+        "error": None if status == "running" else "no final frame: the process was killed",
+        "step": last_step + 1,
+        "phase": phase,
+    }
+
+
+def _last_step_time(recording: Recording) -> float:
+    return recording.steps[-1].t_end if recording.steps else 0.0
+
+
+def all_alerts(recording: Recording) -> list[dict[str, Any]]:
+    """Every alert with its step, in order; the job's fatal alerts (OOM) come last."""
+    alerts = [
+        {"step": step.step, "kind": alert.kind, "message": alert.message, "where": alert.where}
+        for step in recording.steps
+        for alert in step.alerts
+    ]
+    if recording.end is not None:
+        alerts.extend(
+            {
+                "step": recording.end.step,
+                "kind": alert.kind,
+                "message": alert.message,
+                "where": alert.where,
+            }
+            for alert in recording.end.alerts
+        )
+    return alerts
+
+
+def build_report(recording: Recording) -> dict[str, Any]:
+    """The `memtui report --json` document (DESIGN.md contract, extra keys allowed)."""
+    hello = recording.hello
+    return {
+        "format": "memtui-report",
+        "version": 1,
+        "job": {
+            "argv": hello.argv,
+            "pid": hello.pid,
+            "torch": hello.torch,
+            "device": hello.device,
+            "started": hello.started,
+            "recording": str(recording.path),
+        },
+        "steps": [step_report(step, recording) for step in recording.steps],
+        "alerts": all_alerts(recording),
+        "exit": exit_report(recording),
+        "agent_errors": [
+            {"component": error.component, "message": error.message}
+            for error in recording.agent_errors
+        ],
+        "warnings": [recording.warning] if recording.warning else [],
+    }
+
+
+def pile_peaks(recording: Recording) -> dict[str, int]:
+    """Each pile's highest value over the whole run."""
+    return {
+        pile: max((getattr(step.max, pile) for step in recording.steps), default=0)
+        for pile in PILES
+    }
+
+
+def render_text(recording: Recording, binary: bool = True) -> str:
+    """The readable summary: how it ended first, then the piles, the first step, alerts."""
+    report = build_report(recording)
+    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    lines = []
+    ending = report["exit"]
+    headline = f"job {ending['status']}"
+    if ending["code"] is not None:
+        headline += f" (exit code {ending['code']})"
+    if ending["status"] not in ("ok", "running"):
+        where = f" in {ending['phase']}" if ending["phase"] else ""
+        headline += f" at step {ending['step']}{where}"
+        if ending["error"]:
+            headline += f": {ending['error']}"
+    fatal = [alert for alert in report["alerts"] if alert["kind"] == "oom"]
+    for alert in fatal:
+        lines.append(f"OUT OF MEMORY at step {alert['step']}: {alert['message']}")
+    lines.append(headline)
+    hello = recording.hello
+    lines.append(
+        f"command: {' '.join(hello.argv)}  (pid {hello.pid}, torch {hello.torch}, "
+        f"{hello.device}, started {hello.started})"
+    )
+    steps = recording.steps
+    lines.append(
+        f"steps: {len(steps)}"
+        + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
+    )
+    if steps:
+        peaks = pile_peaks(recording)
+        top = max(steps, key=lambda step: step.peak.total)
+        lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
+        lines.append("pile              highest in run   at peak")
+        for pile in PILES:
+            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")
+        first = steps[0]
+        if first.end.optimizer_state:
+            lines.append(
+                f"first optimizer step allocated {size(first.end.optimizer_state)} of "
+                "optimizer state"
+            )
+        last = steps[-1]
+        lines.append(f"host RSS at last step: {size(last.host.rss)}")
+        losses = [step.loss for step in steps if step.loss is not None]
+        if losses:
+            lines.append(f"loss: {losses[0]:.4g} at first step, {losses[-1]:.4g} at last")
+    other_alerts = [alert for alert in report["alerts"] if alert["kind"] != "oom"]
+    if other_alerts:
+        lines.append(f"alerts: {len(other_alerts)}")
+        for alert in other_alerts[:20]:
+            where = f" [{alert['where']}]" if alert["where"] else ""
+            lines.append(f"  step {alert['step']}: {alert['kind']}{where}: {alert['message']}")
+    for error in report["agent_errors"]:
+        lines.append(f"agent: {error['component']} turned off: {error['message']}")
+    return "\n".join(lines)

@@ -1,0 +1,167 @@
+"""`memtui run`: start the job as a child with the agent injected, and exit with its code.
+
+Scripts and modules go through `python -m memtui_agent.runner` (exact exit codes and exception
+phases); any other command gets the bootstrap `sitecustomize` on PYTHONPATH, which arms the agent
+in every Python process of the command that imports torch. The job's stdin, stdout and stderr are
+its own: in headless mode they pass through untouched.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from memtui.recording import RecordingError, read_recording
+from memtui.report import pile_peaks
+from memtui_agent.units import format_bytes
+
+
+class UsageError(Exception):
+    """A bad command line; `str()` is the one line to show."""
+
+
+@dataclass
+class JobSpec:
+    """What to run and how it is shown."""
+
+    command: list[str]
+    display: list[str]
+    env: dict[str, str]
+    recording: Path | None
+
+
+def bootstrap_dir() -> Path:
+    """Folder holding the bootstrap `sitecustomize.py` (found without importing the agent)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("memtui_agent")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("the memtui_agent package is not installed next to memtui")
+    return Path(next(iter(spec.submodule_search_locations))) / "bootstrap"
+
+
+def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path:
+    """`memtui-<stem>-<YYYYmmdd-HHMMSS>.memtui` in the working directory."""
+    now = now or _dt.datetime.now()
+    stem = Path(target).stem or "job"
+    stem = stem.rsplit(".", 1)[-1]
+    return Path.cwd() / f"memtui-{stem}-{now:%Y%m%d-%H%M%S}.memtui"
+
+
+def build_job(
+    target: list[str],
+    module: str | None,
+    output: str | None,
+    no_record: bool,
+    budget: int | None,
+) -> JobSpec:
+    """Turn the parsed command line into the child's argv and environment.
+
+    Raises:
+        UsageError: nothing to run, a missing script, a command not found, a bad output path.
+    """
+    env = dict(os.environ)
+    env.pop("MEMTUI_AGENT_OWNER", None)
+    if module is not None:
+        command = [sys.executable, "-m", "memtui_agent.runner", "--module", module, *target]
+        display = ["python", "-m", module, *target]
+        name = module
+    else:
+        if not target:
+            raise UsageError("nothing to run: give a script.py, -m module, or -- COMMAND")
+        first = target[0]
+        if first.endswith(".py"):
+            if not Path(first).is_file():
+                raise UsageError(f"no such script: {first}")
+            command = [sys.executable, "-m", "memtui_agent.runner", *target]
+            display = ["python", *target]
+            name = first
+        else:
+            if shutil.which(first) is None:
+                raise UsageError(f"command not found: {first}")
+            command = list(target)
+            display = list(target)
+            name = first
+            existing = env.get("PYTHONPATH")
+            bootstrap = str(bootstrap_dir())
+            env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
+    recording = None
+    if not no_record:
+        recording = Path(output) if output else default_recording_name(name)
+        if recording.is_dir():
+            raise UsageError(f"-o {recording}: is a directory; give a file path")
+        if not recording.parent.exists():
+            raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
+        recording = recording.resolve()
+    env["MEMTUI_RECORD"] = str(recording) if recording is not None else ""
+    env["MEMTUI_ARGV"] = json.dumps(display)
+    if budget is not None:
+        env["MEMTUI_BUDGET"] = str(budget)
+    return JobSpec(command=command, display=display, env=env, recording=recording)
+
+
+def exit_code_of(returncode: int) -> int:
+    """A child killed by signal N exits the shell way: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_headless(job: JobSpec) -> int:
+    """Run the job with its own stdio; print where the recording is and a summary after."""
+    if job.recording is not None:
+        print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)
+    try:
+        child = subprocess.Popen(job.command, env=job.env)
+    except OSError as exc:
+        print(f"memtui: cannot start {job.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    forwarded = {}
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    # Ctrl-C reaches the child through the terminal's process group; the parent just waits for
+    # the child to decide. SIGTERM/SIGHUP sent to memtui alone are passed on.
+    forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        forwarded[signum] = signal.signal(signum, forward)
+    try:
+        returncode = child.wait()
+    finally:
+        for signum, previous in forwarded.items():
+            signal.signal(signum, previous)
+    code = exit_code_of(returncode)
+    print(summary_line(job, code), file=sys.stderr)
+    return code
+
+
+def summary_line(job: JobSpec, code: int) -> str:
+    """One or two lines for the end of a headless run."""
+    if job.recording is None:
+        return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
+    if not job.recording.exists():
+        return (
+            f"memtui: job exited with code {code}; no recording was written (the job never "
+            "imported torch, or the agent could not start)"
+        )
+    try:
+        recording = read_recording(job.recording)
+    except RecordingError as exc:
+        return f"memtui: job exited with code {code}; recording unreadable: {exc}"
+    peaks = pile_peaks(recording)
+    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
+    status = recording.status() if recording.end is None else recording.end.status
+    return (
+        f"memtui: job {status} (exit code {code}) after {len(recording.steps)} steps; "
+        f"highest piles: {piles}\n"
+        f"memtui: recording {job.recording}  (memtui report {job.recording})"
+    )

@@ -1,0 +1,119 @@
+"""Live viewers on the agent's Unix socket: hello and backlog first, and never a stalled job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from memtui_agent import schema, wire
+
+JOB = """
+import sys, time, torch, memtui_agent
+steps = int(sys.argv[1]); pause = float(sys.argv[2])
+with memtui_agent.monitor(record="rec.memtui"):
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        if step == 2:
+            print("READY", flush=True)
+        time.sleep(pause)
+print("DONE", flush=True)
+"""
+
+
+def _start(tmp_path: Path, steps: int, pause: float) -> tuple[subprocess.Popen[str], Path]:
+    runtime = tmp_path / "rt"
+    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(runtime))
+    job = subprocess.Popen(
+        [sys.executable, "-c", JOB, str(steps), str(pause)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert job.stdout is not None
+    assert job.stdout.readline().strip() == "READY"
+    return job, runtime
+
+
+def _sidecar(runtime: Path, pid: int) -> dict[str, object]:
+    return json.loads((runtime / f"{pid}.json").read_text())
+
+
+def _read_until(sock: socket.socket, predicate: object, timeout: float = 20.0) -> list[object]:
+    decoder = wire.FrameDecoder()
+    messages: list[object] = []
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = sock.recv(65536)
+        if not data:
+            break
+        messages.extend(decoder.feed(data))
+        if predicate(messages):  # type: ignore[operator]
+            break
+    return messages
+
+
+def test_viewer_gets_hello_names_backlog_then_live_steps(tmp_path: Path) -> None:
+    job, runtime = _start(tmp_path, steps=40, pause=0.02)
+    info = _sidecar(runtime, job.pid)
+    assert stat.S_IMODE(os.stat(runtime).st_mode) == 0o700
+    socket_path = Path(str(info["socket"]))
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(socket_path))
+        messages = _read_until(sock, lambda got: any(isinstance(m, schema.End) for m in got))
+    job.wait(timeout=60)
+    assert isinstance(messages[0], schema.Hello)
+    assert messages[0].pid == job.pid
+    assert isinstance(messages[1], schema.Names)
+    steps = [m.step for m in messages if isinstance(m, schema.Step)]
+    assert steps[0] <= 3  # the backlog held the steps before we connected
+    assert steps == list(range(steps[0], 41))
+    assert isinstance(messages[-1], schema.End)
+    assert not (runtime / f"{job.pid}.json").exists()  # sidecar removed at exit
+    assert not socket_path.exists()
+
+
+def test_viewer_that_never_reads_does_not_stall_the_job(tmp_path: Path) -> None:
+    job, runtime = _start(tmp_path, steps=3000, pause=0.0)
+    socket_path = str(_sidecar(runtime, job.pid)["socket"])
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    idle.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    idle.connect(socket_path)
+    try:
+        assert job.stdout is not None
+        assert job.stdout.readline().strip() == "DONE"
+        assert job.wait(timeout=120) == 0
+    finally:
+        idle.close()
+    from memtui.recording import read_recording
+
+    recording = read_recording(tmp_path / "rec.memtui")
+    assert len(recording.steps) == 3000
+    assert recording.end is not None and recording.end.status == "ok"
+
+
+def test_viewer_killed_mid_stream_does_not_break_the_job(tmp_path: Path) -> None:
+    job, runtime = _start(tmp_path, steps=200, pause=0.005)
+    socket_path = str(_sidecar(runtime, job.pid)["socket"])
+    for _ in range(5):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(socket_path)
+        sock.recv(10)  # take part of the hello, then vanish mid-frame
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()
+    assert job.wait(timeout=120) == 0
+    from memtui.recording import read_recording
+
+    assert len(read_recording(tmp_path / "rec.memtui").steps) == 200

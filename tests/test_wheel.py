@@ -1,0 +1,53 @@
+"""The built wheel ships every subpackage under its installed name (and no bare `agent`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _source_packages() -> set[str]:
+    """Every folder with an `__init__.py` under memtui/ and agent/, by installed import name."""
+    found = set()
+    for top, installed in (("memtui", "memtui"), ("agent", "memtui_agent")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / top)
+            parts = [installed, *relative.parts]
+            found.add(".".join(parts))
+    return found
+
+
+def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    wheel = next(tmp_path.glob("memtui-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {
+        name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("__init__.py")
+    }
+    expected = _source_packages()
+    assert expected <= packages, expected - packages
+    assert "memtui_agent/bootstrap/sitecustomize.py" in names
+    assert not any(name.startswith("agent/") for name in names)
+    entry_points = next(name for name in names if name.endswith("entry_points.txt"))
+    assert "memtui = memtui.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
