@@ -125,6 +125,8 @@ class Ledger:
         self.piles = [0, 0, 0, 0]
         self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
         self._module_live: dict[int, int] = {}
+        self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
+        self._act_max_pending = False
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
@@ -136,11 +138,13 @@ class Ledger:
             self.peak = list(self.piles)
             self.peak_total = sum(self.piles)
             self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            self._act_max_pending = False
             self._module_max = dict(self._module_live)
 
     def snapshot(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
         """(current, max, peak, dtypes) for the step that is closing."""
         with self._lock:
+            self._settle_activation_max()
             dtypes = {PILES[pile]: self._dtype_snapshot(pile) for pile in range(3)}
             dtypes[PILES[ACTIVATIONS]] = dict(self._act_dtypes_at_max)
             return Piles(*self.piles), Piles(*self.max), Piles(*self.peak), dtypes
@@ -155,6 +159,17 @@ class Ledger:
             ranked = sorted(self._module_max.items(), key=lambda item: item[1], reverse=True)
         return [ModuleBytes(module, size) for module, size in ranked[:limit] if size > 0]
 
+    def _settle_activation_max(self) -> None:
+        """Take the activation dtype inventory owed since the pile last reached a new high.
+
+        Activations grow with every pack during forward, so the inventory is taken lazily: just
+        before the first decrease after a new high, or when the step closes. Same result as a
+        snapshot at every new high, at one snapshot per forward/backward.
+        """
+        if self._act_max_pending:
+            self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            self._act_max_pending = False
+
     def _dtype_snapshot(self, pile: int) -> dict[str, DtypeStat]:
         return {name: DtypeStat(size, count) for name, (size, count) in self._dtypes[pile].items()}
 
@@ -166,16 +181,36 @@ class Ledger:
         Called once per step close; it catches reassigned buffers, `p.data = ...`, state loaded
         from a checkpoint and anything else no hook reports.
         """
-        found: dict[Key, StorageInfo] = {}
+        # Most tensors are the same objects on the same storage as last time: a cache keyed by
+        # id() and confirmed by data_ptr() skips re-deriving their storages. It holds keys
+        # only, never tensors or storages, so it keeps nothing alive.
+        cache = self._sync_cache[pile]
+        fresh: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        found: set[Key] = set()
+        new_infos: list[StorageInfo] = []
         for tensor in tensors:
-            for info in storages_of(tensor):
-                found[info[0]] = info
+            ident = id(tensor)
+            try:
+                pointer = tensor.data_ptr()
+            except RuntimeError:  # sparse and wrapper tensors have no single data pointer
+                pointer = -1
+            cached = cache.get(ident)
+            if cached is not None and cached[0] == pointer and pointer != -1:
+                fresh[ident] = cached
+                found.update(cached[1])
+                continue
+            infos = storages_of(tensor)
+            fresh[ident] = (pointer, tuple(info[0] for info in infos))
+            for info in infos:
+                found.add(info[0])
+                new_infos.append(info)
+        self._sync_cache[pile] = fresh
         with self._lock:
             members = self._members[pile]
-            for key in members - found.keys():
+            for key in members - found:
                 self._clear_bit(key, pile)
-            for key, info in found.items():
-                if key not in members:
+            for info in new_infos:
+                if info[0] not in members:
                     self._claim(info, pile)
 
     def add(self, pile: int, tensor: Any) -> None:
@@ -264,6 +299,8 @@ class Ledger:
             del self._entries[key]
 
     def _account(self, pile: int, entry: _Entry, delta: int) -> None:
+        if pile == ACTIVATIONS and delta < 0 and self._act_max_pending:
+            self._settle_activation_max()
         piles = self.piles
         piles[pile] += delta
         stat = self._dtypes[pile].get(entry.dtype)
@@ -282,7 +319,7 @@ class Ledger:
             if piles[pile] > self.max[pile]:
                 self.max[pile] = piles[pile]
                 if pile == ACTIVATIONS:
-                    self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+                    self._act_max_pending = True
             total = piles[0] + piles[1] + piles[2] + piles[3]
             if total > self.peak_total:
                 self.peak_total = total

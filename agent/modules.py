@@ -14,6 +14,8 @@ from typing import Any
 
 from memtui_agent import schema
 
+REWALK_EVERY = 64
+
 
 class ModuleRegistry:
     """Roots, module ids and parameter names for everything the job has run."""
@@ -25,6 +27,8 @@ class ModuleRegistry:
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
         self.param_names: dict[int, str] = {}
+        self._module_cache: tuple[int, list[Any]] | None = None
+        self._walks = 0
         self.generation = 0
         """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
 
@@ -81,19 +85,45 @@ class ModuleRegistry:
             if optimizer is not None:
                 yield optimizer
 
+    def modules(self) -> list[Any]:
+        """Every module of every live root, walked again only when it may have changed.
+
+        Walking `named_modules()` each step costs more than the rest of a step close; the list
+        is rebuilt when a root or optimizer appears and every `REWALK_EVERY` calls, which
+        catches modules added later (adapters, swapped heads).
+        """
+        self._walks += 1
+        if (
+            self._module_cache is None
+            or self._module_cache[0] != self.generation
+            or (self._walks % REWALK_EVERY == 0)
+        ):
+            seen: dict[int, Any] = {}
+            for root in self.live_roots():
+                for module in root.modules():
+                    seen.setdefault(id(module), module)
+            self._module_cache = (self.generation, list(seen.values()))
+        return self._module_cache[1]
+
     def weight_tensors(self) -> Iterator[Any]:
         """Parameters and buffers of every root, plus optimizer parameters outside any root."""
-        for root in self.live_roots():
-            yield from root.parameters()
-            yield from root.buffers()
+        for module in self.modules():
+            for tensor in module._parameters.values():
+                if tensor is not None:
+                    yield tensor
+            for tensor in module._buffers.values():
+                if tensor is not None:
+                    yield tensor
         for optimizer in self.live_optimizers():
             for group in optimizer.param_groups:
                 yield from group["params"]
 
     def parameters(self) -> Iterator[Any]:
         """Every known parameter (duplicates possible; callers dedupe by storage)."""
-        for root in self.live_roots():
-            yield from root.parameters()
+        for module in self.modules():
+            for tensor in module._parameters.values():
+                if tensor is not None:
+                    yield tensor
         for optimizer in self.live_optimizers():
             for group in optimizer.param_groups:
                 yield from group["params"]

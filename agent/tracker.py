@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn import Parameter
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -212,8 +213,10 @@ class Tracker:
         if not self.enabled["pack"]:
             return tensor
         try:
-            origin = tensor._base if tensor._is_view() else tensor
-            if isinstance(origin, torch.nn.Parameter) and id(origin) not in self._seen_params:
+            origin = tensor._base
+            if origin is None:
+                origin = tensor
+            if isinstance(origin, Parameter) and id(origin) not in self._seen_params:
                 # A parameter no module or optimizer has shown us yet: it is a weight.
                 self._seen_params.add(id(origin))
                 self.ledger.add_if_new(WEIGHTS, origin)
@@ -361,8 +364,11 @@ class Tracker:
 
     def close_step(self, skipped: bool) -> None:
         """Turn the current window into a `Step` and start the next one."""
-        self._synced_generation = self.registry.generation
-        self._hook_new_parameters()
+        if self.registry.generation != self._synced_generation or self.closed_steps % 64 == 0:
+            # New objects, or a periodic look for parameters unfrozen since (their gradients
+            # are counted by `resync` meanwhile; the hook only makes the timing exact).
+            self._synced_generation = self.registry.generation
+            self._hook_new_parameters()
         self.resync()
         end, high, peak, dtypes = self.ledger.snapshot()
         self.closed_steps += 1
