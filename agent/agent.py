@@ -80,10 +80,20 @@ class Agent:
                 self.report_failure("socket", exc)
                 server = None
                 self.socket_path = None
-        self.ledger = Ledger()
-        self.tracker = Tracker(self.ledger, self._emit, self.report_failure)
-        self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
-        self.tracker.install()
+        try:
+            self.ledger = Ledger()
+            self.tracker = Tracker(self.ledger, self._emit, self.report_failure)
+            self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
+            self.tracker.install()
+        except BaseException:
+            # Leave nothing behind: no hooks in the job, no socket for viewers to find.
+            if self.tracker is not None:
+                self.tracker.remove()
+            if self.emitter is not None:
+                self.emitter.close(timeout=1.0)
+            elif server is not None:
+                server.close()
+            raise
         if self.socket_path is not None:
             try:
                 self.sidecar = write_sidecar(

@@ -90,6 +90,15 @@ def live_sidecars(directory: Path | None = None) -> list[dict[str, Any]]:
     if not directory.is_dir():
         return []
     jobs = []
+    for orphan in directory.glob(f"*{SOCKET_SUFFIX}"):
+        # A socket whose job died before writing (or after removing) its sidecar.
+        stem = orphan.name.removesuffix(SOCKET_SUFFIX)
+        has_sidecar = (directory / f"{stem}{SIDECAR_SUFFIX}").exists()
+        if stem.isdigit() and not has_sidecar and not pid_alive(int(stem)):
+            try:
+                orphan.unlink()
+            except OSError:
+                pass
     for path in sorted(directory.glob(f"*{SIDECAR_SUFFIX}")):
         try:
             content = json.loads(path.read_text())

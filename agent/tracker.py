@@ -99,7 +99,14 @@ class Tracker:
         self._restore: list[tuple[Any, str, Any]] = []
         self._hooks_pushed = False
         self._synced_generation = 0
-        self.enabled = {"modules": True, "pack": True, "grads": True, "steps": True, "loss": True}
+        self.enabled = {
+            "modules": True,
+            "pack": True,
+            "grads": True,
+            "steps": True,
+            "loss": True,
+            "scaler": True,
+        }
         self.error_context: ErrorContext | None = None
         self.pending_alerts: list[schema.Alert] = []
 
@@ -303,10 +310,15 @@ class Tracker:
     def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             posts_before = self._primary_posts
-            result = original(scaler, optimizer, *args, **kwargs)
             try:
+                # The scale this step's backward used; `update()` changes it in place later,
+                # and the step may close inside `original` (the optimizer's post hook).
                 if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
                     self._scale = scaler._scale.detach().clone()
+            except Exception as exc:
+                self._disable("scaler", exc)
+            result = original(scaler, optimizer, *args, **kwargs)
+            try:
                 primary = self._primary is None or self._primary is optimizer
                 if primary and self._primary_posts == posts_before and self.enabled["steps"]:
                     if self._primary is None:
