@@ -108,6 +108,7 @@ class Agent:
                         "recording": hello.recording,
                         "rank": hello.rank,
                         "process_create_time": hello.process_create_time,
+                        "session": os.environ.get("MEMTUI_SESSION"),
                     },
                 )
             except OSError as exc:

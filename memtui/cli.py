@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
+    attach = commands.add_parser("attach", help="watch a running job live")
+    attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: list them)")
+    attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
+
+    replay = commands.add_parser("replay", help="open a recording in the TUI")
+    replay.add_argument("path", help="a .memtui recording")
+
     report = commands.add_parser("report", help="summarise a recording")
     report.add_argument("path", help="a .memtui recording")
     report.add_argument("--json", action="store_true", help="print the JSON report")
@@ -114,7 +121,7 @@ def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """`memtui run`: until the TUI lands, every run is headless."""
+    """`memtui run`: the job as a child, the TUI in this process (or a summary, headless)."""
     from memtui.run_command import UsageError, build_job, run_headless
 
     target = list(args.target)
@@ -123,21 +130,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_headless(job)
+    if args.headless:
+        return run_headless(job)
+    from memtui.tui_commands import run_tui
+
+    return run_tui(job)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """`memtui demo`: the bundled tiny language model, recorded like any other job."""
+    """`memtui demo`: the bundled tiny language model, recorded like any other job.
+
+    In the TUI the demo runs a little slower (a pause per step) so it can be watched live.
+    """
     from memtui.run_command import UsageError, build_job, default_recording_name, run_headless
 
     extra = list(args.demo_args)
     output = args.output or str(default_recording_name("demo"))
     try:
+        if not args.headless and not any(arg.startswith("--sleep") for arg in extra):
+            extra = ["--steps", "60", "--sleep", "0.15", *extra]
         job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, None)
     except UsageError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_headless(job)
+    if args.headless:
+        return run_headless(job)
+    from memtui.tui_commands import run_tui
+
+    return run_tui(job)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """`memtui attach [PID]`."""
+    from memtui.tui_commands import attach
+
+    return attach(args.pid, args.socket)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`memtui replay PATH`."""
+    from memtui.tui_commands import replay
+
+    return replay(args.path)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -177,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"memtui {__version__}")
         return 0
-    handlers = {"run": cmd_run, "report": cmd_report, "demo": cmd_demo}
+    handlers = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "demo": cmd_demo,
+        "attach": cmd_attach,
+        "replay": cmd_replay,
+    }
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE

@@ -1,0 +1,391 @@
+"""The Session model: messages in, immutable snapshots out. No Textual, no torch.
+
+Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see a
+`Snapshot`, cannot tell them apart. Everything the screen shows is computed here by pure code and
+tested without an app: the cursor, alerts navigation, units, the gap rows and their meaning.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from memtui_agent import schema
+from memtui_agent.schema import PILES
+
+MAX_STEPS = 200_000
+MAX_ALERTS = 10_000
+RATE_WINDOW_SECONDS = 10.0
+
+GAP_MEANINGS = {
+    "allocated": "other: temporaries, workspaces, inputs, caches, leaks",
+    "reserved": "allocator cache and fragmentation",
+    "process_gpu": "CUDA context, cuBLAS/cuDNN workspaces, NCCL, other libraries",
+    "device_used": "other processes on the device",
+    "device_total": "free on the device",
+    "rss": "Python, libraries, data, CPU tensors outside the piles",
+    "system_used": "other processes on the machine",
+    "system_total": "free on the machine",
+}
+
+
+@dataclass(frozen=True)
+class PileRow:
+    """One pile in the bar: bytes at the step's peak, share of the bar, highest in the step."""
+
+    name: str
+    at_peak: int | None
+    share: float
+    step_max: int | None
+
+
+@dataclass(frozen=True)
+class GapRow:
+    """One level of the gap view and what the difference to the level below means."""
+
+    label: str
+    value: int | None
+    delta: int | None
+    meaning: str
+    applicable: bool = True
+
+
+@dataclass(frozen=True)
+class AlertRow:
+    """An alert with the step it belongs to."""
+
+    step: int
+    kind: str
+    message: str
+    where: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the screen shows, for one cursor position. Widgets only read this."""
+
+    title: str
+    job: str
+    state: str
+    source: str
+    step: int | None
+    steps_total: int
+    steps_per_second: float | None
+    binary: bool
+    piles: tuple[PileRow, ...]
+    gap: tuple[GapRow, ...]
+    dtypes: tuple[tuple[str, str, int, int], ...]
+    top_activations: tuple[tuple[str, int], ...]
+    alerts: tuple[AlertRow, ...]
+    timeline_steps: tuple[int, ...]
+    timeline_piles: tuple[tuple[int, int, int, int], ...]
+    timeline_alerts: frozenset[int]
+    cursor_step: int | None
+    notes: tuple[str, ...] = ()
+    loss: float | None = None
+    skipped: bool = False
+    microbatches: int = 0
+
+
+@dataclass
+class Session:
+    """Accumulated state of one job, plus the viewer's cursor, pause and unit choices."""
+
+    source_label: str = ""
+    live: bool = True
+    hello: schema.Hello | None = None
+    module_names: dict[int, str] = field(default_factory=dict)
+    steps: list[schema.Step] = field(default_factory=list)
+    alerts: list[AlertRow] = field(default_factory=list)
+    agent_errors: list[schema.AgentError] = field(default_factory=list)
+    end: schema.End | None = None
+    last_tick: schema.Tick | None = None
+    cursor: int | None = None
+    follow: bool = True
+    paused: bool = False
+    binary: bool = True
+    disconnected: str | None = None
+    exit_code: int | None = None
+    warning: str | None = None
+    dropped_steps: int = 0
+    version: int = 0
+    """Bumped on every change, so the UI can skip rendering when nothing moved."""
+    _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+
+    # ----- input --------------------------------------------------------------------------
+
+    def ingest(self, messages: list[schema.Message]) -> None:
+        """Fold a batch of messages in, in order (from a socket or a recording)."""
+        for message in messages:
+            if isinstance(message, schema.Step):
+                self._add_step(message)
+            elif isinstance(message, schema.Tick):
+                self.last_tick = message
+            elif isinstance(message, schema.Names):
+                for offset, name in enumerate(message.names):
+                    self.module_names[message.first_id + offset] = name
+            elif isinstance(message, schema.Hello):
+                self.hello = message
+            elif isinstance(message, schema.AgentError):
+                self.agent_errors.append(message)
+            elif isinstance(message, schema.End):
+                self.end = message
+                for alert in message.alerts:
+                    self._add_alert(message.step or 0, alert)
+        if messages:
+            self.version += 1
+
+    def _add_step(self, step: schema.Step) -> None:
+        self.steps.append(step)
+        self._step_times.append(step.t_end)
+        for alert in step.alerts:
+            self._add_alert(step.step, alert)
+        if len(self.steps) > MAX_STEPS:
+            # Bounded history: drop the oldest tenth at once so trimming stays rare.
+            cut = MAX_STEPS // 10
+            del self.steps[:cut]
+            self.dropped_steps += cut
+            if self.cursor is not None:
+                self.cursor = max(0, self.cursor - cut)
+        if self.follow and not self.paused:
+            self.cursor = len(self.steps) - 1
+
+    def _add_alert(self, step: int, alert: schema.Alert) -> None:
+        self.alerts.append(AlertRow(step, alert.kind, alert.message, alert.where))
+        if len(self.alerts) > MAX_ALERTS:
+            del self.alerts[: MAX_ALERTS // 10]
+
+    def mark_disconnected(self, reason: str) -> None:
+        """The stream ended; without an `End` the job died or the socket broke."""
+        self.disconnected = reason
+        self.version += 1
+
+    # ----- viewer actions -------------------------------------------------------------------
+
+    def toggle_pause(self) -> None:
+        """Freeze the live view on the current step (frames keep arriving) or resume following."""
+        self.paused = not self.paused
+        if not self.paused:
+            self.follow = True
+            self.cursor = len(self.steps) - 1 if self.steps else None
+        self.version += 1
+
+    def move(self, delta: int) -> None:
+        """Step the cursor; moving off the newest step stops following live frames."""
+        if not self.steps:
+            return
+        current = self.cursor if self.cursor is not None else len(self.steps) - 1
+        self.cursor = min(max(current + delta, 0), len(self.steps) - 1)
+        self.follow = self.cursor == len(self.steps) - 1
+        self.version += 1
+
+    def home(self) -> None:
+        """First step."""
+        self.move(-len(self.steps))
+
+    def end_key(self) -> None:
+        """Newest step, following live frames again."""
+        self.move(len(self.steps))
+
+    def jump_to_step(self, number: int) -> None:
+        """Put the cursor on the step with this number (e.g. from a selected alert)."""
+        for index in range(len(self.steps) - 1, -1, -1):
+            if self.steps[index].step == number:
+                self.cursor = index
+                self.follow = index == len(self.steps) - 1
+                self.version += 1
+                return
+
+    def next_alert(self, direction: int = 1) -> None:
+        """Move to the nearest step after (or before) the cursor that has an alert."""
+        if not self.steps or self.cursor is None:
+            return
+        here = self.steps[self.cursor].step
+        steps_with_alerts = sorted({alert.step for alert in self.alerts})
+        if direction > 0:
+            targets = [number for number in steps_with_alerts if number > here]
+            target = targets[0] if targets else None
+        else:
+            targets = [number for number in steps_with_alerts if number < here]
+            target = targets[-1] if targets else None
+        if target is not None:
+            self.jump_to_step(target)
+
+    def toggle_units(self) -> None:
+        """Binary (KiB/MiB/GiB) <-> decimal (kB/MB/GB)."""
+        self.binary = not self.binary
+        self.version += 1
+
+    # ----- output ---------------------------------------------------------------------------
+
+    def state_text(self) -> str:
+        """live / paused / replay step i of n / ended with its exit status."""
+        if self.end is not None or self.disconnected is not None or not self.live:
+            ending = self._ending()
+            if not self.live:
+                position = (self.cursor or 0) + 1 if self.steps else 0
+                return f"replay step {position} of {len(self.steps)} · {ending}"
+            return ending
+        if self.hello is None:
+            return "waiting for the job"
+        return "paused" if self.paused else "live"
+
+    def _ending(self) -> str:
+        end = self.end
+        if end is None:
+            return f"ended: {self.disconnected}" if self.disconnected else "killed (no final frame)"
+        code = f" (exit {end.code})" if end.code is not None else ""
+        if end.status == "ok":
+            return f"ended: ok{code}"
+        detail = f"{end.error_type}: {end.error}" if end.error_type else (end.error or "")
+        where = f" in {end.phase}" if end.phase else ""
+        step = f" at step {end.step}" if end.step is not None else ""
+        return f"ended: {end.status}{code}{step}{where}: {detail}"
+
+    def steps_per_second(self) -> float | None:
+        """Closed steps per second over the last few seconds of the job's own clock."""
+        if len(self._step_times) < 2:
+            return None
+        newest = self._step_times[-1]
+        recent = [stamp for stamp in self._step_times if newest - stamp <= RATE_WINDOW_SECONDS]
+        if len(recent) < 2 or recent[-1] == recent[0]:
+            return None
+        return (len(recent) - 1) / (recent[-1] - recent[0])
+
+    def snapshot(self, timeline_width: int = 120) -> Snapshot:
+        """The immutable view of the cursor step, the timeline window and the alerts."""
+        hello = self.hello
+        step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
+        window = self._timeline_window(timeline_width)
+        job = " ".join(hello.argv) if hello is not None else ""
+        title = (
+            f"pid {hello.pid} · {hello.device} · torch {hello.torch}" if hello is not None else ""
+        )
+        notes = []
+        if self.warning:
+            notes.append(self.warning)
+        notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])
+        if self.dropped_steps:
+            notes.append(f"{self.dropped_steps} oldest steps dropped from the view")
+        return Snapshot(
+            title=title,
+            job=job,
+            state=self.state_text(),
+            source=self.source_label,
+            step=step.step if step is not None else None,
+            steps_total=self.steps[-1].step if self.steps else 0,
+            steps_per_second=self.steps_per_second(),
+            binary=self.binary,
+            piles=pile_rows(step, self._live_piles() if step is None else None),
+            gap=gap_rows(step, self._live_piles() if step is None else None),
+            dtypes=dtype_rows(step),
+            top_activations=tuple(
+                (self.module_label(item.module), item.bytes)
+                for item in (step.top_activations if step is not None else [])
+            ),
+            alerts=tuple(reversed(self.alerts[-500:])),
+            timeline_steps=tuple(item.step for item in window),
+            timeline_piles=tuple(
+                (s.peak.weights, s.peak.gradients, s.peak.optimizer_state, s.peak.activations)
+                for s in window
+            ),
+            timeline_alerts=frozenset(alert.step for alert in self.alerts),
+            cursor_step=step.step if step is not None else None,
+            notes=tuple(notes),
+            loss=step.loss if step is not None else None,
+            skipped=step.skipped if step is not None else False,
+            microbatches=step.microbatches if step is not None else 0,
+        )
+
+    def module_label(self, module_id: int) -> str:
+        """Qualified module name for an id."""
+        if module_id < 0:
+            return "<outside any module>"
+        return self.module_names.get(module_id, f"<module {module_id}>")
+
+    def _live_piles(self) -> schema.Piles | None:
+        return self.last_tick.piles if self.last_tick is not None else None
+
+    def _timeline_window(self, width: int) -> list[schema.Step]:
+        """Up to `width` steps ending at (or around) the cursor."""
+        if not self.steps:
+            return []
+        cursor = self.cursor if self.cursor is not None else len(self.steps) - 1
+        end = min(len(self.steps), max(cursor + 1, min(len(self.steps), width)))
+        start = max(0, end - width)
+        return self.steps[start:end]
+
+
+def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:
+    """The bar: the peak composition of the step (or the live piles before the first step)."""
+    piles = step.peak if step is not None else live
+    if piles is None:
+        return ()
+    other = None
+    if step is not None and step.allocator.peak_allocated is not None:
+        other = max(0, step.allocator.peak_allocated - step.peak.total)
+    values: dict[str, int | None] = dict(piles.as_dict())
+    values["other"] = other
+    total = sum(value for value in values.values() if value)
+    rows = []
+    for name, value in values.items():
+        step_max = getattr(step.max, name) if step is not None and name in PILES else None
+        share = (value / total) if value and total else 0.0
+        rows.append(PileRow(name, value, share, step_max))
+    return tuple(rows)
+
+
+def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[GapRow, ...]:
+    """Tracked -> allocated -> reserved -> process -> device used -> device total (GPU), or
+    tracked -> process RSS -> system used -> system total (CPU), each difference named."""
+    tracked = step.end.total if step is not None else (live.total if live is not None else None)
+    if tracked is None:
+        return ()
+    rows = [GapRow("tracked at step end", tracked, None, "the four piles when the step closed")]
+    allocator = step.allocator if step is not None else schema.Allocator()
+    gpu = allocator.allocated is not None
+    levels: list[tuple[str, str, int | None]] = [
+        ("torch allocated", "allocated", allocator.allocated),
+        ("torch reserved", "reserved", allocator.reserved),
+        ("process GPU (NVML)", "process_gpu", allocator.process_gpu),
+        ("device used", "device_used", allocator.device_used),
+        ("device total", "device_total", allocator.device_total),
+    ]
+    if gpu:
+        previous = tracked
+        for label, key, value in levels:
+            delta = value - previous if value is not None and previous is not None else None
+            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            previous = value if value is not None else previous
+    else:
+        host = step.host if step is not None else schema.Host()
+        previous = tracked
+        for label, key, value in (
+            ("process RSS", "rss", host.rss or None),
+            ("system used", "system_used", host.system_used),
+            ("system total", "system_total", host.system_total),
+        ):
+            delta = value - previous if value is not None and previous is not None else None
+            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            previous = value if value is not None else previous
+        rows.extend(
+            GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels
+        )
+    return tuple(rows)
+
+
+def dtype_rows(step: schema.Step | None) -> tuple[tuple[str, str, int, int], ...]:
+    """(pile, dtype, bytes, storages) for the cursor step, largest first within each pile."""
+    if step is None:
+        return ()
+    rows = []
+    for pile in PILES:
+        stats = step.dtypes.get(pile, {})
+        for dtype, stat in sorted(stats.items(), key=lambda item: -item[1].bytes):
+            rows.append((pile, dtype, stat.bytes, stat.count))
+    return tuple(rows)
+
+
+def describe_rate(rate: float | None) -> str:
+    """`12.3 steps/s`, or a dash before two steps exist."""
+    return "-" if rate is None else f"{rate:.1f} steps/s"

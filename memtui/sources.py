@@ -1,0 +1,175 @@
+"""Where frames come from: a recording file or a live job's socket, behind one interface.
+
+A source runs in a worker thread and hands decoded messages to a sink in batches; the app drains
+them at its own tick, so a job closing 1,000 steps a second costs the UI one ingest per tick.
+Neither source imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from memtui_agent import schema, wire
+
+Sink = Callable[[list[schema.Message]], None]
+CHUNK = 1 << 20
+
+
+class SourceError(Exception):
+    """The source cannot be opened; `str()` is the one line to show."""
+
+
+class ReplaySource:
+    """A recording file, read to its end once (or to the first damaged frame)."""
+
+    live = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.label = str(path)
+        self.warning: str | None = None
+
+    def check(self) -> None:
+        """Fail early, with one line, on a file that is not a readable recording."""
+        from memtui.recording import RecordingError, read_recording
+
+        try:
+            recording = read_recording(self.path)
+        except RecordingError as exc:
+            raise SourceError(str(exc)) from None
+        self.warning = recording.warning
+
+    def run(self, sink: Sink, stop: threading.Event) -> str | None:
+        """Decode the file into `sink`; returns why the stream ended (None: cleanly)."""
+        decoder = wire.FrameDecoder()
+        with open(self.path, "rb") as handle:
+            while not stop.is_set():
+                chunk = handle.read(CHUNK)
+                if not chunk:
+                    break
+                try:
+                    batch = list(decoder.feed(chunk))
+                except wire.WireError as exc:
+                    return str(exc)
+                if batch:
+                    sink(batch)
+        return None
+
+
+class LiveSource:
+    """A running job's Unix socket: hello, names and backlog first, then live frames."""
+
+    live = True
+
+    def __init__(self, socket_path: Path, label: str | None = None) -> None:
+        self.socket_path = socket_path
+        self.label = label or str(socket_path)
+        self._sock: socket.socket | None = None
+
+    def check(self) -> None:
+        """Connect now so that a dead or foreign socket is one clear line, not a blank UI."""
+        path = self.socket_path
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            raise SourceError(f"{path}: no such socket (the job has ended?)") from None
+        if not stat.S_ISSOCK(info.st_mode):
+            raise SourceError(f"{path}: not a socket")
+        if info.st_uid != os.getuid():
+            raise SourceError(f"{path}: owned by another user; refusing to connect")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            sock.close()
+            reason = exc.strerror or str(exc)
+            raise SourceError(f"{path}: cannot connect ({reason}); the job is gone") from None
+        self._sock = sock
+
+    def run(self, sink: Sink, stop: threading.Event) -> str | None:
+        """Read frames until the job closes the socket or `stop` is set."""
+        if self._sock is None:
+            self.check()
+        sock = self._sock
+        assert sock is not None
+        sock.settimeout(0.2)
+        decoder = wire.FrameDecoder()
+        try:
+            while not stop.is_set():
+                try:
+                    data = sock.recv(CHUNK)
+                except TimeoutError:
+                    continue
+                except OSError as exc:
+                    return f"connection lost ({exc.strerror or exc})"
+                if not data:
+                    return "the job closed its socket"
+                try:
+                    batch = list(decoder.feed(data))
+                except wire.WireError as exc:
+                    return f"bad frame from the job: {exc}"
+                if batch:
+                    sink(batch)
+        finally:
+            sock.close()
+        return None
+
+
+class TailSource:
+    """A recording being written by a job `memtui run` started: read it as it grows.
+
+    The agent writes every frame to the recording as the step closes, so following the file
+    sees exactly what a socket would, with no race against a job that ends before a viewer
+    connects. The stream ends at the `End` frame, or once the job has exited and the file has
+    stopped growing.
+    """
+
+    live = True
+
+    def __init__(self, path: Path, job_exited: Callable[[], bool], poll: float = 0.1) -> None:
+        self.path = path
+        self.label = str(path)
+        self._job_exited = job_exited
+        self._poll = poll
+
+    def check(self) -> None:
+        """Nothing to check before the job has started writing."""
+
+    def run(self, sink: Sink, stop: threading.Event) -> str | None:
+        """Follow the file until the job's `End`, its exit, or `stop`."""
+        decoder = wire.FrameDecoder()
+        handle = None
+        try:
+            while not stop.is_set():
+                if handle is None:
+                    try:
+                        handle = open(self.path, "rb")  # noqa: SIM115
+                    except FileNotFoundError:
+                        if self._job_exited():
+                            return "the job ended before its agent started (did it import torch?)"
+                        stop.wait(self._poll)
+                        continue
+                exited = self._job_exited()
+                chunk = handle.read(CHUNK)
+                if chunk:
+                    try:
+                        batch = list(decoder.feed(chunk))
+                    except wire.WireError as exc:
+                        return f"bad frame in the recording: {exc}"
+                    if batch:
+                        sink(batch)
+                        if isinstance(batch[-1], schema.End):
+                            return None
+                    continue
+                if exited:
+                    return "the job exited without a final frame (killed?)"
+                stop.wait(self._poll)
+        finally:
+            if handle is not None:
+                handle.close()
+        return None

@@ -1,0 +1,1 @@
+"""The Textual UI: app, screens and widgets (imported only by commands that open it)."""

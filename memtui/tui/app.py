@@ -1,0 +1,253 @@
+"""The memtui app: one screen over a Session, fed by any Source, redrawn at a fixed tick.
+
+The source runs in one thread worker and only appends message batches to an inbox; a 4 Hz timer
+drains the inbox into the Session, takes one immutable Snapshot and hands it to every widget.
+However fast frames arrive, the UI does one ingest and one redraw per tick, and memory is bounded
+by the Session's own limits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Protocol
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Footer, RichLog
+
+from memtui.job_process import JobProcess
+from memtui.session import Session, Snapshot
+from memtui.tui.screens import ConfirmQuit, HelpScreen
+from memtui.tui.timeline import PileTimeline, TimelineData
+from memtui.tui.widgets import (
+    AlertsTable,
+    DtypeTable,
+    GapPanel,
+    JobHeader,
+    NotesLine,
+    PilesPanel,
+    TopActivations,
+)
+from memtui_agent import schema
+
+TICK_SECONDS = 0.25
+NARROW_WIDTH = 120
+
+
+class Source(Protocol):
+    """What the app reads: a recording, a socket, or a recording being written."""
+
+    live: bool
+    label: str
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        """Feed message batches to `sink` until the stream ends; why it ended."""
+        ...
+
+
+class MemtuiApp(App[int]):
+    """Live or replay, the same screen. The return value is the job's exit code (run mode)."""
+
+    CSS_PATH = "app.tcss"
+    TITLE = "memtui"
+    BINDINGS = [
+        Binding("q", "quit_app", "Quit"),
+        Binding("space", "toggle_pause", "Pause"),
+        Binding("left", "move(-1)", "Step -1", show=False),
+        Binding("right", "move(1)", "Step +1", show=False),
+        Binding("home", "home", "First", show=False),
+        Binding("end", "end", "Last", show=False),
+        Binding("n", "next_alert(1)", "Next alert"),
+        Binding("N", "next_alert(-1)", "Prev alert"),
+        Binding("u", "toggle_units", "GiB/GB"),
+        Binding("tab", "focus_next", "Focus", show=False),
+        Binding("question_mark", "help", "Help"),
+    ]
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        job: JobProcess | None = None,
+        warning: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.job = job
+        self.session = Session(source_label=source.label, live=source.live, warning=warning)
+        if not source.live:
+            self.session.follow = True
+        self._inbox: deque[list[schema.Message]] = deque()
+        self._stop = threading.Event()
+        self._rendered_version = -1
+        self._job_code: int | None = None
+
+    # ----- layout ---------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield JobHeader(id="header")
+        with VerticalScroll(id="body"):
+            yield NotesLine(id="notes")
+            with Horizontal(id="top-row"):
+                with Vertical(id="piles-box", classes="box"):
+                    yield PilesPanel(id="piles")
+                with Vertical(id="gap-box", classes="box"):
+                    yield GapPanel(id="gap")
+            with Vertical(id="timeline-box", classes="box"):
+                yield PileTimeline(id="timeline")
+            with Horizontal(id="bottom-row"):
+                with Vertical(id="alerts-box", classes="box"):
+                    yield AlertsTable(id="alerts")
+                with Vertical(id="dtypes-box", classes="box"):
+                    yield DtypeTable(id="dtypes")
+                with Vertical(id="activations-box", classes="box"):
+                    yield TopActivations(id="activations")
+            if self.job is not None:
+                with Vertical(id="output-box", classes="box"):
+                    yield RichLog(id="output", max_lines=2000, wrap=False, markup=False)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        titles = {
+            "piles-box": "Piles at the step's peak",
+            "gap-box": "Where the bytes are",
+            "timeline-box": "Piles over steps",
+            "alerts-box": "Alerts (newest first)",
+            "dtypes-box": "Dtypes",
+            "activations-box": "Top activations by module",
+            "output-box": "Job output",
+        }
+        for box_id, title in titles.items():
+            for box in self.query(f"#{box_id}"):
+                box.border_title = title
+        self._apply_width_class(self.size.width)
+        self._read_source()
+        self.set_interval(TICK_SECONDS, self.refresh_view)
+        self.refresh_view()
+
+    def on_resize(self, event: Any) -> None:
+        self._apply_width_class(event.size.width)
+
+    def _apply_width_class(self, width: int) -> None:
+        self.set_class(width < NARROW_WIDTH, "narrow")
+
+    # ----- the source ---------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="source")
+    def _read_source(self) -> None:
+        try:
+            reason = self.source.run(self._inbox.append, self._stop)
+        except Exception as exc:  # one handler for every source failure
+            reason = f"{type(exc).__name__}: {exc}"
+        self.call_from_thread(self._source_ended, reason)
+
+    def _source_ended(self, reason: str | None) -> None:
+        self.refresh_view()
+        if reason is not None or (self.source.live and self.session.end is None):
+            self.session.mark_disconnected(reason or "stream closed")
+        self.refresh_view()
+
+    # ----- the tick -------------------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        """Drain the inbox, then redraw every widget from one snapshot if anything changed."""
+        while self._inbox:
+            self.session.ingest(self._inbox.popleft())
+        if self.job is not None:
+            lines = self.job.take_lines()
+            if lines:
+                output = self.query_one("#output", RichLog)
+                for line in lines:
+                    output.write(line)
+            if self._job_code is None:
+                self._job_code = self.job.poll()
+                if self._job_code is not None:
+                    self.session.exit_code = self._job_code
+                    self.session.version += 1
+        if self.session.version == self._rendered_version:
+            return
+        self._rendered_version = self.session.version
+        timeline = self.query_one(PileTimeline)
+        snap = self.session.snapshot(timeline_width=max(timeline.size.width - 12, 20))
+        self.show(snap)
+
+    def show(self, snap: Snapshot) -> None:
+        """Hand the snapshot to every view."""
+        for widget_type in (JobHeader, NotesLine, PilesPanel, GapPanel):
+            self.query_one(widget_type).snapshot = snap
+        self.query_one(PileTimeline).data = TimelineData.from_snapshot(snap)
+        self.query_one(AlertsTable).snapshot = snap
+        self.query_one(DtypeTable).snapshot = snap
+        self.query_one(TopActivations).snapshot = snap
+
+    # ----- actions ---------------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self.refresh_view()
+
+    def action_move(self, delta: int) -> None:
+        self.session.move(delta)
+        self._changed()
+
+    def action_home(self) -> None:
+        self.session.home()
+        self._changed()
+
+    def action_end(self) -> None:
+        self.session.end_key()
+        self._changed()
+
+    def action_next_alert(self, direction: int) -> None:
+        self.session.next_alert(direction)
+        self._changed()
+
+    def action_toggle_units(self) -> None:
+        self.session.toggle_units()
+        self._changed()
+
+    def action_toggle_pause(self) -> None:
+        if self.session.live:
+            self.session.toggle_pause()
+            self._changed()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    @on(DataTable.RowSelected, "#alerts")
+    def _alert_selected(self, event: DataTable.RowSelected) -> None:
+        step = self.query_one(AlertsTable).step_of_row(event.row_key.value or "")
+        if step is not None:
+            self.session.jump_to_step(step)
+            self._changed()
+
+    def action_quit_app(self) -> None:
+        if self.job is not None and self.job.poll() is None:
+
+            def decide(kill: bool | None) -> None:
+                if kill:
+                    self.job.terminate() if self.job is not None else None
+                    self._finish()
+
+            self.push_screen(ConfirmQuit(), decide)
+            return
+        self._finish()
+
+    def _finish(self) -> None:
+        self._stop.set()
+        code = self.job.wait() if self.job is not None else 0
+        self.exit(code)
+
+
+def run_app(app: MemtuiApp) -> int:
+    """Run the app in the terminal; its exit code (the job's in run mode)."""
+    result = app.run()
+    return int(result) if result is not None else 0
+
+
+def recording_log_path(recording: Path | None) -> Path | None:
+    """`<recording>.log`: where the job's output is kept beside its recording."""
+    return recording.with_name(recording.name + ".log") if recording is not None else None

@@ -1,0 +1,112 @@
+"""Modal screens: the key help, the quit confirmation, and the list of live jobs to attach to."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, DataTable, Static
+
+HELP_TEXT = """\
+[b]memtui keys[/b]
+
+  q            quit (asks first while the job still runs)
+  space        pause / resume the live view
+  ← / →        previous / next step
+  Home / End   first / newest step (End follows live frames again)
+  n / N        next / previous step with an alert
+  u            binary units (GiB) / decimal units (GB)
+  Tab          move focus between panels; Enter on an alert jumps to its step
+  ?            this help; Esc closes it
+
+Piles are counted once per storage. "other" (GPU only) is the allocator's peak
+minus the tracked peak. Gap rows name what each difference is made of.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    """Every key, and how to read the numbers."""
+
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-dialog", classes="dialog"):
+            yield Static(HELP_TEXT, id="help-text")
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss(None)
+
+
+class ConfirmQuit(ModalScreen[bool]):
+    """Quitting while the job runs would kill it: ask first."""
+
+    BINDINGS = [
+        Binding("y", "answer(True)", "Kill the job"),
+        Binding("n,escape", "answer(False)", "Keep it running"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-dialog", classes="dialog"):
+            yield Static("The job is still running. Quit and stop it? [b]y[/b] / [b]n[/b]")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Stop the job and quit", id="yes", variant="error")
+                yield Button("Keep watching", id="no", variant="primary")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, value: bool) -> None:
+        self.dismiss(value)
+
+
+class AttachScreen(ModalScreen[dict[str, Any] | None]):
+    """This user's live jobs: pid, command, age, recording. Enter attaches."""
+
+    BINDINGS = [Binding("escape,q", "cancel", "Cancel")]
+
+    def __init__(self, jobs: list[dict[str, Any]], now: float | None = None) -> None:
+        super().__init__()
+        self.jobs = jobs
+        self.now = now if now is not None else time.time()
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="attach-dialog", classes="dialog"):
+            yield Static("[b]Live jobs[/b]: choose one and press Enter")
+            yield DataTable(id="jobs", cursor_type="row")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("pid", "command", "age", "recording")
+        for job in self.jobs:
+            age = max(0.0, self.now - float(job.get("started_unix") or self.now))
+            table.add_row(
+                str(job["pid"]),
+                " ".join(job.get("argv") or [])[:60],
+                format_age(age),
+                str(job.get("recording") or "(not recording)"),
+                key=str(job["pid"]),
+            )
+        table.focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        for job in self.jobs:
+            if str(job["pid"]) == event.row_key.value:
+                self.dismiss(job)
+                return
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+def format_age(seconds: float) -> str:
+    """`42s`, `5m03s`, `2h10m`: how long a job has been running."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

@@ -1,0 +1,264 @@
+"""Passive views of a `Snapshot`: each widget has one reactive in and renders, nothing else.
+
+No widget reads the Session or a source; the app hands every widget the same immutable snapshot
+at its tick, which is what lets live and replay look identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widgets import DataTable, Static
+
+from memtui.session import Snapshot, describe_rate
+from memtui.tui.timeline import PILE_COLOURS
+from memtui_agent.units import format_bytes
+
+PILE_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "other": "other",
+}
+
+
+def _size(value: int | None, binary: bool) -> str:
+    return format_bytes(value, binary)
+
+
+class JobHeader(Static):
+    """The job, where it is, and how this view is fed (live socket or recording)."""
+
+    DEFAULT_CSS = "JobHeader { height: 2; padding: 0 1; background: $panel; }"
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None:
+            return Text("memtui · connecting…")
+        width = max(self.size.width - 2, 10)
+        ended = "ended" in snap.state or "killed" in snap.state
+        first = Text(f" {snap.state} ", style="bold reverse" if ended else "bold reverse green")
+        step = (
+            f"step {snap.step} of {snap.steps_total}" if snap.step is not None else "no steps yet"
+        )
+        first.append(f"  {step} · {describe_rate(snap.steps_per_second)} · {snap.title}")
+        second = Text(snap.job or "(waiting for the job)", style="bold")
+        second.append(f"  {snap.source}", style="dim")
+        first.truncate(width, overflow="ellipsis")
+        second.truncate(width, overflow="ellipsis")
+        return Text("\n").join([first, second])
+
+
+class PilesPanel(Static):
+    """The step's peak composition as one stacked bar, then each pile's bytes, share and max."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+
+    def render(self) -> Any:
+        snap = self.snapshot
+        if snap is None or not snap.piles:
+            return Text("no piles yet: waiting for the first forward", style="dim")
+        width = max(self.size.width - 2, 10)
+        bar = Text()
+        used = 0
+        for row in snap.piles:
+            cells = round(row.share * width)
+            cells = min(cells, width - used)
+            if cells > 0:
+                bar.append(" " * cells, style=f"on {PILE_COLOURS[row.name]}")
+                used += cells
+        if used < width:
+            bar.append(" " * (width - used))
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column("pile", ratio=2)
+        table.add_column("at peak", justify="right", ratio=1)
+        table.add_column("share", justify="right", ratio=1)
+        table.add_column("step max", justify="right", ratio=1)
+        table.add_row(
+            Text("pile", style="bold"),
+            Text("at peak", style="bold"),
+            Text("share", style="bold"),
+            Text("step max", style="bold"),
+        )
+        for row in snap.piles:
+            name = Text("■ ", style=PILE_COLOURS[row.name])
+            name.append(PILE_LABELS[row.name])
+            if row.at_peak is None:
+                table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
+                continue
+            table.add_row(
+                name,
+                _size(row.at_peak, snap.binary),
+                f"{row.share * 100:.1f}%",
+                _size(row.step_max, snap.binary) if row.step_max is not None else "",
+            )
+        total = sum(row.at_peak or 0 for row in snap.piles)
+        table.add_row(Text("total at peak", style="bold"), _size(total, snap.binary), "", "")
+        extra = []
+        if snap.loss is not None:
+            extra.append(f"loss {snap.loss:.4g}")
+        if snap.microbatches:
+            extra.append(f"{snap.microbatches} microbatch{'es' if snap.microbatches > 1 else ''}")
+        if snap.skipped:
+            extra.append("SKIPPED by GradScaler")
+        from rich.console import Group
+
+        return Group(bar, table, Text(" · ".join(extra), style="dim"))
+
+
+class GapPanel(Static):
+    """Where the bytes are: each level of memory and what the difference to the last means."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+
+    def render(self) -> Any:
+        snap = self.snapshot
+        if snap is None or not snap.gap:
+            return Text("no data yet", style="dim")
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column("level", ratio=3, no_wrap=True)
+        table.add_column("bytes", justify="right", ratio=2, no_wrap=True)
+        table.add_column("gap", justify="right", ratio=2, no_wrap=True)
+        table.add_column("meaning", ratio=5, overflow="ellipsis", no_wrap=True)
+        for row in snap.gap:
+            if not row.applicable:
+                table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
+                continue
+            delta = "" if row.delta is None else "+" + _size(row.delta, snap.binary)
+            if row.delta is not None and row.delta < 0:
+                delta = _size(row.delta, snap.binary)
+            table.add_row(
+                row.label,
+                _size(row.value, snap.binary),
+                delta,
+                Text(row.meaning, style="dim"),
+            )
+        return table
+
+
+def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+    """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding."""
+    wanted = list(rows)
+    keys = [key for key, _ in wanted]
+    existing = {row_key.value for row_key in table.rows}
+    columns = list(table.columns)
+    if [row_key.value for row_key in table.rows] != keys:
+        table.clear()
+        for key, cells in wanted:
+            table.add_row(*cells, key=key)
+        return
+    for key, cells in wanted:
+        if key in existing:
+            for column, value in zip(columns, cells, strict=True):
+                table.update_cell(key, column, value)
+
+
+class DtypeTable(DataTable):  # type: ignore[type-arg]
+    """Pile x dtype -> bytes and number of unique storages."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.add_columns("pile", "dtype", "bytes", "storages")
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        sync_rows(
+            self,
+            (
+                (
+                    f"{pile}/{dtype}",
+                    (
+                        Text("■ ", style=PILE_COLOURS[pile]) + Text(PILE_LABELS[pile]),
+                        dtype,
+                        Text(_size(size, snap.binary), justify="right"),
+                        Text(str(count), justify="right"),
+                    ),
+                )
+                for pile, dtype, size, count in snap.dtypes
+            ),
+        )
+
+
+class TopActivations(DataTable):  # type: ignore[type-arg]
+    """Modules by saved-activation bytes live at once during the cursor step."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.add_columns("module", "saved")
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        sync_rows(
+            self,
+            (
+                (name, (name, Text(_size(size, snap.binary), justify="right")))
+                for name, size in snap.top_activations
+            ),
+        )
+
+
+class AlertsTable(DataTable):  # type: ignore[type-arg]
+    """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.add_columns("step", "kind", "where", "message")
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        sync_rows(
+            self,
+            (
+                (
+                    f"{index}",
+                    (
+                        Text(str(alert.step), justify="right"),
+                        Text(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
+                        alert.where or "",
+                        alert.message,
+                    ),
+                )
+                for index, alert in enumerate(snap.alerts)
+            ),
+        )
+
+    def step_of_row(self, row_key: str) -> int | None:
+        """The step number shown in a row (the first cell)."""
+        try:
+            cell = self.get_row(row_key)[0]
+        except Exception:
+            return None
+        try:
+            return int(str(cell))
+        except ValueError:
+            return None
+
+
+class NotesLine(Static):
+    """Warnings about the view itself: damaged recording tails, agent parts that turned off."""
+
+    DEFAULT_CSS = "NotesLine { height: auto; color: $warning; padding: 0 1; }"
+
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None or not snap.notes:
+            return Text("")
+        return Text(" · ".join(snap.notes))

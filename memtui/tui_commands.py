@@ -1,0 +1,180 @@
+"""The commands that open the TUI: `run` (without --headless), `demo`, `attach`, `replay`.
+
+Textual is imported here, lazily, so `memtui report` and headless runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from memtui.run_command import JobSpec, summary_line
+from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource
+from memtui_agent.runtime_dir import live_sidecars, runtime_dir
+
+EXIT_BAD_INPUT = 1
+
+
+def _need_terminal(command: str) -> str | None:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return f"memtui {command} needs a terminal for its UI (use --headless for a summary)"
+    return None
+
+
+class SessionSocketSource(LiveSource):
+    """The socket of the job `memtui run --no-record` started, found by its session token."""
+
+    def __init__(self, token: str, job_exited: Any) -> None:
+        super().__init__(Path("/nonexistent"), label="live socket")
+        self.token = token
+        self._job_exited = job_exited
+
+    def check(self) -> None:
+        """The socket appears only once the job imports torch; `run` waits for it."""
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        while not stop.is_set():
+            for job in live_sidecars():
+                if job.get("session") == self.token:
+                    self.socket_path = Path(str(job["socket"]))
+                    self.label = str(self.socket_path)
+                    try:
+                        LiveSource.check(self)
+                    except SourceError as exc:
+                        return str(exc)
+                    return LiveSource.run(self, sink, stop)
+            if self._job_exited():
+                return "the job ended before its agent started (did it import torch?)"
+            stop.wait(0.1)
+        return None
+
+
+def run_tui(job_spec: JobSpec) -> int:
+    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
+    problem = _need_terminal("run")
+    if problem:
+        print(f"memtui: error: {problem}", file=sys.stderr)
+        return 2
+    from memtui.job_process import JobProcess
+    from memtui.tui.app import MemtuiApp, recording_log_path, run_app
+
+    token = uuid.uuid4().hex
+    env = dict(job_spec.env, MEMTUI_SESSION=token)
+    log_path = recording_log_path(job_spec.recording)
+    try:
+        job = JobProcess(job_spec.command, env, log_path)
+    except OSError as exc:
+        print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+
+    def exited() -> bool:
+        return job.poll() is not None
+
+    source: Any
+    if job_spec.recording is not None:
+        source = TailSource(job_spec.recording, exited)
+    else:
+        source = SessionSocketSource(token, exited)
+    app = MemtuiApp(source, job=job)
+    try:
+        run_app(app)
+    finally:
+        if job.poll() is None:
+            job.terminate()
+    code = job.wait()
+    print(summary_line(job_spec, code), file=sys.stderr)
+    if log_path is not None:
+        print(f"memtui: job output kept in {log_path}", file=sys.stderr)
+    return code
+
+
+def replay(path: str) -> int:
+    """`memtui replay PATH`: the recording at its last step, the cursor free."""
+    source = ReplaySource(Path(path))
+    try:
+        source.check()
+    except SourceError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    problem = _need_terminal("replay")
+    if problem:
+        print(f"memtui: error: {problem}", file=sys.stderr)
+        return 2
+    from memtui.tui.app import MemtuiApp, run_app
+
+    run_app(MemtuiApp(source, warning=source.warning))
+    return 0
+
+
+def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
+    """The live jobs as lines: pid, age, command, recording."""
+    from memtui.tui.screens import format_age
+
+    now = now if now is not None else time.time()
+    lines = []
+    for job in jobs:
+        age = format_age(max(0.0, now - float(job.get("started_unix") or now)))
+        command = " ".join(job.get("argv") or [])
+        lines.append(f"{job['pid']:>8}  {age:>7}  {command}  ->  {job.get('recording') or '-'}")
+    return "\n".join(lines)
+
+
+def attach(pid: int | None, socket_path: str | None = None) -> int:
+    """`memtui attach [PID]`: one job attaches at once; several are listed to choose from."""
+    if socket_path is not None:
+        source = LiveSource(Path(socket_path))
+    else:
+        jobs = live_sidecars()
+        if pid is not None:
+            jobs = [job for job in jobs if int(job["pid"]) == pid]
+            if not jobs:
+                print(f"memtui: error: no live memtui job with pid {pid}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+        if not jobs:
+            print(
+                f"memtui: error: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr
+            )
+            return EXIT_BAD_INPUT
+        chosen = jobs[0] if len(jobs) == 1 else None
+        if chosen is None:
+            problem = _need_terminal("attach")
+            if problem:
+                print(list_jobs_text(jobs))
+                print("memtui: several jobs: give a PID", file=sys.stderr)
+                return 2
+            chosen = _choose_job(jobs)
+            if chosen is None:
+                return 0
+        source = LiveSource(Path(str(chosen["socket"])), label=f"attached to pid {chosen['pid']}")
+    try:
+        source.check()
+    except SourceError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    problem = _need_terminal("attach")
+    if problem:
+        print(f"memtui: error: {problem}", file=sys.stderr)
+        return 2
+    from memtui.tui.app import MemtuiApp, run_app
+
+    run_app(MemtuiApp(source))
+    return 0
+
+
+def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A small app showing only the attach list; the chosen job's sidecar, or None."""
+    from textual.app import App
+
+    from memtui.tui.screens import AttachScreen
+
+    class Chooser(App[dict[str, Any] | None]):
+        CSS_PATH = str(Path(__file__).with_name("tui") / "app.tcss")
+
+        def on_mount(self) -> None:
+            self.push_screen(AttachScreen(jobs), self.exit)
+
+    return Chooser().run()
