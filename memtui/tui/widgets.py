@@ -123,10 +123,10 @@ class GapPanel(Static):
         if snap is None or not snap.gap:
             return Text("no data yet", style="dim")
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column("level", ratio=3, no_wrap=True)
-        table.add_column("bytes", justify="right", ratio=2, no_wrap=True)
-        table.add_column("gap", justify="right", ratio=2, no_wrap=True)
-        table.add_column("meaning", ratio=5, overflow="ellipsis", no_wrap=True)
+        table.add_column("level", min_width=12, no_wrap=True, overflow="ellipsis")
+        table.add_column("bytes", justify="right", width=10, no_wrap=True)
+        table.add_column("gap", justify="right", width=11, no_wrap=True)
+        table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
         for row in snap.gap:
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")

@@ -1,0 +1,72 @@
+"""Regenerate `screenshots/*.svg` from a real recorded demo run (never drawn by hand).
+
+    python screenshots/make_screenshots.py
+
+Runs `memtui demo --headless` to record the bundled training job, then opens the recording in
+the TUI offscreen at two terminal sizes and saves what the screen shows. A second capture is taken
+live, while a slowed-down demo is still training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def record_demo(path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """Start the demo job recording to `path` (headless; the job's output is discarded)."""
+    command = [sys.executable, "-m", "memtui.cli", "demo", "--headless", "-o", str(path), *extra]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def capture(source: object, name: str, size: tuple[int, int], settle: float) -> None:
+    """Open the app on `source` offscreen and save its screen as `screenshots/<name>.svg`."""
+    from memtui.tui.app import MemtuiApp
+
+    app = MemtuiApp(source)  # type: ignore[arg-type]
+    async with app.run_test(size=size) as pilot:
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline:
+            await pilot.pause(0.25)
+            app.refresh_view()
+        app.save_screenshot(filename=f"{name}.svg", path=str(HERE))
+    print(f"wrote screenshots/{name}.svg")
+
+
+def main() -> int:
+    """Record, then capture replay (two sizes) and live."""
+    from memtui.sources import ReplaySource, TailSource
+
+    with tempfile.TemporaryDirectory() as folder:
+        finished = Path(folder) / "demo.memtui"
+        if record_demo(finished).wait() != 0:
+            print("the demo run failed", file=sys.stderr)
+            return 1
+        replay = ReplaySource(finished)
+        replay.label = "demo.memtui"
+        for size in ((160, 48), (80, 24)):
+            asyncio.run(capture(replay, f"replay-{size[0]}x{size[1]}", size, settle=1.5))
+        live_path = Path(folder) / "live.memtui"
+        job = record_demo(live_path, "--steps", "400", "--sleep", "0.05")
+        try:
+            while not live_path.exists():
+                time.sleep(0.1)
+            tail = TailSource(live_path, lambda: job.poll() is not None)
+            tail.label = "live.memtui"
+            asyncio.run(capture(tail, "live-160x48", (160, 48), settle=6.0))
+        finally:
+            job.terminate()
+            job.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TEXTUAL_ANIMATIONS", "none")
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""Shared pieces of the TUI tests: the fixture recording's messages, a fake source, a fake job.
+
+`tests/` is not a package and pytest runs with `--import-mode=importlib`, so the fixture builder
+is loaded from its file here and everything reaches the tests as pytest fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from rich.console import Console
+from textual.pilot import Pilot
+from textual.widget import Widget
+
+from memtui_agent import schema
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEMO_RECORDING = FIXTURES / "demo.memtui"
+
+
+def _load_fixture_builder() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "memtui_fixture_builder", FIXTURES / "make_fixture.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fixture_builder = _load_fixture_builder()
+
+
+def live_stream_messages() -> list[schema.Message]:
+    """The fixture run as a live socket sees it while the job still runs: no `End` yet."""
+    return fixture_builder.demo_messages(with_end=False)
+
+
+class FakeSource:
+    """A Source that hands prepared batches to the app, then (live) stays open until closed.
+
+    A live fake keeps its worker thread alive the way a socket does. It must end on its own,
+    because `asyncio.run` joins the executor's threads on exit: `close()` ends it, and so does a
+    deadline, so a forgotten close costs seconds, not a hung test run.
+    """
+
+    def __init__(
+        self,
+        messages: list[schema.Message],
+        *,
+        live: bool,
+        label: str = "fake source",
+        batch_size: int | None = None,
+        lifetime: float = 20.0,
+    ) -> None:
+        self.live = live
+        self.label = label
+        self._messages = list(messages)
+        self._batch_size = batch_size or max(len(messages), 1)
+        self._lifetime = lifetime
+        self._more: queue.Queue[tuple[list[schema.Message], threading.Event]] = queue.Queue()
+        self.delivered = threading.Event()
+        """Set once every prepared batch has been handed to the sink."""
+        self.closed = threading.Event()
+        self.stopped_by_app = False
+
+    def feed(self, messages: list[schema.Message]) -> threading.Event:
+        """More frames from the 'job'; the event is set once they are in the app's inbox."""
+        done = threading.Event()
+        self._more.put((list(messages), done))
+        return done
+
+    def close(self) -> None:
+        """The 'job' closes its socket."""
+        self.closed.set()
+
+    def run(
+        self, sink: Callable[[list[schema.Message]], None], stop: threading.Event
+    ) -> str | None:
+        for start in range(0, len(self._messages), self._batch_size):
+            sink(self._messages[start : start + self._batch_size])
+        self.delivered.set()
+        if not self.live:
+            return None
+        deadline = time.monotonic() + self._lifetime
+        while not stop.is_set():
+            try:
+                batch, done = self._more.get(timeout=0.02)
+            except queue.Empty:
+                if self.closed.is_set() or time.monotonic() > deadline:
+                    return "the job closed its socket"
+                continue
+            sink(batch)
+            done.set()
+        self.stopped_by_app = True
+        return None
+
+
+class FakeJob:
+    """Stands in for `JobProcess`: never a real process, so a test cannot kill anything."""
+
+    def __init__(self, lines: list[str] | None = None) -> None:
+        self.code: int | None = None
+        self.lines = list(lines or [])
+        self.terminated = False
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def take_lines(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+    def terminate(self) -> None:
+        self.terminated = True
+        self.code = 143
+
+    def wait(self) -> int:
+        return self.code if self.code is not None else 0
+
+
+@pytest.fixture
+def demo_messages() -> list[schema.Message]:
+    """Hello, Names, 24 Steps, End: exactly what `demo.memtui` holds."""
+    return fixture_builder.demo_messages()
+
+
+@pytest.fixture
+def live_messages() -> list[schema.Message]:
+    """The fixture run without its End (a job still running)."""
+    return live_stream_messages()
+
+
+@pytest.fixture
+def make_step() -> Callable[[int], schema.Step]:
+    """One fixture-shaped Step with any step number."""
+    return fixture_builder.make_step
+
+
+async def settle(pilot: Pilot[Any]) -> None:
+    """Wait until the app's source has handed over its frames, then draw them now.
+
+    The app drains its inbox on a 4 Hz timer; tests call `refresh_view()` themselves so what
+    they assert on never depends on where that timer happens to be.
+    """
+    app: Any = pilot.app
+    delivered = getattr(app.source, "delivered", None)
+    if delivered is None:
+        await app.workers.wait_for_complete()
+    else:
+        for _ in range(1000):
+            if delivered.is_set():
+                break
+            await pilot.pause(0.01)
+        assert delivered.is_set(), "the fake source never delivered its frames"
+    await pilot.pause()
+    app.refresh_view()
+    await pilot.pause()
+
+
+def drive(
+    app: Any,
+    body: Callable[[Pilot[Any]], Any],
+    *,
+    size: tuple[int, int] = (160, 48),
+) -> None:
+    """Run `body(pilot)` against a settled app, closing a live fake before the app exits.
+
+    `asyncio.run` joins the source's worker thread on the way out, so a live fake that nobody
+    closes would hold the test until its deadline.
+    """
+
+    async def scenario() -> None:
+        async with app.run_test(size=size) as pilot:
+            try:
+                await settle(pilot)
+                await body(pilot)
+            finally:
+                close = getattr(app.source, "close", None)
+                if close is not None:
+                    close()
+
+    asyncio.run(scenario())
+
+
+def plain(widget: Widget) -> str:
+    """What a Static-like widget renders right now, as text at its own width."""
+    out = io.StringIO()
+    console = Console(width=max(widget.size.width, 20), file=out, color_system=None)
+    console.print(widget.render())
+    return out.getvalue()
+
+
+class TuiKit:
+    """What the pilot and snapshot tests share: fakes, settling, driving, reading a widget."""
+
+    settle = staticmethod(settle)
+    drive = staticmethod(drive)
+    plain = staticmethod(plain)
+    FakeJob = FakeJob
+
+    def __init__(self) -> None:
+        self.sources: list[FakeSource] = []
+
+    def source(self, messages: list[schema.Message], **options: Any) -> FakeSource:
+        """A FakeSource that is closed at teardown whatever the test did."""
+        source = FakeSource(messages, **options)
+        self.sources.append(source)
+        return source
+
+
+@pytest.fixture
+def tui() -> Iterator[TuiKit]:
+    """Fakes and helpers for tests that run the app."""
+    kit = TuiKit()
+    yield kit
+    for source in kit.sources:
+        source.close()
