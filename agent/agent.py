@@ -18,21 +18,28 @@ from pathlib import Path
 from typing import Any
 
 from memtui_agent import schema
-from memtui_agent.failures import first_line, is_oom
+from memtui_agent.failures import first_line, is_oom, requested_bytes
 from memtui_agent.runtime_dir import ensure_private_dir, write_sidecar
+from memtui_agent.units import format_bytes
 
 
 class Agent:
     """Everything that runs inside the training process."""
 
     def __init__(
-        self, record: Path | None, serve: bool, argv: list[str], budget: int | None
+        self,
+        record: Path | None,
+        serve: bool,
+        argv: list[str],
+        budget: int | None,
+        nan_check: str = "default",
     ) -> None:
         self.pid = os.getpid()
         self.record = record.resolve() if record is not None else None
         self.serve = serve
         self.argv = argv
         self.budget = budget
+        self.nan_check = nan_check
         self._reported: set[str] = set()
         self._finished = False
         self._forked_child = False
@@ -82,7 +89,9 @@ class Agent:
                 self.socket_path = None
         try:
             self.ledger = Ledger()
-            self.tracker = Tracker(self.ledger, self._emit, self.report_failure)
+            self.tracker = Tracker(
+                self.ledger, self._emit, self.report_failure, self.budget, self.nan_check
+            )
             self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
             self.tracker.install()
         except BaseException:
@@ -205,10 +214,14 @@ class Agent:
         oom = is_oom(error)
         alerts = []
         if oom:
+            asked = requested_bytes(error)
+            size = f" asking for {format_bytes(asked)}" if asked is not None else ""
+            held = f"; tracked piles held {format_bytes(piles.total)}" if piles is not None else ""
             alerts.append(
                 schema.Alert(
                     kind="oom",
-                    message=f"out of memory in {phase} of step {step}: {first_line(error)}",
+                    message=f"out of memory in {phase} of step {step}{size}{held}: "
+                    f"{first_line(error)}",
                     where=where,
                 )
             )
@@ -216,6 +229,7 @@ class Agent:
             time=time.time(),
             status="error",
             code=exit_code,
+            requested=requested_bytes(error) if oom else None,
             error_type=type(error).__name__,
             error=first_line(error),
             step=step,

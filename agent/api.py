@@ -32,6 +32,7 @@ def start(
     socket: bool = True,
     argv: list[str] | None = None,
     budget: int | None = None,
+    nan_check: str = "default",
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
 
@@ -39,7 +40,10 @@ def start(
         record: recording path; None records nothing.
         socket: serve frames to live viewers on a private Unix socket.
         argv: the command line shown to viewers (defaults to `sys.argv`).
-        budget: memory budget in bytes, carried in the hello for viewers and reports.
+        budget: memory budget in bytes: `over_budget` alerts when the tracked peak, or the
+            forecast of the first optimizer step, exceeds it.
+        nan_check: "default" (one fused check per step, module checks armed after an alarm),
+            "full" (module outputs checked every step) or "off".
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -56,6 +60,7 @@ def start(
                 serve=socket,
                 argv=list(argv) if argv is not None else list(sys.argv),
                 budget=budget,
+                nan_check=nan_check,
             )
             agent.start()
         except Exception as exc:
@@ -96,10 +101,14 @@ def watch(model: Any = None, optimizer: Any = None) -> None:
 
 @contextlib.contextmanager
 def monitor(
-    record: str | os.PathLike[str] | None = None, *, socket: bool = True, budget: int | None = None
+    record: str | os.PathLike[str] | None = None,
+    *,
+    socket: bool = True,
+    budget: int | None = None,
+    nan_check: str = "default",
 ) -> Iterator[Any]:
     """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
-    agent = start(record, socket=socket, budget=budget)
+    agent = start(record, socket=socket, budget=budget, nan_check=nan_check)
     try:
         yield agent
     except BaseException as exc:

@@ -6,9 +6,9 @@ silently change those. A post-import hook on `sys.meta_path` wraps torch's loade
 `start()` after torch's module has executed, and restores the original loader on the module.
 
 Environment (all optional): MEMTUI_RECORD (path; empty for none), MEMTUI_SOCKET ("0" disables),
-MEMTUI_BUDGET (bytes), MEMTUI_ARGV (JSON list shown to viewers). MEMTUI_AGENT_OWNER is set by the
-first process that starts an agent, so its children (spawned DataLoader workers) do not start
-duplicates.
+MEMTUI_BUDGET (bytes), MEMTUI_NAN_CHECK (default/full/off), MEMTUI_ARGV (JSON list shown to
+viewers). MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
+(spawned DataLoader workers) do not start duplicates.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def config_from_environment() -> dict[str, Any]:
         "socket": os.environ.get("MEMTUI_SOCKET", "1") != "0",
         "argv": argv,
         "budget": budget,
+        "nan_check": os.environ.get("MEMTUI_NAN_CHECK", "default"),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import runpy
 from dataclasses import dataclass
 from types import TracebackType
@@ -22,6 +23,27 @@ def is_oom(error: BaseException) -> bool:
         text = str(error).lower()
         return any(marker in text for marker in OOM_MARKERS)
     return False
+
+
+_CUDA_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) ?([KMGT]i?B|bytes)", re.IGNORECASE)
+_CPU_REQUEST = re.compile(r"tried to allocate (\d+) bytes", re.IGNORECASE)
+_UNIT = {"b": 1, "bytes": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNIT.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def requested_bytes(error: BaseException) -> int | None:
+    """The allocation size an out-of-memory message names, if it names one.
+
+    CUDA: "Tried to allocate 2.00 GiB"; the CPU allocator: "you tried to allocate N bytes".
+    """
+    text = str(error)
+    match = _CPU_REQUEST.search(text)
+    if match:
+        return int(match.group(1))
+    match = _CUDA_REQUEST.search(text)
+    if match:
+        return int(float(match.group(1)) * _UNIT.get(match.group(2).lower(), 1))
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ so the emitter thread does it. Process RSS (about 20 us through psutil) is read 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from memtui_agent import schema
@@ -48,11 +47,11 @@ class PendingStep:
     skipped: bool
     losses: list[Any]
     scale: Any
+    scale_after: Any
     alerts: list[schema.Alert]
     top: list[schema.ModuleBytes]
     allocator: schema.Allocator
     dropped: int = 0
-    extra_alerts: list[schema.Alert] = field(default_factory=list)
 
     def finalize(self) -> schema.Step:
         """The `Step` message, with loss and scale resolved to floats."""
@@ -60,10 +59,17 @@ class PendingStep:
         if self.losses:
             loss = float(sum(float(value.item()) for value in self.losses))
         scale = float(self.scale.item()) if self.scale is not None else None
-        alerts = self.alerts + self.extra_alerts
-        if loss is not None and not math.isfinite(loss):
-            alerts.append(
-                schema.Alert(kind="nonfinite_loss", message=f"the loss is {loss} at this step")
+        alerts = list(self.alerts)
+        if self.skipped:
+            after = float(self.scale_after.item()) if self.scale_after is not None else None
+            change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
+            alerts.insert(
+                0,
+                schema.Alert(
+                    kind="skipped_step",
+                    message="GradScaler skipped the optimizer update (non-finite gradients)"
+                    + change,
+                ),
             )
         return schema.Step(
             step=self.step,

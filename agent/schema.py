@@ -86,11 +86,16 @@ class Host(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Something the user should act on. `kind` is one of DESIGN.md's alert kinds."""
+    """Something the user should act on. `kind` is one of DESIGN.md's alert kinds.
+
+    `group` is the step of an earlier alert this one follows from (e.g. every step after the
+    weights turned non-finite), so viewers can fold it under that first alert.
+    """
 
     kind: str
     message: str
     where: str | None = None
+    group: int | None = None
 
 
 class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
@@ -157,6 +162,14 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     dropped: int = 0
 
 
+class AlertNow(msgspec.Struct, tag="alert", frozen=True):
+    """An alert that cannot wait for its step to close (a forecast over budget, say)."""
+
+    time: float
+    step: int
+    alert: Alert
+
+
 class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
     """Live piles between step closes, at most about once a second.
 
@@ -191,7 +204,8 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     oom: bool = False
     piles: Piles | None = None
     alerts: list[Alert] = []
+    requested: int | None = None
 
 
-Message = Hello | Names | Step | Tick | AgentError | End
+Message = Hello | Names | Step | Tick | AgentError | End | AlertNow
 """Every message type, as a tagged union decoded by `wire`."""

@@ -25,7 +25,6 @@ from torch.optim.optimizer import (
 )
 
 from memtui_agent import schema
-from memtui_agent.allocator import read_allocator
 from memtui_agent.failures import ErrorContext
 from memtui_agent.ledger import (
     GRADIENTS,
@@ -36,11 +35,9 @@ from memtui_agent.ledger import (
     storages_of,
 )
 from memtui_agent.modules import ModuleRegistry
-from memtui_agent.pending import PendingStep
-from memtui_agent.units import format_bytes
+from memtui_agent.step_closer import StepCloser
 
 MAX_LOSSES_PER_STEP = 256
-TOP_MODULES = 10
 
 
 class _Saved:
@@ -77,11 +74,18 @@ class Tracker:
         ledger: Ledger,
         emit: Callable[[Any], None],
         fail: Callable[[str, BaseException], None],
+        budget: int | None = None,
+        nan_check: str = "default",
     ) -> None:
         self.ledger = ledger
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
+        self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check)
+        self._pending_skip: Any = None
+        self._scaled_backward = False
+        self._unscaled = False
+        self._warned_clip = False
         self.closed_steps = 0
         self.microbatches = 0
         self.step_started = time.time()
@@ -127,6 +131,10 @@ class Tracker:
         scaler_cls = torch.amp.grad_scaler.GradScaler
         self._wrap(scaler_cls, "step", self._wrap_scaler_step)
         self._wrap(scaler_cls, "scale", self._wrap_scaler_scale)
+        self._wrap(scaler_cls, "update", self._wrap_scaler_update)
+        self._wrap(scaler_cls, "unscale_", self._wrap_scaler_unscale)
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            self._wrap(torch.nn.utils, name, self._wrap_clip)
 
     def remove(self) -> None:
         """Undo `install()` and drop per-parameter hooks."""
@@ -209,6 +217,8 @@ class Tracker:
                 and sys._getframe(1).f_code.co_name == "_call_impl"
             ):
                 self._note_error(schema.Phase.FORWARD.value, self.registry.name(self._stack[-1]))
+            elif self._stack and self.closer.health.watching_modules(self.closed_steps + 1):
+                self.closer.health.module_output(self._stack[-1], args, output)
             if self._stack:
                 self._stack.pop()
         except Exception as exc:
@@ -289,6 +299,7 @@ class Tracker:
                 return
             scaled = self._scaled_loss
             if scaled is not None and scaled[0] == id(tensors):
+                self._scaled_backward = True
                 self._losses.append(scaled[1])
             else:
                 self._losses.append(tensors.detach())
@@ -309,6 +320,7 @@ class Tracker:
 
     def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            self._close_pending_skip(None)  # a skip whose update() never came
             posts_before = self._primary_posts
             try:
                 # The scale this step's backward used; `update()` changes it in place later,
@@ -326,12 +338,60 @@ class Tracker:
                         self.registry.add_optimizer(optimizer)
                         self._on_new_objects()
                     self._in_optimizer = False
-                    self.close_step(skipped=True)
+                    # Skipped: close at update(), which knows the scale after the skip.
+                    self._pending_skip = scaler
             except Exception as exc:
                 self._disable("steps", exc)
             return result
 
         return step
+
+    def _wrap_scaler_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(scaler, *args, **kwargs)
+            if self._pending_skip is scaler:
+                after = None
+                try:
+                    after = scaler._scale.detach().clone()
+                except Exception:
+                    pass
+                self._close_pending_skip(after)
+            return result
+
+        return update
+
+    def _wrap_scaler_unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def unscale_(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            self._unscaled = True
+            return original(scaler, *args, **kwargs)
+
+        return unscale_
+
+    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            if self._scaled_backward and not self._unscaled and not self._warned_clip:
+                self._warned_clip = True
+                self.pending_alerts.append(
+                    schema.Alert(
+                        kind="clip_before_unscale",
+                        message=f"{original.__name__} ran on gradients still multiplied by the "
+                        "GradScaler's scale: call scaler.unscale_(optimizer) first, or the "
+                        "clipping threshold applies to scaled gradients",
+                        where=original.__name__,
+                    )
+                )
+            return original(*args, **kwargs)
+
+        return clip
+
+    def _close_pending_skip(self, scale_after: Any) -> None:
+        if self._pending_skip is None:
+            return
+        self._pending_skip = None
+        try:
+            self.close_step(skipped=True, scale_after=scale_after)
+        except Exception as exc:
+            self._disable("steps", exc)
 
     # ----- optimizer hooks ---------------------------------------------------------------------
 
@@ -343,6 +403,12 @@ class Tracker:
             self.registry.add_optimizer(optimizer)
             if self.registry.generation != self._synced_generation:
                 self._on_new_objects()
+            if self.closer.first_sight(optimizer):
+                # State some optimizers create up front (Adagrad) is not the first step's doing.
+                self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+                self.closer.before_first_step(
+                    optimizer, self.closed_steps + 1, self.ledger.current()
+                )
         except Exception as exc:
             self._disable("steps", exc)
 
@@ -374,7 +440,7 @@ class Tracker:
         self.ledger.sync(GRADIENTS, grads)
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
 
-    def close_step(self, skipped: bool) -> None:
+    def close_step(self, skipped: bool, scale_after: Any = None) -> None:
         """Turn the current window into a `Step` and start the next one."""
         if self.registry.generation != self._synced_generation or self.closed_steps % 64 == 0:
             # New objects, or a periodic look for parameters unfrozen since (their gradients
@@ -382,47 +448,25 @@ class Tracker:
             self._synced_generation = self.registry.generation
             self._hook_new_parameters()
         self.resync()
-        end, high, peak, dtypes = self.ledger.snapshot()
         self.closed_steps += 1
-        step = self.closed_steps
-        alerts = list(self.pending_alerts)
+        extra = list(self.pending_alerts)
         self.pending_alerts.clear()
-        if skipped:
-            alerts.append(
-                schema.Alert(
-                    kind="skipped_step",
-                    message="GradScaler skipped the optimizer update (non-finite gradients)",
-                )
-            )
-        if step == 1 and end.optimizer_state > 0:
-            alerts.append(
-                schema.Alert(
-                    kind="first_step_growth",
-                    message="the first optimizer step allocated "
-                    f"{format_bytes(end.optimizer_state)} ({end.optimizer_state:,} bytes) "
-                    "of optimizer state",
-                )
-            )
-        pending = PendingStep(
-            step=step,
+        pending = self.closer.close(
+            step=self.closed_steps,
             t_start=self.step_started,
-            t_end=time.time(),
-            end=end,
-            high=high,
-            peak=peak,
-            dtypes=dtypes,
-            microbatches=self.microbatches,
             skipped=skipped,
+            microbatches=self.microbatches,
             losses=self._losses,
             scale=self._scale,
-            alerts=alerts,
-            top=self.ledger.top_modules(TOP_MODULES),
-            allocator=read_allocator(),
+            scale_after=scale_after,
+            extra_alerts=extra,
         )
         self._emit(pending)
         self._losses = []
         self._scale = None
         self.microbatches = 0
+        self._scaled_backward = False
+        self._unscaled = False
         self.step_started = pending.t_end
         self.ledger.reset_step()
 

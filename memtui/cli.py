@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
     target.add_argument("--no-record", action="store_true", help="write no recording")
     run.add_argument("--budget", type=_size, metavar="SIZE", help="memory budget, e.g. 24GB")
+    run.add_argument(
+        "--nan-check",
+        choices=("default", "full", "off"),
+        default="default",
+        help="NaN/Inf checks: one fused check per step, module outputs armed after an alarm "
+        "(default); module outputs every step (full); none (off)",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
@@ -65,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the JSON report")
     report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
 
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate weights, gradients and optimizer state before training",
+        description="Bytes per GPU for weights, gradients and optimizer state (not activations).",
+    )
+    counted = estimate.add_mutually_exclusive_group(required=True)
+    counted.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 1.5B, 10M")
+    counted.add_argument(
+        "--model", metavar="MODULE:CALLABLE", help="count a model's parameters on the meta device"
+    )
+    estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
+    estimate.add_argument(
+        "--scheme",
+        default="mixed-adam",
+        choices=["fp32-sgd", "fp32-momentum", "fp32-adam", "mixed-adam"],
+        help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes)",
+    )
+    estimate.add_argument("--gpus", type=int, default=1, metavar="G", help="data-parallel GPUs")
+    estimate.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
+
     demo = commands.add_parser("demo", help="run the bundled small training job")
     demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
     demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
@@ -72,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RUN_VALUE_FLAGS = {"-o", "--output", "--budget"}
+RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check"}
 
 
 def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -126,7 +154,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     target = list(args.target)
     try:
-        job = build_job(target, args.module, args.output, args.no_record, args.budget)
+        job = build_job(
+            target, args.module, args.output, args.no_record, args.budget, args.nan_check
+        )
     except UsageError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -194,6 +224,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """`memtui estimate`: resident training state per GPU, before renting any."""
+    from memtui.estimate import estimate, parse_count, render_text
+    from memtui.model_count import ModelCountError, count_model
+
+    try:
+        trainable = None if args.trainable is None else parse_count(args.trainable)
+        if args.model:
+            params, counted = count_model(args.model)
+            trainable = counted if trainable is None else trainable
+        else:
+            params = parse_count(args.params)
+        result = estimate(params, trainable, args.scheme, args.gpus, args.zero)
+    except (ValueError, ModelCountError) as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `memtui` console script."""
     parser = build_parser()
@@ -214,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "run": cmd_run,
         "report": cmd_report,
+        "estimate": cmd_estimate,
         "demo": cmd_demo,
         "attach": cmd_attach,
         "replay": cmd_replay,

@@ -31,6 +31,7 @@ class Recording:
     steps: list[schema.Step] = field(default_factory=list)
     last_tick: schema.Tick | None = None
     agent_errors: list[schema.AgentError] = field(default_factory=list)
+    early_alerts: list[schema.AlertNow] = field(default_factory=list)
     end: schema.End | None = None
     warning: str | None = None
 
@@ -55,6 +56,8 @@ def apply(recording: Recording, message: schema.Message) -> None:
     """Fold one message into a recording (also used for live streams)."""
     if isinstance(message, schema.Step):
         recording.steps.append(message)
+    elif isinstance(message, schema.AlertNow):
+        recording.early_alerts.append(message)
     elif isinstance(message, schema.Tick):
         recording.last_tick = message
     elif isinstance(message, schema.Names):

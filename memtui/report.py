@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from memtui.recording import Recording
-from memtui_agent.schema import PILES, Step
+from memtui_agent.schema import PILES, Alert, Step
 from memtui_agent.units import format_bytes
 
 ALLOCATOR_KEYS = (
@@ -48,7 +48,7 @@ def step_report(step: Step, recording: Recording) -> dict[str, Any]:
             for item in step.top_activations
         ],
         "alerts": [
-            {"kind": alert.kind, "message": alert.message, "where": alert.where}
+            {key: value for key, value in alert_dict(step.step, alert).items() if key != "step"}
             for alert in step.alerts
         ],
     }
@@ -64,6 +64,9 @@ def exit_report(recording: Recording) -> dict[str, Any]:
             "error": end.error if end.error_type is None else f"{end.error_type}: {end.error}",
             "step": end.step,
             "phase": end.phase,
+            "oom": end.oom,
+            "requested": end.requested,
+            "piles": end.piles.as_dict() if end.piles is not None else None,
         }
     status = recording.status()
     last_step = recording.steps[-1].step if recording.steps else 0
@@ -82,23 +85,27 @@ def _last_step_time(recording: Recording) -> float:
     return recording.steps[-1].t_end if recording.steps else 0.0
 
 
+def alert_dict(step: int | None, alert: Alert) -> dict[str, Any]:
+    """One alert in the report: the contract's keys, plus `group` when it follows another."""
+    entry: dict[str, Any] = {
+        "step": step,
+        "kind": alert.kind,
+        "message": alert.message,
+        "where": alert.where,
+    }
+    if alert.group is not None:
+        entry["group"] = alert.group
+    return entry
+
+
 def all_alerts(recording: Recording) -> list[dict[str, Any]]:
-    """Every alert with its step, in order; the job's fatal alerts (OOM) come last."""
-    alerts = [
-        {"step": step.step, "kind": alert.kind, "message": alert.message, "where": alert.where}
-        for step in recording.steps
-        for alert in step.alerts
-    ]
+    """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
+    before their step's own alerts, the job's fatal alerts (OOM) last."""
+    alerts = [alert_dict(early.step, early.alert) for early in recording.early_alerts]
+    alerts.extend(alert_dict(step.step, alert) for step in recording.steps for alert in step.alerts)
+    alerts.sort(key=lambda entry: entry["step"] or 0)
     if recording.end is not None:
-        alerts.extend(
-            {
-                "step": recording.end.step,
-                "kind": alert.kind,
-                "message": alert.message,
-                "where": alert.where,
-            }
-            for alert in recording.end.alerts
-        )
+        alerts.extend(alert_dict(recording.end.step, alert) for alert in recording.end.alerts)
     return alerts
 
 

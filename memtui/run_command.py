@@ -61,6 +61,7 @@ def build_job(
     output: str | None,
     no_record: bool,
     budget: int | None,
+    nan_check: str = "default",
 ) -> JobSpec:
     """Turn the parsed command line into the child's argv and environment.
 
@@ -104,6 +105,7 @@ def build_job(
     env["MEMTUI_ARGV"] = json.dumps(display)
     if budget is not None:
         env["MEMTUI_BUDGET"] = str(budget)
+    env["MEMTUI_NAN_CHECK"] = nan_check
     return JobSpec(command=command, display=display, env=env, recording=recording)
 
 

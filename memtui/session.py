@@ -121,6 +121,8 @@ class Session:
                 self._add_step(message)
             elif isinstance(message, schema.Tick):
                 self.last_tick = message
+            elif isinstance(message, schema.AlertNow):
+                self._add_alert(message.step, message.alert)
             elif isinstance(message, schema.Names):
                 for offset, name in enumerate(message.names):
                     self.module_names[message.first_id + offset] = name
@@ -233,7 +235,10 @@ class Session:
     def _ending(self) -> str:
         end = self.end
         if end is None:
-            return f"ended: {self.disconnected}" if self.disconnected else "killed (no final frame)"
+            code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
+            if self.disconnected:
+                return f"ended{code}: {self.disconnected}"
+            return f"killed{code} (no final frame)"
         code = f" (exit {end.code})" if end.code is not None else ""
         if end.status == "ok":
             return f"ended: ok{code}"

@@ -45,10 +45,11 @@ class JobHeader(Static):
         width = max(self.size.width - 2, 10)
         ended = "ended" in snap.state or "killed" in snap.state
         first = Text(f" {snap.state} ", style="bold reverse" if ended else "bold reverse green")
-        step = (
-            f"step {snap.step} of {snap.steps_total}" if snap.step is not None else "no steps yet"
-        )
-        first.append(f"  {step} · {describe_rate(snap.steps_per_second)} · {snap.title}")
+        parts = [describe_rate(snap.steps_per_second), snap.title]
+        if not snap.state.startswith("replay"):  # replay's state already says which step
+            step = f"step {snap.step} of {snap.steps_total}" if snap.step is not None else None
+            parts.insert(0, step or "no steps yet")
+        first.append("  " + " · ".join(parts))
         second = Text(snap.job or "(waiting for the job)", style="bold")
         second.append(f"  {snap.source}", style="dim")
         first.truncate(width, overflow="ellipsis")

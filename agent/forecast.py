@@ -1,0 +1,80 @@
+"""Forecast the optimizer state the first `step()` will allocate, before it does.
+
+The seeds' failure mode: the forward fits, then `optimizer.step()` dies of out-of-memory because
+it allocates the moments for the first time. Optimizers create state lazily, per parameter that
+has a gradient, with tensors shaped like the parameter in its dtype, plus a float32 step counter.
+The table below is the per-parameter layout of torch.optim's state (checked against torch 2.13);
+an optimizer it does not know gets no forecast rather than a guess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEP_BYTES = 4
+"""`state["step"]` is a float32 scalar tensor in torch.optim (its own storage)."""
+
+
+def _full(parameter: Any) -> int:
+    return parameter.numel() * parameter.element_size()
+
+
+def _adafactor(parameter: Any, group: dict[str, Any]) -> int:
+    """Factored second moments: one row and one column vector per matrix, full for vectors."""
+    size = parameter.element_size()
+    if parameter.dim() < 2:
+        return _full(parameter) + STEP_BYTES
+    shape = tuple(parameter.shape)
+    leading = 1
+    for extent in shape[:-2]:
+        leading *= extent
+    return leading * (shape[-2] + shape[-1]) * size + STEP_BYTES
+
+
+def per_parameter_bytes(optimizer: Any, parameter: Any, group: dict[str, Any]) -> int | None:
+    """Bytes of state one parameter will get, or None for an optimizer we cannot forecast."""
+    name = type(optimizer).__name__
+    full = _full(parameter)
+    if name in ("Adam", "AdamW"):
+        extra = full if group.get("amsgrad") else 0
+        return 2 * full + extra + STEP_BYTES
+    if name in ("Adamax", "RAdam", "Adadelta"):
+        return 2 * full + STEP_BYTES
+    if name == "NAdam":
+        return 2 * full + 2 * STEP_BYTES
+    if name == "SGD":
+        return full if group.get("momentum", 0) else 0
+    if name == "RMSprop":
+        extra = (full if group.get("momentum", 0) else 0) + (full if group.get("centered") else 0)
+        return full + extra + STEP_BYTES
+    if name == "Adagrad":
+        return full + STEP_BYTES
+    if name == "Adafactor":
+        return _adafactor(parameter, group)
+    if name == "ASGD":
+        return full + 3 * STEP_BYTES
+    if name == "Rprop":
+        return 2 * full + STEP_BYTES
+    return None
+
+
+def forecast_first_step(optimizer: Any) -> int | None:
+    """State bytes the optimizer will hold after its first step, counting only parameters that
+    have a gradient now (the ones the step will initialise). None if the type is unknown.
+
+    Parameters that already have state (a loaded checkpoint) add nothing.
+    """
+    total = 0
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) in seen or parameter.grad is None:
+                continue
+            seen.add(id(parameter))
+            if optimizer.state.get(parameter):
+                continue
+            size = per_parameter_bytes(optimizer, parameter, group)
+            if size is None:
+                return None
+            total += size
+    return total

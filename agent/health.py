@@ -1,0 +1,213 @@
+"""Numerical health: non-finite losses, gradients and activations, found cheaply and exactly.
+
+Healthy steps pay one fused check at step close: `torch._amp_foreach_non_finite_check_and_unscale_`
+with a scale of one over every gradient (per device and dtype, as GradScaler groups them), plus a
+finiteness check of the step's losses, read back with a single device-to-host transfer. These are
+exact: norm-based checks overflow on large finite values (1e25 in fp32, 6e4 in fp16) and raise
+false alarms.
+
+Finding the origin costs more, so it is paid only when needed:
+
+- On an alarm, which parameters have non-finite gradients is worked out at once (names in the
+  alert's `where`), and whether the update left the weights themselves non-finite.
+- Per-module output checks (device-side flags, read at step close with the same single transfer)
+  are armed for the next `ARMED_STEPS` steps after an alarm, or for every step in `full` mode. The
+  first module in execution order whose output is non-finite while its inputs are finite is the
+  origin (`nonfinite_activation`).
+
+Trade-off: in the default mode a non-finite forward that happens once is reported (loss and
+gradient alerts with parameter names) but its module is named only if it recurs while armed;
+`full` mode names it the first time, at the price of two small kernels per module call.
+
+Once the weights are non-finite every later step is non-finite too; those alerts carry `group`
+(the step of the first alert) so they are shown under it instead of burying it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memtui_agent import schema
+
+ARMED_STEPS = 20
+MAX_NAMES = 5
+MODES = ("default", "full", "off")
+
+
+def _floating(value: Any) -> list[Any]:
+    """Floating-point tensors at the first level of a module's input or output."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return []
+
+
+def _all_finite(tensors: list[Any]) -> Any:
+    """A 0-dim device bool: every element of every tensor is finite (no host sync)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    if not flags:
+        return None
+    return (
+        flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
+    )
+
+
+class HealthMonitor:
+    """Per-step finiteness state: armed module checks, and when the weights went bad."""
+
+    def __init__(self, mode: str = "default") -> None:
+        self.mode = mode if mode in MODES else "default"
+        self.armed_until = 0
+        self.weights_bad_since: int | None = None
+        self._module_flags: list[tuple[int, Any, Any]] = []
+
+    def watching_modules(self, step: int) -> bool:
+        """Whether module outputs are checked during this step."""
+        return self.mode == "full" or (self.mode == "default" and step <= self.armed_until)
+
+    def module_output(self, module_id: int, args: Any, output: Any) -> None:
+        """Record device flags for one module call (inputs finite, output finite)."""
+        out_flag = _all_finite(_floating(output))
+        if out_flag is None:
+            return
+        in_flag = _all_finite(_floating(args))
+        self._module_flags.append((module_id, out_flag, in_flag))
+
+    def close(
+        self,
+        step: int,
+        named_grads: list[tuple[str, Any]],
+        losses: list[Any],
+        parameters: list[tuple[str, Any]],
+        skipped: bool,
+        module_name: Any,
+    ) -> list[schema.Alert]:
+        """Check the step; return its alerts. One host transfer when healthy."""
+        module_flags, self._module_flags = self._module_flags, []
+        if self.mode == "off" or (not named_grads and not losses and not module_flags):
+            return []
+        checks = self._device_checks([g for _, g in named_grads], losses, module_flags)
+        if checks is None:
+            return []
+        values = checks.tolist()  # the one device-to-host transfer of a healthy step
+        grads_bad, loss_bad = values[0] > 0, values[1] > 0
+        module_ok = values[2 : 2 + len(module_flags)]
+        inputs_ok = values[2 + len(module_flags) :]
+        if not grads_bad and not loss_bad and all(module_ok):
+            return []
+        return self._alerts(
+            step,
+            named_grads,
+            parameters,
+            skipped,
+            (loss_bad, grads_bad),
+            module_flags,
+            (module_ok, inputs_ok),
+            module_name,
+        )
+
+    def _device_checks(
+        self, grads: list[Any], losses: list[Any], module_flags: list[tuple[int, Any, Any]]
+    ) -> Any:
+        """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
+        device = None
+        grads_bad = None
+        groups: dict[tuple[Any, Any], list[Any]] = {}
+        for grad in grads:
+            if grad.is_sparse or not grad.is_floating_point():
+                continue
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (grad_device, _dtype), members in groups.items():
+            found = torch.zeros(1, device=grad_device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                members, found, torch.ones(1, device=grad_device)
+            )
+            device = device or grad_device
+            found = found.to(device)
+            grads_bad = found if grads_bad is None else grads_bad + found
+        if losses:
+            device = device or losses[0].device
+            stacked = torch.stack([loss.detach().float().reshape(()).to(device) for loss in losses])
+            loss_bad = (~torch.isfinite(stacked)).any().float().reshape(1)
+        else:
+            loss_bad = None
+        if device is None and module_flags:
+            device = module_flags[0][1].device
+        if device is None:
+            return None
+        zero = torch.zeros(1, device=device)
+        parts = [
+            grads_bad if grads_bad is not None else zero,
+            loss_bad if loss_bad is not None else zero,
+        ]
+        if module_flags:
+            true = torch.ones((), device=device, dtype=torch.bool)
+            parts.append(torch.stack([flag.to(device) for _, flag, _ in module_flags]))
+            parts.append(
+                torch.stack([(f if f is not None else true).to(device) for _, _, f in module_flags])
+            )
+        return torch.cat([p.reshape(-1).float() for p in parts])
+
+    def _alerts(
+        self,
+        step: int,
+        named_grads: list[tuple[str, Any]],
+        parameters: list[tuple[str, Any]],
+        skipped: bool,
+        bad: tuple[bool, bool],
+        module_flags: list[tuple[int, Any, Any]],
+        module_checks: tuple[list[float], list[float]],
+        module_name: Any,
+    ) -> list[schema.Alert]:
+        loss_bad, grads_bad = bad
+        module_ok, inputs_ok = module_checks
+        grouped = self.weights_bad_since
+        alerts: list[schema.Alert] = []
+        if self.mode == "default" and not skipped:
+            self.armed_until = step + ARMED_STEPS
+        for index, ok in enumerate(module_ok):
+            if not ok:
+                module_id = module_flags[index][0]
+                where = module_name(module_id)
+                if inputs_ok[index]:
+                    message = f"output of {where} turned non-finite from finite inputs"
+                else:
+                    message = f"input of {where} was already non-finite (bad data or upstream)"
+                alerts.append(self._alert("nonfinite_activation", message, where, grouped))
+                break
+        if loss_bad:
+            alerts.append(self._alert("nonfinite_loss", "the loss is NaN or Inf", None, grouped))
+        if grads_bad and not skipped:
+            names = self._nonfinite_names(named_grads)
+            shown = ", ".join(names[:MAX_NAMES])
+            more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
+            message = f"{len(names)} parameter gradient(s) are NaN or Inf"
+            if not loss_bad:
+                message += " under a finite loss"
+            alerts.append(self._alert("nonfinite_gradient", message, shown + more, grouped))
+        if self.weights_bad_since is None and not skipped:
+            bad_weights = self._nonfinite_names(parameters)
+            if bad_weights:
+                self.weights_bad_since = step
+        return alerts
+
+    def _alert(self, kind: str, message: str, where: str | None, group: int | None) -> schema.Alert:
+        if group is not None:
+            message += f" (weights non-finite since step {group})"
+        return schema.Alert(kind=kind, message=message, where=where, group=group)
+
+    @staticmethod
+    def _nonfinite_names(named: list[tuple[str, Any]]) -> list[str]:
+        """Names of tensors holding NaN/Inf (alarm path only: one transfer for all of them)."""
+        named = [(n, t) for n, t in named if t is not None and t.is_floating_point() and t.numel()]
+        if not named:
+            return []
+        flags = [torch.isfinite(t).all() for _, t in named]
+        device = flags[0].device
+        flags = torch.stack([flag.to(device) for flag in flags]).tolist()
+        return [name for (name, _), ok in zip(named, flags, strict=True) if not ok]

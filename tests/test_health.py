@@ -1,0 +1,251 @@
+"""Numerical health and will-it-fit: non-finite origins, GradScaler, forecasts, budgets, OOM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memtui.recording import read_recording
+from memtui.report import build_report
+
+NAN_JOB = """
+import sys, torch, memtui_agent
+mode, inject = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+
+class Boom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.step = 0
+    def forward(self, x):
+        y = self.lin(x)
+        if inject == "activation" and self.step == 3:
+            y = y * float("inf")
+        return y
+
+with memtui_agent.monitor(record="rec.memtui", socket=False, nan_check=mode):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.ReLU(), Boom(), torch.nn.Linear(8, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 6):
+        model[2].step = step
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        if inject == "gradient" and step == 3:
+            model[3].weight.grad[0, 0] = float("nan")
+        opt.step()
+"""
+
+SCALER_JOB = """
+import torch, memtui_agent
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(2, 8)).pow(2).mean()).backward()
+        if step == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # wrong: before unscale_
+        if step == 1:
+            model.weight.grad[0, 0] = float("inf")
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+"""
+
+FORECAST_JOB = """
+import sys, torch, memtui_agent
+name, kwargs = sys.argv[1], eval(sys.argv[2])
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False))
+    model[1].weight.requires_grad_(False)  # frozen: no state for it
+    opt = getattr(torch.optim, name)(model.parameters(), **kwargs)
+    opt.zero_grad()
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    truth = {}
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                truth[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    print("TRUTH", sum(truth.values()))
+"""
+
+OOM_JOB = """
+import torch, memtui_agent
+class Greedy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            torch.empty(1 << 62, dtype=torch.uint8)
+        return self.lin(x)
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = torch.nn.Sequential(Greedy())
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(3):
+        opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()
+"""
+
+BUDGET_JOB = """
+import torch, memtui_agent
+with memtui_agent.monitor(record="rec.memtui", socket=False, budget=int(__import__("sys").argv[1])):
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):
+        opt.zero_grad(); model(torch.randn(8, 256)).sum().backward(); opt.step()
+"""
+
+
+def _run(tmp_path: Path, source: str, *args: str, ok: bool = True) -> tuple[str, Any]:
+    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    result = subprocess.run(
+        [sys.executable, "-c", source, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if ok:
+        assert result.returncode == 0, result.stderr
+    return result.stdout, build_report(read_recording(tmp_path / "rec.memtui"))
+
+
+def _alerts(report: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    return [alert for alert in report["alerts"] if alert["step"] == step]
+
+
+def test_full_mode_names_the_module_whose_output_turned_nonfinite(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, NAN_JOB, "full", "activation")
+    assert not any(alert["step"] < 3 for alert in report["alerts"])
+    first = _alerts(report, 3)
+    kinds = [alert["kind"] for alert in first]
+    assert kinds == ["nonfinite_activation", "nonfinite_loss", "nonfinite_gradient"]
+    assert first[0]["where"] == "2"  # Sequential index of Boom, the injecting module
+    assert "from finite inputs" in first[0]["message"]
+    assert all("group" not in alert for alert in first)
+    # Later steps are non-finite only because the update made the weights NaN: grouped.
+    later = [alert for alert in report["alerts"] if alert["step"] > 3]
+    assert later and all(alert.get("group") == 3 for alert in later)
+
+
+def test_default_mode_flags_the_step_and_arms_module_checks(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, NAN_JOB, "default", "activation")
+    first = _alerts(report, 3)
+    assert [alert["kind"] for alert in first] == ["nonfinite_loss", "nonfinite_gradient"]
+    assert "2.lin.weight" in first[1]["where"]
+    armed = [a for a in report["alerts"] if a["step"] == 4 and a["kind"] == "nonfinite_activation"]
+    assert armed and armed[0]["group"] == 3
+
+
+def test_nonfinite_gradient_under_finite_loss_names_the_parameter(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, NAN_JOB, "default", "gradient")
+    first = _alerts(report, 3)
+    assert [alert["kind"] for alert in first] == ["nonfinite_gradient"]
+    assert first[0]["where"] == "3.weight"
+    assert "under a finite loss" in first[0]["message"]
+
+
+def test_off_mode_checks_nothing(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, NAN_JOB, "off", "gradient")
+    assert not [a for a in report["alerts"] if a["kind"].startswith("nonfinite")]
+
+
+def test_grad_scaler_skip_with_scales_and_clip_order_warning(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, SCALER_JOB)
+    steps = report["steps"]
+    assert [step["skipped"] for step in steps] == [False, True, False]
+    assert [step["scale"] for step in steps] == [1024.0, 1024.0, 512.0]
+    kinds = [alert["kind"] for alert in _alerts(report, 1)]
+    assert "clip_before_unscale" in kinds  # clipping scaled gradients, the seeds' wrong order
+    skipped = _alerts(report, 2)
+    assert [alert["kind"] for alert in skipped] == ["skipped_step"]
+    assert "1024 -> 512" in skipped[0]["message"]
+    assert not _alerts(report, 3)  # the correct order (unscale_, then clip) is not flagged
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("Adam", {}),
+        ("AdamW", {"foreach": False}),
+        ("Adam", {"amsgrad": True}),
+        ("SGD", {"lr": 0.1}),
+        ("SGD", {"lr": 0.1, "momentum": 0.9}),
+        ("RMSprop", {}),
+        ("RMSprop", {"momentum": 0.9, "centered": True}),
+        ("Adagrad", {}),
+        ("Adafactor", {}),
+    ],
+)
+def test_first_step_forecast_equals_what_the_step_allocates(
+    tmp_path: Path, name: str, kwargs: dict[str, Any]
+) -> None:
+    stdout, report = _run(tmp_path, FORECAST_JOB, name, repr(kwargs))
+    truth = int(stdout.split("TRUTH")[1])
+    step = report["steps"][0]
+    assert step["end"]["optimizer_state"] == truth
+    growth = [alert for alert in step["alerts"] if alert["kind"] == "first_step_growth"]
+    if truth == 0 or name == "Adagrad":  # Adagrad allocates its state in __init__, not step()
+        assert not growth
+    else:
+        assert "as forecast" in growth[0]["message"]
+        assert f"({truth:,} bytes)" in growth[0]["message"]
+
+
+def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
+    tmp_path: Path,
+) -> None:
+    _, report = _run(tmp_path, OOM_JOB, ok=False)
+    ending = report["exit"]
+    assert ending["status"] == "error" and ending["oom"] is True
+    assert (ending["step"], ending["phase"]) == (2, "forward")
+    assert ending["requested"] == 1 << 62
+    assert ending["piles"]["weights"] == (16 + 4) * 4
+    oom = [alert for alert in report["alerts"] if alert["kind"] == "oom"]
+    assert len(oom) == 1 and oom[0]["step"] == 2
+    text = subprocess.run(
+        [sys.executable, "-m", "memtui.cli", "report", str(tmp_path / "rec.memtui")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert text.splitlines()[0].startswith("OUT OF MEMORY at step 2")
+
+
+def test_budget_forecast_warns_before_the_first_step(tmp_path: Path) -> None:
+    weights = (256 * 256 + 256) * 4
+    # Fits weights and gradients, not the AdamW moments the first step will add.
+    _, report = _run(tmp_path, BUDGET_JOB, str(3 * weights))
+    over = [alert for alert in report["alerts"] if alert["kind"] == "over_budget"]
+    assert over and over[0]["step"] == 1
+    assert over[0]["where"] == "optimizer_state"
+    assert "will allocate" in over[0]["message"]
+
+
+def test_budget_not_exceeded_gives_no_alert(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, BUDGET_JOB, str(10**9))
+    assert not [alert for alert in report["alerts"] if alert["kind"] == "over_budget"]
+
+
+def test_report_json_keeps_group_and_contract_keys(tmp_path: Path) -> None:
+    _, report = _run(tmp_path, NAN_JOB, "full", "gradient")
+    json.dumps(report)
+    for alert in report["alerts"]:
+        assert {"step", "kind", "message", "where"} <= alert.keys()
