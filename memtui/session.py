@@ -236,9 +236,10 @@ class Session:
         end = self.end
         if end is None:
             code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
-            if self.disconnected:
-                return f"ended{code}: {self.disconnected}"
-            return f"killed{code} (no final frame)"
+            reason = f": {self.disconnected}" if self.disconnected else ""
+            if self.hello is None:  # no agent ever spoke: nothing to call killed
+                return f"ended{code}{reason}"
+            return f"killed{code}, no final frame{reason}"
         code = f" (exit {end.code})" if end.code is not None else ""
         if end.status == "ok":
             return f"ended: ok{code}"

@@ -17,6 +17,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
@@ -35,6 +36,7 @@ from memtui.tui.widgets import (
 from memtui_agent import schema
 
 TICK_SECONDS = 0.25
+STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units"}
 NARROW_WIDTH = 120
 
 
@@ -57,13 +59,15 @@ class MemtuiApp(App[int]):
     BINDINGS = [
         Binding("q", "quit_app", "Quit"),
         Binding("space", "toggle_pause", "Pause"),
-        Binding("left", "move(-1)", "Step -1", show=False),
-        Binding("right", "move(1)", "Step +1", show=False),
-        Binding("home", "home", "First", show=False),
-        Binding("end", "end", "Last", show=False),
-        Binding("n", "next_alert(1)", "Next alert"),
-        Binding("N", "next_alert(-1)", "Prev alert"),
-        Binding("u", "toggle_units", "GiB/GB"),
+        # Priority: the step keys must work whichever panel (a table, the scrolling body) has
+        # focus; tables keep up/down/Enter for their own rows.
+        Binding("left", "move(-1)", "Step -1", show=False, priority=True),
+        Binding("right", "move(1)", "Step +1", show=False, priority=True),
+        Binding("home", "home", "First", show=False, priority=True),
+        Binding("end", "end", "Last", show=False, priority=True),
+        Binding("n", "next_alert(1)", "Next alert", priority=True),
+        Binding("N", "next_alert(-1)", "Prev alert", priority=True),
+        Binding("u", "toggle_units", "GiB/GB", priority=True),
         Binding("tab", "focus_next", "Focus", show=False),
         Binding("question_mark", "help", "Help"),
     ]
@@ -84,6 +88,7 @@ class MemtuiApp(App[int]):
         self._inbox: deque[list[schema.Message]] = deque()
         self._stop = threading.Event()
         self._rendered_version = -1
+        self._rendered_width = -1
         self._job_code: int | None = None
 
     # ----- layout ---------------------------------------------------------------------------
@@ -127,10 +132,19 @@ class MemtuiApp(App[int]):
         self._apply_width_class(self.size.width)
         self._read_source()
         self.set_interval(TICK_SECONDS, self.refresh_view)
-        self.refresh_view()
+        self.call_after_refresh(self._redraw)
 
     def on_resize(self, event: Any) -> None:
         self._apply_width_class(event.size.width)
+        # The timeline's window depends on its width: redraw after the new layout settles.
+        self.call_after_refresh(self._redraw)
+
+    def _redraw(self) -> None:
+        self._rendered_version = -1
+        self.refresh_view()
+
+    def on_unmount(self) -> None:
+        self._stop.set()
 
     def _apply_width_class(self, width: int) -> None:
         self.set_class(width < NARROW_WIDTH, "narrow")
@@ -146,6 +160,8 @@ class MemtuiApp(App[int]):
         self.call_from_thread(self._source_ended, reason)
 
     def _source_ended(self, reason: str | None) -> None:
+        if not self.is_running or self._stop.is_set():
+            return
         self.refresh_view()
         if reason is not None or (self.source.live and self.session.end is None):
             self.session.mark_disconnected(reason or "stream closed")
@@ -155,6 +171,8 @@ class MemtuiApp(App[int]):
 
     def refresh_view(self) -> None:
         """Drain the inbox, then redraw every widget from one snapshot if anything changed."""
+        if not self.is_running or self._stop.is_set():
+            return
         while self._inbox:
             self.session.ingest(self._inbox.popleft())
         if self.job is not None:
@@ -168,10 +186,12 @@ class MemtuiApp(App[int]):
                 if self._job_code is not None:
                     self.session.exit_code = self._job_code
                     self.session.version += 1
-        if self.session.version == self._rendered_version:
+        timeline = self.query_one(PileTimeline)
+        width = timeline.size.width
+        if self.session.version == self._rendered_version and width == self._rendered_width:
             return
         self._rendered_version = self.session.version
-        timeline = self.query_one(PileTimeline)
+        self._rendered_width = width
         snap = self.session.snapshot(timeline_width=max(timeline.size.width - 12, 20))
         self.show(snap)
 
@@ -185,6 +205,10 @@ class MemtuiApp(App[int]):
         self.query_one(TopActivations).snapshot = snap
 
     # ----- actions ---------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Step keys are priority bindings; on a dialog they step aside so it gets its keys."""
+        return not (action in STEP_ACTIONS and isinstance(self.screen, ModalScreen))
 
     def _changed(self) -> None:
         self.refresh_view()
@@ -223,6 +247,10 @@ class MemtuiApp(App[int]):
         if step is not None:
             self.session.jump_to_step(step)
             self._changed()
+
+    async def action_quit(self) -> None:
+        """Textual's own quit key (ctrl+q) goes through the same checks as `q`."""
+        self.action_quit_app()
 
     def action_quit_app(self) -> None:
         if self.job is not None and self.job.poll() is None:

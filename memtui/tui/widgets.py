@@ -66,7 +66,7 @@ class PilesPanel(Static):
         snap = self.snapshot
         if snap is None or not snap.piles:
             return Text("no piles yet: waiting for the first forward", style="dim")
-        width = max(self.size.width - 2, 10)
+        width = max(self.size.width, 10)
         bar = Text()
         used = 0
         for row in snap.piles:
@@ -161,13 +161,24 @@ def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]
                 table.update_cell(key, column, value)
 
 
-class DtypeTable(DataTable):  # type: ignore[type-arg]
+class PanelTable(DataTable):  # type: ignore[type-arg]
+    """A table whose row cursor shows only while it has focus (unfocused, no false selection)."""
+
+    def on_focus(self) -> None:
+        self.show_cursor = True
+
+    def on_blur(self) -> None:
+        self.show_cursor = False
+
+
+class DtypeTable(PanelTable):
     """Pile x dtype -> bytes and number of unique storages."""
 
     snapshot: reactive[Snapshot | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
+        self.show_cursor = False
         self.add_columns("pile", "dtype", "bytes", "storages")
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
@@ -190,13 +201,14 @@ class DtypeTable(DataTable):  # type: ignore[type-arg]
         )
 
 
-class TopActivations(DataTable):  # type: ignore[type-arg]
+class TopActivations(PanelTable):
     """Modules by saved-activation bytes live at once during the cursor step."""
 
     snapshot: reactive[Snapshot | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
+        self.show_cursor = False
         self.add_columns("module", "saved")
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
@@ -211,14 +223,15 @@ class TopActivations(DataTable):  # type: ignore[type-arg]
         )
 
 
-class AlertsTable(DataTable):  # type: ignore[type-arg]
+class AlertsTable(PanelTable):
     """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
 
     snapshot: reactive[Snapshot | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
-        self.add_columns("step", "kind", "where", "message")
+        self.show_cursor = False
+        self.add_columns("step", "kind", "message", "where")
 
     def watch_snapshot(self, snap: Snapshot | None) -> None:
         if snap is None:
@@ -231,8 +244,8 @@ class AlertsTable(DataTable):  # type: ignore[type-arg]
                     (
                         Text(str(alert.step), justify="right"),
                         Text(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
-                        alert.where or "",
                         alert.message,
+                        alert.where or "",
                     ),
                 )
                 for index, alert in enumerate(snap.alerts)

@@ -1,0 +1,427 @@
+"""The app driven by keys through Textual's pilot, fed by a fake source (no sockets, no jobs).
+
+Assertions read the Session and the snapshot each widget was handed, plus the text a panel
+renders where the point is what the user sees (units, the ended state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+from textual.app import App
+from textual.pilot import Pilot
+from textual.widgets import DataTable, RichLog
+
+from memtui.tui.app import MemtuiApp
+from memtui.tui.screens import AttachScreen, ConfirmQuit, HelpScreen
+from memtui.tui.timeline import AXIS_WIDTH, PileTimeline
+from memtui.tui.widgets import AlertsTable, DtypeTable, GapPanel, JobHeader, PilesPanel
+from memtui_agent import schema
+
+Messages = list[schema.Message]
+
+
+def cursor_step(app: MemtuiApp) -> int:
+    session = app.session
+    assert session.cursor is not None
+    return session.steps[session.cursor].step
+
+
+def shown_step(app: MemtuiApp) -> int | None:
+    """The step every view was last handed; they must agree."""
+    steps = {
+        app.query_one(widget).snapshot.step  # type: ignore[attr-defined]
+        for widget in (JobHeader, PilesPanel, GapPanel, AlertsTable, DtypeTable)
+    }
+    timeline = app.query_one(PileTimeline).data
+    assert timeline is not None
+    steps.add(timeline.cursor_step)
+    assert len(steps) == 1, f"views disagree about the step: {steps}"
+    return steps.pop()
+
+
+def test_replay_opens_on_the_last_step(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        assert app.session.cursor == 23
+        assert shown_step(app) == 24
+        header = tui.plain(app.query_one(JobHeader))
+        assert "replay step 24 of 24 · ended: ok (exit 0)" in header
+        assert "4.0 steps/s · pid 4242 · cpu · torch 2.13.0+cpu" in header
+        assert "python train.py" in header
+
+    tui.drive(app, body)
+
+
+def test_step_keys_move_every_view(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("left", "left")
+        assert cursor_step(app) == 22
+        assert shown_step(app) == 22
+        peak = app.session.steps[21].peak
+        at_peak = {row.name: row.at_peak for row in app.query_one(PilesPanel).snapshot.piles}
+        assert at_peak["activations"] == peak.activations
+        assert "replay step 22 of 24" in tui.plain(app.query_one(JobHeader))
+        await pilot.press("home")
+        assert shown_step(app) == 1
+        await pilot.press("right")
+        assert shown_step(app) == 2
+        await pilot.press("end")
+        assert shown_step(app) == 24
+
+    tui.drive(app, body)
+
+
+def test_alert_keys_visit_alert_steps(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        visited = []
+        for key in ("N", "N", "N", "n", "n"):
+            await pilot.press(key)
+            visited.append(shown_step(app))
+        assert visited == [17, 9, 1, 9, 17]
+        assert "loss nan" in tui.plain(app.query_one(PilesPanel))
+        await pilot.press("N")
+        assert "SKIPPED by GradScaler" in tui.plain(app.query_one(PilesPanel))
+
+    tui.drive(app, body)
+
+
+def test_units_key_switches_binary_to_decimal(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        panels = (app.query_one(GapPanel), app.query_one(PilesPanel))
+        for panel in panels:
+            text = tui.plain(panel)
+            assert "MiB" in text and " MB" not in text
+        await pilot.press("u")
+        assert not app.session.binary
+        for panel in panels:
+            text = tui.plain(panel)
+            assert " MB" in text and "MiB" not in text
+        await pilot.press("u")
+        assert "MiB" in tui.plain(panels[0])
+
+    tui.drive(app, body)
+
+
+def test_enter_on_an_alert_row_jumps_to_its_step(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        table = app.query_one(AlertsTable)
+        assert [str(table.get_row_at(row)[0]) for row in range(table.row_count)] == ["17", "9", "1"]
+        table.focus()
+        await pilot.pause()
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        assert shown_step(app) == 9
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        assert shown_step(app) == 1
+
+    tui.drive(app, body)
+
+
+def test_end_message_shows_ended_ok(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=True))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        assert app.session.state_text() == "ended: ok (exit 0)"
+        assert "ended: ok" in tui.plain(app.query_one(JobHeader))
+
+    tui.drive(app, body)
+
+
+def test_stream_closed_without_end_shows_killed(tui: Any, live_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(live_messages, live=True))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        assert app.session.state_text() == "live"
+        app._source_ended("the job closed its socket")
+        await pilot.pause()
+        assert app.session.state_text() == "killed, no final frame: the job closed its socket"
+        assert "killed, no final frame" in tui.plain(app.query_one(JobHeader))
+
+    tui.drive(app, body)
+
+
+def test_source_closing_by_itself_reaches_the_header(tui: Any, live_messages: Messages) -> None:
+    source = tui.source(live_messages, live=True)
+    app = MemtuiApp(source)
+
+    async def body(pilot: Pilot[Any]) -> None:
+        source.close()
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.session.disconnected == "the job closed its socket"
+        assert "killed" in tui.plain(app.query_one(JobHeader))
+
+    tui.drive(app, body)
+
+
+def test_space_pauses_a_live_view(tui: Any, live_messages: Messages, make_step: Any) -> None:
+    source = tui.source(live_messages, live=True)
+    app = MemtuiApp(source)
+
+    async def arrive(pilot: Pilot[Any], numbers: range) -> None:
+        """New steps from the job, drawn as the next tick would."""
+        done = source.feed([make_step(number) for number in numbers])
+        while not done.is_set():
+            await pilot.pause(0.01)
+        app.refresh_view()
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("space")
+        assert app.session.state_text() == "paused"
+        await arrive(pilot, range(25, 28))
+        assert len(app.session.steps) == 27
+        assert shown_step(app) == 24
+        assert app.query_one(JobHeader).snapshot.steps_total == 27
+        assert " paused " in tui.plain(app.query_one(JobHeader))
+        await pilot.press("space")
+        assert app.session.state_text() == "live"
+        assert shown_step(app) == 27
+        await arrive(pilot, range(28, 29))
+        assert shown_step(app) == 28
+
+    tui.drive(app, body)
+
+
+def test_space_does_nothing_in_a_replay(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("space")
+        assert not app.session.paused
+
+    tui.drive(app, body)
+
+
+def test_help_opens_and_closes(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("left")
+        assert cursor_step(app) == 23
+
+    tui.drive(app, body)
+
+
+SIDECARS = [
+    {
+        "pid": 1111,
+        "argv": ["python", "train.py", "--lr", "3e-4"],
+        "started_unix": 1000.0,
+        "socket": "/run/memtui/1111.sock",
+        "recording": "runs/a.memtui",
+    },
+    {
+        "pid": 2222,
+        "argv": ["torchrun", "pretrain.py"],
+        "started_unix": 400.0,
+        "socket": "/run/memtui/2222.sock",
+        "recording": None,
+    },
+]
+
+
+def test_attach_screen_lists_jobs_and_returns_the_chosen_one() -> None:
+    chosen: list[dict[str, Any] | None] = []
+
+    class Chooser(App[None]):
+        def on_mount(self) -> None:
+            self.push_screen(AttachScreen(SIDECARS, now=1100.0), chosen.append)
+
+    async def scenario() -> None:
+        app = Chooser()
+        async with app.run_test(size=(120, 30)) as pilot:
+            await pilot.pause()
+            table = app.screen.query_one(DataTable)
+            rows = [[str(cell) for cell in table.get_row_at(i)] for i in range(table.row_count)]
+            assert rows == [
+                ["1111", "python train.py --lr 3e-4", "1m40s", "runs/a.memtui"],
+                ["2222", "torchrun pretrain.py", "11m40s", "(not recording)"],
+            ]
+            await pilot.press("down", "enter")
+            await pilot.pause()
+
+    asyncio.run(scenario())
+    assert chosen == [SIDECARS[1]]
+
+
+def test_attach_screen_escape_returns_nothing() -> None:
+    chosen: list[dict[str, Any] | None] = []
+
+    class Chooser(App[None]):
+        def on_mount(self) -> None:
+            self.push_screen(AttachScreen(SIDECARS, now=1100.0), chosen.append)
+
+    async def scenario() -> None:
+        async with Chooser().run_test() as pilot:
+            await pilot.pause()
+            await pilot.press("escape")
+            await pilot.pause()
+
+    asyncio.run(scenario())
+    assert chosen == [None]
+
+
+def test_quit_while_the_job_runs_asks_first(tui: Any, live_messages: Messages) -> None:
+    job = tui.FakeJob(["epoch 1", "epoch 2"])
+    app = MemtuiApp(tui.source(live_messages, live=True), job=job)  # type: ignore[arg-type]
+
+    async def body(pilot: Pilot[Any]) -> None:
+        assert len(app.query_one("#output", RichLog).lines) == 2
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmQuit)
+        assert not job.terminated
+        assert app.is_running
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmQuit)
+        await pilot.press("y")
+        await pilot.pause()
+        assert job.terminated
+
+    tui.drive(app, body)
+    assert app.return_value == 143
+
+
+def test_quit_after_the_job_ended_does_not_ask(tui: Any, demo_messages: Messages) -> None:
+    job = tui.FakeJob()
+    job.code = 0
+    source = tui.source(demo_messages, live=True)
+    app = MemtuiApp(source, job=job)  # type: ignore[arg-type]
+
+    async def body(pilot: Pilot[Any]) -> None:
+        assert app.session.exit_code == 0
+        await pilot.press("q")
+        await pilot.pause()
+        assert not job.terminated
+
+    tui.drive(app, body)
+    assert app.return_value == 0
+
+
+def test_q_stops_the_source_thread(tui: Any, live_messages: Messages) -> None:
+    source = tui.source(live_messages, live=True, lifetime=3.0)
+    app = MemtuiApp(source)
+
+    async def scenario() -> None:
+        async with app.run_test() as pilot:
+            await tui.settle(pilot)
+            await pilot.press("q")
+            await pilot.pause()
+
+    asyncio.run(scenario())
+    assert source.stopped_by_app
+
+
+def test_ctrl_q_stops_the_source_thread(tui: Any, live_messages: Messages) -> None:
+    source = tui.source(live_messages, live=True, lifetime=1.0)
+    app = MemtuiApp(source)
+
+    async def scenario() -> None:
+        async with app.run_test() as pilot:
+            await tui.settle(pilot)
+            await pilot.press("ctrl+q")
+            await pilot.pause()
+
+    asyncio.run(scenario())
+    assert source.stopped_by_app
+
+
+def test_home_and_end_move_steps_on_a_small_terminal(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("home")
+        assert cursor_step(app) == 1
+        await pilot.press("end")
+        assert cursor_step(app) == 24
+
+    tui.drive(app, body, size=(80, 24))
+
+
+def test_step_keys_still_work_after_choosing_an_alert(tui: Any, demo_messages: Messages) -> None:
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        app.query_one(AlertsTable).focus()
+        await pilot.press("down", "enter")
+        assert cursor_step(app) == 9
+        await pilot.press("right")
+        assert cursor_step(app) == 10
+
+    tui.drive(app, body)
+
+
+def test_timeline_window_follows_a_wider_terminal(
+    tui: Any, live_messages: Messages, make_step: Any
+) -> None:
+    steps = [make_step(number) for number in range(1, 301)]
+    app = MemtuiApp(tui.source([*live_messages[:2], *steps], live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        timeline = app.query_one(PileTimeline)
+        assert timeline.data is not None
+        narrow = len(timeline.data.steps)
+        assert narrow < 100
+        await pilot.resize_terminal(200, 48)
+        await pilot.pause()
+        app.refresh_view()
+        await pilot.pause()
+        room = timeline.size.width - AXIS_WIDTH
+        assert room > narrow
+        assert len(timeline.data.steps) >= room
+
+    tui.drive(app, body, size=(100, 40))
+
+
+def test_five_thousand_steps_in_batches_of_fifty(
+    tui: Any, live_messages: Messages, make_step: Any
+) -> None:
+    """A fast job: the 4 Hz tick drains everything, and what the UI keeps stays bounded."""
+    alert = schema.Alert(kind="skipped_step", message="GradScaler skipped the optimizer update")
+    steps = [
+        msgspec.structs.replace(make_step(number), alerts=[alert]) for number in range(1, 5001)
+    ]
+    source = tui.source([*live_messages[:2], *steps], live=True, batch_size=50)
+    app = MemtuiApp(source)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 48)) as pilot:
+            try:
+                while not source.delivered.is_set():
+                    await pilot.pause(0.01)
+                for _ in range(20):  # let the app's own timer do the draining
+                    if not app._inbox:
+                        break
+                    await pilot.pause(0.1)
+                assert not app._inbox
+                await pilot.pause()
+                assert len(app.session.steps) == 5000
+                assert shown_step(app) == 5000
+                timeline = app.query_one(PileTimeline)
+                assert timeline.data is not None
+                assert len(timeline.data.steps) <= timeline.size.width
+                assert app.query_one(AlertsTable).row_count == 500
+                assert len(app.session._step_times) <= 256
+            finally:
+                await tui.close_source(pilot)
+
+    asyncio.run(scenario())

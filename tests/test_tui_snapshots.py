@@ -1,0 +1,83 @@
+"""SVG snapshots of the main screen, replay and live, at a small and a large terminal.
+
+Everything on screen comes from the committed fixture: the header's times, rates and names are
+the fixture's own, the source label is set to a fixed string, and the live job's output is
+fixed text. Regenerate with `pytest tests/test_tui_snapshots.py --snapshot-update` and look at
+the SVGs before committing them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.pilot import Pilot
+
+from memtui.sources import ReplaySource
+from memtui.tui.app import MemtuiApp
+from memtui_agent import schema
+
+SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((160, 48), id="160x48")]
+FIXTURE = "tests/fixtures/demo.memtui"
+JOB_OUTPUT = [
+    "loading data from /data/tiny-shakespeare (fixture)",
+    "step 12 | loss 2.6228 | 4.0 it/s",
+    "switching to bfloat16 autocast",
+    "step 24 | loss 1.4142 | 4.0 it/s",
+]
+
+
+def replay_app() -> MemtuiApp:
+    """`memtui replay tests/fixtures/demo.memtui`, whatever directory pytest runs in."""
+    source = ReplaySource(Path(__file__).parent / "fixtures" / "demo.memtui")
+    source.label = FIXTURE  # the absolute path would differ between checkouts
+    return MemtuiApp(source)
+
+
+def live_app(tui: Any, messages: list[schema.Message]) -> MemtuiApp:
+    """`memtui run` on a job still running: live frames, no End, output in its pane."""
+    app: MemtuiApp | None = None
+    source = tui.source(
+        messages,
+        live=True,
+        label="live socket",
+        # snap_compare runs the app itself; end the fake once the screenshot is taken.
+        until=lambda: app is not None and app.return_value is not None,
+    )
+    app = MemtuiApp(source, job=tui.FakeJob(JOB_OUTPUT))  # type: ignore[arg-type]
+    return app
+
+
+def settled(tui: Any) -> Callable[[Pilot[Any]], Any]:
+    async def run_before(pilot: Pilot[Any]) -> None:
+        await tui.settle(pilot)
+
+    return run_before
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_replay_main_screen(snap_compare: Any, tui: Any, size: tuple[int, int]) -> None:
+    assert snap_compare(replay_app(), terminal_size=size, run_before=settled(tui))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_live_main_screen(
+    snap_compare: Any, tui: Any, live_messages: list[schema.Message], size: tuple[int, int]
+) -> None:
+    assert snap_compare(live_app(tui, live_messages), terminal_size=size, run_before=settled(tui))
+
+
+def test_snapshots_hold_nothing_from_this_machine() -> None:
+    """No checkout path, home directory or host name in the committed SVGs."""
+    snapshots = sorted(
+        (Path(__file__).parent / "__snapshots__" / Path(__file__).stem).glob("*.svg")
+    )
+    assert len(snapshots) == 4
+    leaks = {str(Path(__file__).parents[1]), os.path.expanduser("~"), os.uname().nodename}
+    for svg in snapshots:
+        text = svg.read_text()
+        found = [leak for leak in leaks if len(leak) > 3 and leak in text]
+        assert not found, f"{svg.name} shows {found}"
