@@ -10,7 +10,6 @@ import asyncio
 from typing import Any
 
 import msgspec
-import pytest
 from textual.app import App
 from textual.pilot import Pilot
 from textual.widgets import DataTable, RichLog
