@@ -10,14 +10,16 @@ Finding the origin costs more, so it is paid only when needed:
 
 - On an alarm, which parameters have non-finite gradients is worked out at once (names in the
   alert's `where`), and whether the update left the weights themselves non-finite.
-- Per-module output checks (device-side flags, read at step close with the same single transfer)
+- Per-module output checks (one float32 sum per module output and input, kept on the device and
+  read at step close with the same single transfer)
   are armed for the next `ARMED_STEPS` steps after an alarm, or for every step in `full` mode. The
   first module in execution order whose output is non-finite while its inputs are finite is the
   origin (`nonfinite_activation`).
 
 Trade-off: in the default mode a non-finite forward that happens once is reported (loss and
 gradient alerts with parameter names) but its module is named only if it recurs while armed;
-`full` mode names it the first time, at the price of two small kernels per module call.
+`full` mode names it the first time, at the price of a reduction over each module's inputs and
+outputs.
 
 Once the weights are non-finite every later step is non-finite too; those alerts carry `group`
 (the step of the first alert) so they are shown under it instead of burying it.
@@ -47,14 +49,21 @@ def _floating(value: Any) -> list[Any]:
     return []
 
 
-def _all_finite(tensors: list[Any]) -> Any:
-    """A 0-dim device bool: every element of every tensor is finite (no host sync)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    if not flags:
-        return None
-    return (
-        flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
-    )
+def _probe(tensors: list[Any]) -> Any:
+    """A 0-dim float32 device tensor that is non-finite iff some element is (no host sync).
+
+    One reduction per tensor, accumulated in float32: NaN and Inf propagate through a sum
+    (Inf + -Inf is NaN), and finite values cannot overflow it unless a module's outputs sum
+    past 3.4e38 (a half-precision norm would overflow at 6.5e4). Cheaper than `isfinite().all()`,
+    which writes a full-size boolean tensor first.
+    """
+    probe = None
+    for tensor in tensors:
+        if not tensor.numel():
+            continue
+        total = torch.sum(tensor.detach(), dtype=torch.float32)
+        probe = total if probe is None else probe + total.to(probe.device)
+    return probe
 
 
 class HealthMonitor:
@@ -72,10 +81,10 @@ class HealthMonitor:
 
     def module_output(self, module_id: int, args: Any, output: Any) -> None:
         """Record device flags for one module call (inputs finite, output finite)."""
-        out_flag = _all_finite(_floating(output))
+        out_flag = _probe(_floating(output))
         if out_flag is None:
             return
-        in_flag = _all_finite(_floating(args))
+        in_flag = _probe(_floating(args))
         self._module_flags.append((module_id, out_flag, in_flag))
 
     def close(
@@ -146,11 +155,13 @@ class HealthMonitor:
             loss_bad if loss_bad is not None else zero,
         ]
         if module_flags:
-            true = torch.ones((), device=device, dtype=torch.bool)
-            parts.append(torch.stack([flag.to(device) for _, flag, _ in module_flags]))
-            parts.append(
-                torch.stack([(f if f is not None else true).to(device) for _, _, f in module_flags])
+            finite = torch.zeros((), device=device)
+            outputs = torch.stack([flag.to(device) for _, flag, _ in module_flags])
+            inputs = torch.stack(
+                [(f if f is not None else finite).to(device) for _, _, f in module_flags]
             )
+            parts.append(torch.isfinite(outputs))
+            parts.append(torch.isfinite(inputs))
         return torch.cat([p.reshape(-1).float() for p in parts])
 
     def _alerts(

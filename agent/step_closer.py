@@ -61,6 +61,13 @@ class StepCloser:
         if forecast is None:
             return
         self.forecast = (self.forecast or 0) + forecast
+        if forecast > 0:
+            message = (
+                f"the first {type(optimizer).__name__}.step() will allocate "
+                f"{format_bytes(forecast)} ({forecast:,} bytes) of optimizer state"
+            )
+            alert = schema.Alert(kind="first_step_forecast", message=message)
+            self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
         if self.budget is not None and current.total + forecast > self.budget:
             message = (
                 f"the first {type(optimizer).__name__}.step() will allocate "

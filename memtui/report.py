@@ -126,12 +126,24 @@ def build_report(recording: Recording) -> dict[str, Any]:
         "steps": [step_report(step, recording) for step in recording.steps],
         "alerts": all_alerts(recording),
         "exit": exit_report(recording),
+        "peaks": peak_phases(recording),
         "agent_errors": [
             {"component": error.component, "message": error.message}
             for error in recording.agent_errors
         ],
         "warnings": [recording.warning] if recording.warning else [],
     }
+
+
+def peak_phases(recording: Recording) -> dict[str, Any]:
+    """The first update's peak kept apart from the steady state's (warm-up hides one-time
+    allocations such as the optimizer's moments, the seeds warn)."""
+    steps = recording.steps
+    if not steps:
+        return {"first_step": None, "steady": None}
+    first = steps[0].peak.total
+    later = [step.peak.total for step in steps[1:]]
+    return {"first_step": first, "steady": max(later) if later else None}
 
 
 def pile_peaks(recording: Recording) -> dict[str, int]:
@@ -174,6 +186,12 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         peaks = pile_peaks(recording)
         top = max(steps, key=lambda step: step.peak.total)
         lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
+        phases = peak_phases(recording)
+        steady = phases["steady"]
+        lines.append(
+            f"first update peak: {size(phases['first_step'])}; steady-state peak (steps 2+): "
+            + (size(steady) if steady is not None else "n/a (one step)")
+        )
         lines.append("pile              highest in run   at peak")
         for pile in PILES:
             lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")

@@ -207,6 +207,9 @@ def test_first_step_forecast_equals_what_the_step_allocates(
     else:
         assert "as forecast" in growth[0]["message"]
         assert f"({truth:,} bytes)" in growth[0]["message"]
+        # Shown before the step ran, so a user sees it before an OOM in step() could strike.
+        early = [a for a in report["alerts"] if a["kind"] == "first_step_forecast"]
+        assert len(early) == 1 and f"({truth:,} bytes)" in early[0]["message"]
 
 
 def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
