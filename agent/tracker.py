@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -86,6 +87,7 @@ class Tracker:
         self._scaled_backward = False
         self._unscaled = False
         self._warned_clip = False
+        self._noted_checkpoint = False
         self.closed_steps = 0
         self.microbatches = 0
         self.step_started = time.time()
@@ -102,6 +104,7 @@ class Tracker:
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._hooks_pushed = False
+        self.owner_thread = get_ident()
         self._synced_generation = 0
         self.enabled = {
             "modules": True,
@@ -118,6 +121,7 @@ class Tracker:
 
     def install(self) -> None:
         """Register every global hook; call on the thread that runs the forward."""
+        self.owner_thread = get_ident()
         module_mod = torch.nn.modules.module
         self._handles.append(module_mod.register_module_forward_pre_hook(self._module_pre))
         self._handles.append(
@@ -135,6 +139,7 @@ class Tracker:
         self._wrap(scaler_cls, "unscale_", self._wrap_scaler_unscale)
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             self._wrap(torch.nn.utils, name, self._wrap_clip)
+        self._wrap(torch.utils.checkpoint, "checkpoint", self._wrap_checkpoint)
 
     def remove(self) -> None:
         """Undo `install()` and drop per-parameter hooks."""
@@ -193,7 +198,10 @@ class Tracker:
     # ----- module hooks ----------------------------------------------------------------------
 
     def _module_pre(self, module: Any, args: Any) -> None:
-        if not self.enabled["modules"]:
+        # Only the thread that installed the saved-tensor hooks is followed: its module stack
+        # is what activations are attributed to. Other threads (DataParallel replicas, a
+        # second forward thread) would corrupt the stack and register throwaway replicas.
+        if not self.enabled["modules"] or get_ident() != self.owner_thread:
             return
         try:
             module_id = self.registry.lookup(module)
@@ -206,7 +214,7 @@ class Tracker:
             self._disable("modules", exc)
 
     def _module_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self.enabled["modules"]:
+        if not self.enabled["modules"] or get_ident() != self.owner_thread:
             return
         try:
             # Hooks run from `_call_impl` itself only when forward raised; on success they run
@@ -272,6 +280,8 @@ class Tracker:
 
     def _wrap_backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if get_ident() != self.owner_thread:
+                return original(tensors, *args, **kwargs)
             outermost = self._in_backward == 0
             if outermost:
                 self.microbatches += 1
@@ -383,6 +393,26 @@ class Tracker:
             return original(*args, **kwargs)
 
         return clip
+
+    def _wrap_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if not self._noted_checkpoint:
+                self._noted_checkpoint = True
+                self._emit(
+                    schema.AlertNow(
+                        time=time.time(),
+                        step=self.closed_steps + 1,
+                        alert=schema.Alert(
+                            kind="checkpoint_limit",
+                            message="activation checkpointing in use: inside checkpointed "
+                            "regions the checkpoint's own saved-tensor hooks replace memtui's, "
+                            "so activations kept or recomputed there are not counted",
+                        ),
+                    )
+                )
+            return original(*args, **kwargs)
+
+        return checkpoint
 
     def _close_pending_skip(self, scale_after: Any) -> None:
         if self._pending_skip is None:

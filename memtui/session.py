@@ -52,12 +52,13 @@ class GapRow:
 
 @dataclass(frozen=True)
 class AlertRow:
-    """An alert with the step it belongs to."""
+    """An alert with the step it belongs to (and the earlier alert's step it follows from)."""
 
     step: int
     kind: str
     message: str
     where: str | None
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class Session:
             self.cursor = len(self.steps) - 1
 
     def _add_alert(self, step: int, alert: schema.Alert) -> None:
-        self.alerts.append(AlertRow(step, alert.kind, alert.message, alert.where))
+        self.alerts.append(AlertRow(step, alert.kind, alert.message, alert.where, alert.group))
         if len(self.alerts) > MAX_ALERTS:
             del self.alerts[: MAX_ALERTS // 10]
 
@@ -203,7 +204,9 @@ class Session:
         if not self.steps or self.cursor is None:
             return
         here = self.steps[self.cursor].step
-        steps_with_alerts = sorted({alert.step for alert in self.alerts})
+        # Grouped alerts (every step after the weights went non-finite) are not stops of their
+        # own: navigation lands on the first alert of the group instead.
+        steps_with_alerts = sorted({alert.step for alert in self.alerts if alert.group is None})
         if direction > 0:
             targets = [number for number in steps_with_alerts if number > here]
             target = targets[0] if targets else None
@@ -289,7 +292,7 @@ class Session:
                 (self.module_label(item.module), item.bytes)
                 for item in (step.top_activations if step is not None else [])
             ),
-            alerts=tuple(reversed(self.alerts[-500:])),
+            alerts=folded_alerts(self.alerts[-2000:])[:500],
             timeline_steps=tuple(item.step for item in window),
             timeline_piles=tuple(
                 (s.peak.weights, s.peak.gradients, s.peak.optimizer_state, s.peak.activations)
@@ -320,6 +323,41 @@ class Session:
         end = min(len(self.steps), max(cursor + 1, min(len(self.steps), width)))
         start = max(0, end - width)
         return self.steps[start:end]
+
+
+def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
+    """Newest first, with each group of follow-on alerts folded into one summary row.
+
+    Once the weights are non-finite every step raises the same alerts again; listing them all
+    would bury the first one, which is the one to act on.
+    """
+    groups: dict[int, list[AlertRow]] = {}
+    rows: list[tuple[int, AlertRow]] = []
+    for index, alert in enumerate(alerts):
+        if alert.group is None:
+            rows.append((index, alert))
+        else:
+            if alert.group not in groups:
+                rows.append((index, alert))  # placeholder, replaced below
+            groups.setdefault(alert.group, []).append(alert)
+    folded = []
+    for _, alert in rows:
+        members = groups.get(alert.group) if alert.group is not None else None
+        if members is None:
+            folded.append(alert)
+            continue
+        steps = sorted({member.step for member in members})
+        folded.append(
+            AlertRow(
+                step=alert.group,
+                kind="grouped",
+                message=f"{len(members)} more alerts on steps {steps[0]}-{steps[-1]}: they follow "
+                f"from step {alert.group} (weights non-finite since then)",
+                where=None,
+                group=alert.group,
+            )
+        )
+    return tuple(reversed(folded))
 
 
 def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:

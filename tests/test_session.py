@@ -377,3 +377,19 @@ def test_thousand_steps_in_one_batch(
     assert snap.timeline_steps[-1] == 1000
     assert snap.steps_per_second == pytest.approx(4.0)
     assert len(session._step_times) <= 256
+
+
+def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first() -> None:
+    """Every step after the weights go NaN repeats the alerts; the first must stay visible."""
+    from memtui.session import folded_alerts
+
+    session = Session(live=False)
+    session._add_alert(3, schema.Alert(kind="nonfinite_loss", message="loss"))
+    session._add_alert(3, schema.Alert(kind="nonfinite_gradient", message="grads", where="w"))
+    for step in range(4, 40):
+        session._add_alert(step, schema.Alert(kind="nonfinite_loss", message="x", group=3))
+        session._add_alert(step, schema.Alert(kind="nonfinite_gradient", message="y", group=3))
+    rows = folded_alerts(session.alerts)
+    assert [row.kind for row in rows] == ["grouped", "nonfinite_gradient", "nonfinite_loss"]
+    assert rows[0].step == 3
+    assert "72 more alerts on steps 4-39" in rows[0].message
