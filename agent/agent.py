@@ -33,6 +33,8 @@ class Agent:
         argv: list[str],
         budget: int | None,
         nan_check: str = "default",
+        reset_peaks: bool = False,
+        snapshot_on_oom: bool = False,
     ) -> None:
         self.pid = os.getpid()
         self.record = record.resolve() if record is not None else None
@@ -40,6 +42,8 @@ class Agent:
         self.argv = argv
         self.budget = budget
         self.nan_check = nan_check
+        self.reset_peaks = reset_peaks
+        self.snapshot_on_oom = snapshot_on_oom
         self._reported: set[str] = set()
         self._finished = False
         self._forked_child = False
@@ -90,8 +94,16 @@ class Agent:
         try:
             self.ledger = Ledger()
             self.tracker = Tracker(
-                self.ledger, self._emit, self.report_failure, self.budget, self.nan_check
+                self.ledger,
+                self._emit,
+                self.report_failure,
+                self.budget,
+                self.nan_check,
+                self.reset_peaks,
             )
+            if self.snapshot_on_oom and self.record is not None:
+                path = self.record.with_name(self.record.name + ".oom-snapshot.pickle")
+                self.tracker.closer.gpu_events.snapshot_path = str(path)
             self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
             self.tracker.install()
         except BaseException:
@@ -212,11 +224,14 @@ class Agent:
         if context is not None and context.matches(error):
             phase, where = context.phase, context.where
         oom = is_oom(error)
+        observed = tracker.closer.gpu_events.last_oom if tracker is not None else None
         alerts = []
         if oom:
-            asked = requested_bytes(error)
+            asked = (observed or {}).get("requested") or requested_bytes(error)
             size = f" asking for {format_bytes(asked)}" if asked is not None else ""
             held = f"; tracked piles held {format_bytes(piles.total)}" if piles is not None else ""
+            if observed is not None:
+                held += f"; {format_bytes(observed['free'])} was free on the device"
             alerts.append(
                 schema.Alert(
                     kind="oom",
@@ -229,7 +244,8 @@ class Agent:
             time=time.time(),
             status="error",
             code=exit_code,
-            requested=requested_bytes(error) if oom else None,
+            requested=(observed or {}).get("requested")
+            or (requested_bytes(error) if oom else None),
             error_type=type(error).__name__,
             error=first_line(error),
             step=step,

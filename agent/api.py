@@ -33,6 +33,8 @@ def start(
     argv: list[str] | None = None,
     budget: int | None = None,
     nan_check: str = "default",
+    reset_peaks: bool = False,
+    snapshot_on_oom: bool = False,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
 
@@ -44,6 +46,10 @@ def start(
             forecast of the first optimizer step, exceeds it.
         nan_check: "default" (one fused check per step, module checks armed after an alarm),
             "full" (module outputs checked every step) or "off".
+        reset_peaks: reset CUDA peak counters at each step and phase boundary (exact per-step
+            and per-phase peaks; takes `max_memory_allocated()` away from the job's own code).
+        snapshot_on_oom: on a CUDA out-of-memory, dump a PyTorch memory snapshot beside the
+            recording (records allocation history, bounded to 100,000 entries).
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -61,6 +67,8 @@ def start(
                 argv=list(argv) if argv is not None else list(sys.argv),
                 budget=budget,
                 nan_check=nan_check,
+                reset_peaks=reset_peaks,
+                snapshot_on_oom=snapshot_on_oom,
             )
             agent.start()
         except Exception as exc:

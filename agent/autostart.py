@@ -46,6 +46,8 @@ def config_from_environment() -> dict[str, Any]:
         "argv": argv,
         "budget": budget,
         "nan_check": os.environ.get("MEMTUI_NAN_CHECK", "default"),
+        "reset_peaks": os.environ.get("MEMTUI_RESET_PEAKS") == "1",
+        "snapshot_on_oom": os.environ.get("MEMTUI_SNAPSHOT_ON_OOM") == "1",
     }
 
 

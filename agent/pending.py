@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from memtui_agent import schema
 
 _process: Any = None
@@ -32,6 +34,28 @@ def host_now() -> schema.Host:
     return schema.Host(rss=process_rss(), system_total=system.total, system_used=system.used)
 
 
+_nvml: Any = None
+
+
+def with_nvml(allocator: schema.Allocator, device_index: int | None) -> schema.Allocator:
+    """Add NVML's process/device figures (GPU jobs only; never raises)."""
+    global _nvml
+    if device_index is None or allocator.allocated is None:
+        return allocator
+    if _nvml is None:
+        from memtui_agent.nvml import NvmlReader
+
+        _nvml = NvmlReader()
+    memory = _nvml.read(device_index)
+    return msgspec.structs.replace(
+        allocator,
+        process_gpu=memory.process_gpu,
+        device_used=memory.device_used,
+        device_total=memory.device_total,
+        nvml_note=memory.note,
+    )
+
+
 @dataclass
 class PendingStep:
     """Everything `close_step` captured on the training thread."""
@@ -51,6 +75,7 @@ class PendingStep:
     alerts: list[schema.Alert]
     top: list[schema.ModuleBytes]
     allocator: schema.Allocator
+    device_index: int | None = None
     dropped: int = 0
 
     def finalize(self) -> schema.Step:
@@ -81,7 +106,7 @@ class PendingStep:
             microbatches=self.microbatches,
             skipped=self.skipped,
             dtypes=self.dtypes,
-            allocator=self.allocator,
+            allocator=with_nvml(self.allocator, self.device_index),
             host=host_now(),
             loss=loss,
             scale=scale,

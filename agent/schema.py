@@ -67,7 +67,14 @@ class DtypeStat(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Allocator(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Device-side counters; every field is None where the counter does not exist (CPU)."""
+    """Device-side counters; every field is None where the counter does not exist (CPU).
+
+    The first six are the report contract. The rest come from the caching allocator's own
+    statistics: `active`, `peak_reserved`, `inactive_split` (bytes of split blocks that are free:
+    fragmentation) at close; the event counts are per step (differences of cumulative counters).
+    `peak_exact` says whether `peak_allocated` is this step's own peak (see allocator.py).
+    `nvml_note` explains a missing or approximate process figure (PID namespace, no NVML).
+    """
 
     allocated: int | None = None
     reserved: int | None = None
@@ -75,6 +82,20 @@ class Allocator(msgspec.Struct, frozen=True, omit_defaults=True):
     process_gpu: int | None = None
     device_used: int | None = None
     device_total: int | None = None
+    active: int | None = None
+    peak_reserved: int | None = None
+    inactive_split: int | None = None
+    peak_exact: bool | None = None
+    phase_peaks: dict[str, int] | None = None
+    allocations: int | None = None
+    frees: int | None = None
+    alloc_bytes: int | None = None
+    freed_bytes: int | None = None
+    segment_allocs: int | None = None
+    segment_frees: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    nvml_note: str | None = None
 
 
 class Host(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -7,12 +7,17 @@ fused check; everything that needs a host sync of a value is resolved later by t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from memtui_agent import schema
-from memtui_agent.allocator import read_allocator
+from memtui_agent.allocator import (
+    AllocatorReader,
+    expandable_segments_enabled,
+    fragmentation_message,
+)
 from memtui_agent.forecast import forecast_first_step
 from memtui_agent.health import HealthMonitor
 from memtui_agent.ledger import Ledger
@@ -34,8 +39,11 @@ class StepCloser:
         emit: Callable[[Any], None],
         budget: int | None = None,
         nan_check: str = "default",
+        reset_peaks: bool = False,
     ) -> None:
         self.ledger = ledger
+        self.allocator = AllocatorReader(reset_peaks)
+        self.gpu_events = GpuEvents()
         self.registry = registry
         self._emit = emit
         self.budget = budget
@@ -61,6 +69,10 @@ class StepCloser:
         if forecast is None:
             return
         self.forecast = (self.forecast or 0) + forecast
+        device_short = self._device_shortfall(forecast)
+        if device_short is not None:
+            alert = schema.Alert(kind="over_budget", message=device_short, where="optimizer_state")
+            self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
         if forecast > 0:
             message = (
                 f"the first {type(optimizer).__name__}.step() will allocate "
@@ -93,6 +105,16 @@ class StepCloser:
         """The closing step's frame (handed to the emitter by the caller)."""
         end, high, peak, dtypes = self.ledger.snapshot()
         alerts = list(extra_alerts)
+        self.allocator.phase_ended("optimizer")
+        allocator = self.allocator.read()
+        device_index = None
+        if allocator.allocated is not None:
+            device_index = self.gpu_events.ensure_attached()
+            fragmented = fragmentation_message(
+                allocator, expandable_segments_enabled(dict(os.environ))
+            )
+            if fragmented is not None:
+                alerts.append(schema.Alert(kind="fragmentation", message=fragmented))
         alerts.extend(
             self.health.close(
                 step,
@@ -125,7 +147,24 @@ class StepCloser:
             scale_after=scale_after,
             alerts=alerts,
             top=self.ledger.top_modules(TOP_MODULES),
-            allocator=read_allocator(),
+            allocator=allocator,
+            device_index=device_index,
+        )
+
+    def _device_shortfall(self, forecast: int) -> str | None:
+        """On CUDA the device is a budget too: will the first step's state fit in what is free
+        on the device plus what the allocator holds cached?"""
+        if forecast <= 0 or not self.allocator.active():
+            return None
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        if forecast <= free + cached:
+            return None
+        return (
+            f"the first optimizer step will allocate {format_bytes(forecast)} of state but only "
+            f"{format_bytes(free + cached)} is free on the device (incl. the allocator's cache)"
         )
 
     def _first_step_alert(self, grown: int) -> schema.Alert:
@@ -165,3 +204,44 @@ class StepCloser:
 
     def _named_grads(self) -> list[tuple[str, Any]]:
         return [(name, p.grad) for name, p in self._named_parameters() if p.grad is not None]
+
+
+class GpuEvents:
+    """The CUDA out-of-memory observer, attached once CUDA is in use (attaching earlier would
+    create a context the job did not ask for). It keeps the failing request and the free memory
+    for the `End` frame; with a snapshot path it also dumps a PyTorch memory snapshot."""
+
+    def __init__(self, snapshot_path: str | None = None) -> None:
+        self.snapshot_path = snapshot_path
+        self.last_oom: dict[str, int] | None = None
+        self._attached = False
+
+    def ensure_attached(self) -> int | None:
+        """Attach the observer if not yet done; the current CUDA device index."""
+        import torch
+
+        index = torch.cuda.current_device()
+        if not self._attached:
+            self._attached = True
+            attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+            if attach is not None:
+                attach(self.observe)
+            if self.snapshot_path is not None:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        return index
+
+    def observe(self, device: int, requested: int, allocated: int, free: int) -> None:
+        """Called by the allocator when an allocation fails (before the exception)."""
+        self.last_oom = {
+            "device": int(device),
+            "requested": int(requested),
+            "allocated": int(allocated),
+            "free": int(free),
+        }
+        if self.snapshot_path is not None:
+            try:
+                import torch
+
+                torch.cuda.memory._dump_snapshot(self.snapshot_path)
+            except Exception:
+                pass

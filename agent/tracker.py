@@ -77,12 +77,13 @@ class Tracker:
         fail: Callable[[str, BaseException], None],
         budget: int | None = None,
         nan_check: str = "default",
+        reset_peaks: bool = False,
     ) -> None:
         self.ledger = ledger
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
-        self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check)
+        self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check, reset_peaks)
         self._pending_skip: Any = None
         self._scaled_backward = False
         self._unscaled = False
@@ -286,6 +287,7 @@ class Tracker:
             if outermost:
                 self.microbatches += 1
                 self._record_loss(tensors)
+                self.closer.allocator.phase_ended("forward")
                 self._stack.clear()
                 self._in_optimizer = False
             self._in_backward += 1
@@ -430,6 +432,7 @@ class Tracker:
             return
         try:
             self._in_optimizer = True
+            self.closer.allocator.phase_ended("backward")
             self.registry.add_optimizer(optimizer)
             if self.registry.generation != self._synced_generation:
                 self._on_new_objects()

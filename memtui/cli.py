@@ -57,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="NaN/Inf checks: one fused check per step, module outputs armed after an alarm "
         "(default); module outputs every step (full); none (off)",
     )
+    run.add_argument(
+        "--reset-peaks",
+        action="store_true",
+        help="CUDA: reset peak counters every step/phase (exact per-step peaks; your own "
+        "max_memory_allocated() readings lose their meaning)",
+    )
+    run.add_argument(
+        "--snapshot-on-oom",
+        action="store_true",
+        help="CUDA: dump a PyTorch memory snapshot beside the recording on out-of-memory",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
@@ -65,12 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
 
     replay = commands.add_parser("replay", help="open a recording in the TUI")
-    replay.add_argument("path", help="a .memtui recording")
+    replay.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
 
     report = commands.add_parser("report", help="summarise a recording")
-    report.add_argument("path", help="a .memtui recording")
+    report.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
     report.add_argument("--json", action="store_true", help="print the JSON report")
     report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
+
+    export = commands.add_parser("export", help="convert a recording for other tools")
+    export.add_argument("path", help="a .memtui recording")
+    export.add_argument("--format", required=True, choices=["chrome-trace", "csv"])
+    export.add_argument("-o", "--output", metavar="OUT", help="output file, '-' for stdout")
 
     estimate = commands.add_parser(
         "estimate",
@@ -101,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check"}
+"""Flags of `memtui run` that take a value (the splitter must skip that value too)."""
 
 
 def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -160,6 +177,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.reset_peaks:
+        job.env["MEMTUI_RESET_PEAKS"] = "1"
+    if args.snapshot_on_oom:
+        job.env["MEMTUI_SNAPSHOT_ON_OOM"] = "1"
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
@@ -208,7 +229,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
     from memtui.recording import RecordingError, read_recording
     from memtui.report import build_report, render_text
+    from memtui.torch_snapshot import looks_like_snapshot
 
+    if looks_like_snapshot(args.path):
+        from memtui.snapshot_report import report_snapshot
+
+        return report_snapshot(args.path, args.json, binary=not args.decimal)
     try:
         recording = read_recording(args.path)
     except RecordingError as exc:
@@ -222,6 +248,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"memtui: warning: {args.path}: {recording.warning}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`memtui export PATH --format chrome-trace|csv [-o OUT]`."""
+    from memtui.export import run_export
+
+    return run_export(args.path, args.format, args.output)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -268,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo": cmd_demo,
         "attach": cmd_attach,
         "replay": cmd_replay,
+        "export": cmd_export,
     }
     if args.command is None:
         parser.print_help()

@@ -49,7 +49,10 @@ def step_report(step: Step, recording: Recording) -> dict[str, Any]:
         ],
         "alerts": [
             {key: value for key, value in alert_dict(step.step, alert).items() if key != "step"}
-            for alert in step.alerts
+            for alert in [
+                *(early.alert for early in recording.early_alerts if early.step == step.step),
+                *step.alerts,
+            ]
         ],
     }
 

@@ -173,3 +173,46 @@ class TailSource:
             if handle is not None:
                 handle.close()
         return None
+
+
+class SnapshotSource:
+    """A PyTorch memory snapshot pickle, shown as a one-step recording per device.
+
+    The snapshot is read with `memtui.torch_snapshot` (plain data only, no torch) and turned
+    into the same messages a recording holds, so the replay screen needs no special case.
+    """
+
+    live = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.label = f"{path} (PyTorch memory snapshot)"
+        self.warning: str | None = None
+        self._messages: list[schema.Message] | None = None
+
+    def check(self) -> None:
+        """Read the whole snapshot now, so a foreign or damaged pickle is one clear line."""
+        from memtui.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
+
+        try:
+            self._messages = snapshot_messages(load_snapshot(self.path), self.path)
+        except SnapshotError as exc:
+            raise SourceError(str(exc)) from None
+
+    def run(self, sink: Sink, stop: threading.Event) -> str | None:
+        """Hand every message over in one batch."""
+        if self._messages is None:
+            try:
+                self.check()
+            except SourceError as exc:
+                return str(exc)
+        assert self._messages is not None
+        sink(list(self._messages))
+        return None
+
+
+def replay_source(path: Path) -> ReplaySource | SnapshotSource:
+    """The source for `memtui replay PATH`, chosen by the file's first byte, not its name."""
+    from memtui.torch_snapshot import looks_like_snapshot
+
+    return SnapshotSource(path) if looks_like_snapshot(path) else ReplaySource(path)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.run_command import JobSpec, summary_line
-from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource
+from memtui.sources import LiveSource, SourceError, TailSource, replay_source
 from memtui_agent.runtime_dir import live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
@@ -94,7 +94,7 @@ def run_tui(job_spec: JobSpec) -> int:
 
 def replay(path: str) -> int:
     """`memtui replay PATH`: the recording at its last step, the cursor free."""
-    source = ReplaySource(Path(path))
+    source = replay_source(Path(path))
     try:
         source.check()
     except SourceError as exc:

@@ -278,7 +278,10 @@ def test_report_json_follows_contract(recorded: Recorded) -> None:
     assert ending["code"] == 0
     assert ending["error"] is None
     # Momentum buffers appear at step 1 (first_step_growth); nothing else is alarming here.
-    assert {(a["step"], a["kind"]) for a in report["alerts"]} <= {(1, "first_step_growth")}
+    assert {(a["step"], a["kind"]) for a in report["alerts"]} <= {
+        (1, "first_step_forecast"),
+        (1, "first_step_growth"),
+    }
     flattened = [{"step": s["step"], **a} for s in report["steps"] for a in s["alerts"]]
     assert report["alerts"] == flattened
 
