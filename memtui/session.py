@@ -83,6 +83,7 @@ class Snapshot:
     timeline_alerts: frozenset[int]
     cursor_step: int | None
     notes: tuple[str, ...] = ()
+    allocator_lines: tuple[str, ...] = ()
     loss: float | None = None
     skipped: bool = False
     microbatches: int = 0
@@ -301,6 +302,7 @@ class Session:
             timeline_alerts=frozenset(alert.step for alert in self.alerts),
             cursor_step=step.step if step is not None else None,
             notes=tuple(notes),
+            allocator_lines=allocator_lines(step, self.binary),
             loss=step.loss if step is not None else None,
             skipped=step.skipped if step is not None else False,
             microbatches=step.microbatches if step is not None else 0,
@@ -416,6 +418,35 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
             GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels
         )
     return tuple(rows)
+
+
+def allocator_lines(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:
+    """The caching allocator's activity in the step (GPU only): events, fragmentation, peaks."""
+    if step is None or step.allocator.allocated is None:
+        return ()
+    from memtui_agent.units import format_bytes
+
+    a = step.allocator
+    lines = []
+    if a.allocations is not None:
+        lines.append(
+            f"this step: {a.allocations} allocations ({format_bytes(a.alloc_bytes, binary)}), "
+            f"{a.frees} frees, {a.segment_allocs} cudaMalloc, {a.segment_frees} cudaFree, "
+            f"{a.alloc_retries} retries, {a.ooms} OOMs"
+        )
+    if a.inactive_split is not None:
+        lines.append(
+            f"inactive split blocks (fragmentation): {format_bytes(a.inactive_split, binary)}"
+        )
+    if a.peak_allocated is not None:
+        kind = "this step's own" if a.peak_exact else "running peak (the step set no new high)"
+        lines.append(f"peak allocated {format_bytes(a.peak_allocated, binary)}: {kind}")
+    if a.phase_peaks:
+        phases = ", ".join(f"{k} {format_bytes(v, binary)}" for k, v in a.phase_peaks.items())
+        lines.append(f"peaks by phase: {phases}")
+    if a.nvml_note:
+        lines.append(a.nvml_note)
+    return tuple(lines)
 
 
 def dtype_rows(step: schema.Step | None) -> tuple[tuple[str, str, int, int], ...]:

@@ -207,3 +207,30 @@ def test_oom_observer_details_reach_the_final_frame(tmp_path: Path) -> None:
     assert end is not None and end.oom and end.requested == 2 * GIB
     assert end.alerts[0].kind == "oom"
     assert "512.00 MiB was free on the device" in end.alerts[0].message
+
+
+def test_allocator_activity_lines_for_the_cursor_step() -> None:
+    from memtui.session import allocator_lines
+
+    allocator = allocator_from_stats(stats(num_alloc_retries=1), stats())
+    step = schema.Step(
+        step=2,
+        t_start=0,
+        t_end=1,
+        end=schema.Piles(),
+        max=schema.Piles(),
+        peak=schema.Piles(),
+        allocator=allocator,
+    )
+    lines = allocator_lines(step)
+    assert lines[0].startswith("this step: 0 allocations") and "1 retries" in lines[0]
+    assert "fragmentation): 3.00 GiB" in lines[1]
+    assert "running peak" in lines[2]
+    assert allocator_lines(msgspec_replace(step)) == ()
+
+
+def msgspec_replace(step: schema.Step) -> schema.Step:
+    """The same step on a CPU job: no allocator counters at all."""
+    import msgspec
+
+    return msgspec.structs.replace(step, allocator=schema.Allocator())

@@ -141,7 +141,13 @@ class GapPanel(Static):
                 delta,
                 Text(row.meaning, style="dim"),
             )
-        return table
+        if not snap.allocator_lines:
+            return table
+        from rich.console import Group
+
+        return Group(
+            table, *(Text(line, style="dim", no_wrap=True) for line in snap.allocator_lines)
+        )
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
