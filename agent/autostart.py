@@ -109,6 +109,28 @@ def when_torch_imported(callback: Callable[[], None]) -> None:
     sys.meta_path.insert(0, _TorchImportWatcher(callback))
 
 
+LAUNCHERS = ("torch/distributed/run.py", "torch/distributed/launch.py")
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """Whether this process is a distributed launcher (torchrun), not a training rank."""
+    program = argv[0].replace(os.sep, "/") if argv else ""
+    return os.path.basename(program) == "torchrun" or program.endswith(LAUNCHERS)
+
+
+def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | None:
+    """A session folder (an existing directory) gets one recording per process.
+
+    Ranks are named by their global rank (`rank-3.memtui`), other processes by pid, so every
+    process of a multi-process job writes its own file and none overwrites another's.
+    """
+    if not record or not os.path.isdir(record):
+        return record
+    rank = environ.get("RANK")
+    name = f"rank-{int(rank)}.memtui" if rank and rank.isdigit() else f"pid-{os.getpid()}.memtui"
+    return os.path.join(record, name)
+
+
 def arm_from_environment(install_exit_handlers: bool) -> bool:
     """Arm the agent for this process; False when another process already owns monitoring.
 
@@ -124,7 +146,10 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
     def start_agent() -> None:
         from memtui_agent import api
 
+        if is_launcher(sys.argv):
+            return  # torchrun itself trains nothing; its workers get their own agents
         try:
+            config["record"] = record_path_for_rank(config["record"], dict(os.environ))
             if api.start(**config) is not None:
                 os.environ[OWNER_VARIABLE] = str(os.getpid())
         except Exception as exc:  # never into the user's import of torch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 EXIT_USAGE = 2
@@ -235,6 +236,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         from memtui.snapshot_report import report_snapshot
 
         return report_snapshot(args.path, args.json, binary=not args.decimal)
+    if Path(args.path).is_dir():
+        return report_session(Path(args.path), args.json, binary=not args.decimal)
     try:
         recording = read_recording(args.path)
     except RecordingError as exc:
@@ -248,6 +251,25 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"memtui: warning: {args.path}: {recording.warning}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
+
+
+def report_session(folder: Path, as_json: bool, binary: bool) -> int:
+    """`memtui report DIR`: a session folder with one recording per rank."""
+    from memtui.rank_report import build_session_report, read_session, render_session_text
+    from memtui.recording import RecordingError
+
+    try:
+        recordings, warnings = read_session(folder)
+    except RecordingError as exc:
+        print(f"memtui: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if as_json:
+        print(json.dumps(build_session_report(recordings), indent=2))
+    else:
+        print(render_session_text(recordings, binary))
+    for warning in warnings:
+        print(f"memtui: warning: {warning}", file=sys.stderr)
+    return EXIT_PARTIAL if warnings else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -97,8 +97,9 @@ def build_job(
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
         if recording.is_dir():
-            raise UsageError(f"-o {recording}: is a directory; give a file path")
-        if not recording.parent.exists():
+            # A session folder: every process of the job (each torchrun rank) records into it.
+            pass
+        elif not recording.parent.exists():
             raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
         recording = recording.resolve()
     env["MEMTUI_RECORD"] = str(recording) if recording is not None else ""
@@ -150,6 +151,14 @@ def summary_line(job: JobSpec, code: int) -> str:
     """One or two lines for the end of a headless run."""
     if job.recording is None:
         return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
+    if job.recording.is_dir():
+        from memtui.rank_report import session_files
+
+        count = len(session_files(job.recording))
+        return (
+            f"memtui: job exited with code {code}; {count} recording(s) in {job.recording}  "
+            f"(memtui report {job.recording})"
+        )
     if not job.recording.exists():
         return (
             f"memtui: job exited with code {code}; no recording was written (the job never "

@@ -1,0 +1,107 @@
+"""Reports over a session folder: one recording per rank (`memtui run -o DIR -- torchrun ...`).
+
+`memtui report DIR --json` prints `{"ranks": {"0": <report>, ...}}`, each a report as in
+DESIGN.md; the text form adds a per-rank table and the imbalance (max/min per pile across ranks),
+which is where a rank that holds more (a bigger shard, an unbalanced pipeline stage) shows up.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from memtui.recording import Recording, RecordingError, read_recording
+from memtui.report import build_report, pile_peaks
+from memtui_agent.schema import PILES
+from memtui_agent.units import format_bytes
+
+_RANK_FILE = re.compile(r"^(rank-(\d+)|pid-(\d+))\.memtui$")
+
+
+def session_files(folder: Path) -> list[tuple[str, Path]]:
+    """(rank label, path) for every recording in a session folder, ranks in numeric order."""
+    found = []
+    for path in folder.iterdir():
+        match = _RANK_FILE.match(path.name)
+        if match:
+            label = match.group(2) if match.group(2) is not None else f"pid-{match.group(3)}"
+            found.append((label, path))
+    return sorted(
+        found,
+        key=lambda item: (not item[0].isdigit(), int(item[0]) if item[0].isdigit() else item[0]),
+    )
+
+
+def read_session(folder: Path) -> tuple[dict[str, Recording], list[str]]:
+    """Every readable rank recording, plus one warning line per unreadable or damaged one.
+
+    Raises:
+        RecordingError: the folder holds no rank recordings at all.
+    """
+    files = session_files(folder)
+    if not files:
+        raise RecordingError(f"{folder}: is a directory with no rank-N.memtui recordings")
+    recordings: dict[str, Recording] = {}
+    warnings = []
+    for label, path in files:
+        try:
+            recordings[label] = read_recording(path)
+        except RecordingError as exc:
+            warnings.append(str(exc))
+            continue
+        if recordings[label].warning:
+            warnings.append(f"{path}: {recordings[label].warning}")
+    if not recordings:
+        raise RecordingError(f"{folder}: no readable rank recordings ({warnings[0]})")
+    return recordings, warnings
+
+
+def imbalance(recordings: dict[str, Recording]) -> dict[str, dict[str, Any]]:
+    """Per pile: the highest value on each rank, max/min across ranks, and the heaviest rank."""
+    peaks = {label: pile_peaks(recording) for label, recording in recordings.items()}
+    result = {}
+    for pile in PILES:
+        values = {label: peaks[label][pile] for label in peaks}
+        heaviest = max(values, key=lambda label: values[label])
+        low = min(values.values())
+        result[pile] = {
+            "per_rank": values,
+            "max": values[heaviest],
+            "min": low,
+            "ratio": (values[heaviest] / low) if low else None,
+            "heaviest_rank": heaviest,
+        }
+    return result
+
+
+def build_session_report(recordings: dict[str, Recording]) -> dict[str, Any]:
+    """The JSON document: every rank's report, plus the imbalance."""
+    return {
+        "ranks": {label: build_report(recording) for label, recording in recordings.items()},
+        "imbalance": imbalance(recordings),
+    }
+
+
+def render_session_text(recordings: dict[str, Recording], binary: bool = True) -> str:
+    """A table of each rank's highest piles and how it ended, then the imbalance."""
+    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    lines = [f"session of {len(recordings)} rank(s)"]
+    header = f"{'rank':<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in PILES) + "  ending"
+    lines.append(header)
+    for label, recording in recordings.items():
+        peaks = pile_peaks(recording)
+        ending = recording.end.status if recording.end is not None else recording.status()
+        lines.append(
+            f"{label:<8}{len(recording.steps):>7}  "
+            + "".join(f"{size(peaks[p]):>17}" for p in PILES)
+            + f"  {ending}"
+        )
+    lines.append("imbalance (max/min across ranks):")
+    for pile, entry in imbalance(recordings).items():
+        ratio = f"{entry['ratio']:.2f}x" if entry["ratio"] is not None else "n/a"
+        lines.append(
+            f"  {pile:<16} {ratio:>8}  heaviest rank {entry['heaviest_rank']} "
+            f"({size(entry['max'])})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Many ranks: `memtui run -o DIR -- torchrun ...` records every rank, not the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from memtui_agent.autostart import is_launcher, record_path_for_rank
+
+DDP_JOB = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+ddp = DDP(model)
+opt = torch.optim.AdamW(ddp.parameters())
+for step in range(3):
+    opt.zero_grad()
+    ddp(torch.randn(16, 64)).pow(2).mean().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_launcher_detection_and_per_rank_names(tmp_path: Path) -> None:
+    assert is_launcher(["/venv/bin/torchrun", "--nproc-per-node", "2", "x.py"])
+    assert is_launcher(["/site-packages/torch/distributed/run.py", "x.py"])
+    assert not is_launcher(["train.py"])
+    assert record_path_for_rank(str(tmp_path), {"RANK": "3"}) == str(tmp_path / "rank-3.memtui")
+    assert record_path_for_rank(str(tmp_path / "a.memtui"), {"RANK": "3"}) == str(
+        tmp_path / "a.memtui"
+    )
+
+
+def test_torchrun_ddp_session_has_one_exact_recording_per_rank(tmp_path: Path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_JOB)
+    session = tmp_path / "session"
+    session.mkdir()
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    memtui = [sys.executable, "-m", "memtui.cli"]
+    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    result = subprocess.run(
+        [*memtui, "run", "--headless", "-o", str(session), "--", torchrun,
+         "--nproc-per-node", "2", "--master-port", "29533", str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(path.name for path in session.iterdir()) == ["rank-0.memtui", "rank-1.memtui"]
+    report = subprocess.run(
+        [*memtui, "report", str(session), "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert report.returncode == 0, report.stderr
+    ranks = json.loads(report.stdout)["ranks"]
+    weights = (64 * 128 + 128 + 128 * 8 + 8) * 4
+    for label in ("0", "1"):
+        rank = ranks[label]
+        assert [step["step"] for step in rank["steps"]] == [1, 2, 3]
+        end = rank["steps"][-1]["end"]
+        assert end["weights"] == weights
+        assert end["gradients"] == weights  # DDP's gradients counted once
+        assert end["optimizer_state"] == 2 * weights + 4 * 4  # AdamW: 2 moments, 4 step tensors
+        assert rank["exit"]["status"] == "ok"
+    text = subprocess.run(
+        [*memtui, "report", str(session)], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "session of 2 rank(s)" in text and "imbalance" in text
