@@ -67,10 +67,16 @@ def write_sidecar(directory: Path, name: str, content: dict[str, Any]) -> Path:
 
 
 def pid_alive(pid: int, create_time: float | None = None) -> bool:
-    """Whether `pid` runs and, when `create_time` is known, is the same process (not a reuse)."""
+    """Whether `pid` runs and, when `create_time` is known, is the same process (not a reuse).
+
+    The pid comes from files (recordings, sidecars): 0 and negative values would signal process
+    groups, and huge ones overflow, so anything that cannot be a single process is "not alive".
+    """
+    if not isinstance(pid, int) or pid <= 0 or pid > 2**31 - 1:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
         return True

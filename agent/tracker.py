@@ -19,6 +19,7 @@ from threading import get_ident
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
@@ -202,7 +203,9 @@ class Tracker:
         # Only the thread that installed the saved-tensor hooks is followed: its module stack
         # is what activations are attributed to. Other threads (DataParallel replicas, a
         # second forward thread) would corrupt the stack and register throwaway replicas.
-        if not self.enabled["modules"] or get_ident() != self.owner_thread:
+        # While torch.compile traces, hooks must do nothing dynamo cannot trace (a call such as
+        # get_ident() would break the graph and leave the model running eagerly).
+        if is_compiling() or not self.enabled["modules"] or get_ident() != self.owner_thread:
             return
         try:
             module_id = self.registry.lookup(module)
@@ -215,7 +218,7 @@ class Tracker:
             self._disable("modules", exc)
 
     def _module_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self.enabled["modules"] or get_ident() != self.owner_thread:
+        if is_compiling() or not self.enabled["modules"] or get_ident() != self.owner_thread:
             return
         try:
             # Hooks run from `_call_impl` itself only when forward raised; on success they run
@@ -236,7 +239,7 @@ class Tracker:
     # ----- saved tensors -----------------------------------------------------------------------
 
     def _pack(self, tensor: Any) -> Any:
-        if not self.enabled["pack"]:
+        if is_compiling() or not self.enabled["pack"]:
             return tensor
         try:
             origin = tensor._base

@@ -99,7 +99,12 @@ class FrameDecoder:
                 raise WireError(f"corrupt frame {self.frames + 1}: checksum mismatch")
             try:
                 message = _decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (
+                msgspec.DecodeError,
+                msgspec.ValidationError,
+                UnicodeDecodeError,
+                RecursionError,
+            ) as exc:
                 raise WireError(f"corrupt frame {self.frames + 1}: {exc}") from None
             del self._buffer[:end]
             self.frames += 1

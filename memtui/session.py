@@ -262,7 +262,7 @@ class Session:
             return None
         return (len(recent) - 1) / (recent[-1] - recent[0])
 
-    def snapshot(self, timeline_width: int = 120) -> Snapshot:
+    def snapshot(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> Snapshot:
         """The immutable view of the cursor step, the timeline window and the alerts."""
         hello = self.hello
         step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
@@ -271,7 +271,7 @@ class Session:
         title = (
             f"pid {hello.pid} · {hello.device} · torch {hello.torch}" if hello is not None else ""
         )
-        notes = []
+        notes = list(extra_notes)
         if self.warning:
             notes.append(self.warning)
         notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])

@@ -36,7 +36,7 @@ from memtui.tui.widgets import (
 from memtui_agent import schema
 
 TICK_SECONDS = 0.25
-STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units"}
+STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank"}
 NARROW_WIDTH = 120
 
 
@@ -68,6 +68,7 @@ class MemtuiApp(App[int]):
         Binding("n", "next_alert(1)", "Next alert", priority=True),
         Binding("N", "next_alert(-1)", "Prev alert", priority=True),
         Binding("u", "toggle_units", "GiB/GB", priority=True),
+        Binding("r", "next_rank", "Rank", priority=True),
         Binding("tab", "focus_next", "Focus", show=False),
         Binding("question_mark", "help", "Help"),
     ]
@@ -78,18 +79,34 @@ class MemtuiApp(App[int]):
         *,
         job: JobProcess | None = None,
         warning: str | None = None,
+        ranks: dict[str, Source] | None = None,
     ) -> None:
         super().__init__()
         self.source = source
         self.job = job
-        self.session = Session(source_label=source.label, live=source.live, warning=warning)
-        if not source.live:
-            self.session.follow = True
-        self._inbox: deque[list[schema.Message]] = deque()
+        # One Session per rank of a session folder (or a single one); `r` switches between them.
+        self.ranks: dict[str, Source] = ranks or {"": source}
+        self.sessions = {
+            label: Session(source_label=rank.label, live=rank.live, warning=warning)
+            for label, rank in self.ranks.items()
+        }
+        self.inboxes: dict[str, deque[list[schema.Message]]] = {
+            label: deque() for label in self.ranks
+        }
+        self.selected = next(iter(self.ranks))
         self._stop = threading.Event()
-        self._rendered_version = -1
+        self._rendered_version: object = -1
         self._rendered_width = -1
         self._job_code: int | None = None
+
+    @property
+    def session(self) -> Session:
+        """The Session of the rank on screen."""
+        return self.sessions[self.selected]
+
+    @property
+    def _inbox(self) -> deque[list[schema.Message]]:
+        return self.inboxes[self.selected]
 
     # ----- layout ---------------------------------------------------------------------------
 
@@ -130,7 +147,8 @@ class MemtuiApp(App[int]):
             for box in self.query(f"#{box_id}"):
                 box.border_title = title
         self._apply_width_class(self.size.width)
-        self._read_source()
+        for label in self.ranks:
+            self._read_source(label)
         self.set_interval(TICK_SECONDS, self.refresh_view)
         self.call_after_refresh(self._redraw)
 
@@ -151,20 +169,22 @@ class MemtuiApp(App[int]):
 
     # ----- the source ---------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="source")
-    def _read_source(self) -> None:
+    @work(thread=True, exclusive=False, group="sources")
+    def _read_source(self, label: str) -> None:
         try:
-            reason = self.source.run(self._inbox.append, self._stop)
+            reason = self.ranks[label].run(self.inboxes[label].append, self._stop)
         except Exception as exc:  # one handler for every source failure
             reason = f"{type(exc).__name__}: {exc}"
-        self.call_from_thread(self._source_ended, reason)
+        self.call_from_thread(self._source_ended, reason, label)
 
-    def _source_ended(self, reason: str | None) -> None:
+    def _source_ended(self, reason: str | None, label: str | None = None) -> None:
         if not self.is_running or self._stop.is_set():
             return
         self.refresh_view()
-        if reason is not None or (self.source.live and self.session.end is None):
-            self.session.mark_disconnected(reason or "stream closed")
+        session = self.sessions[label if label is not None else self.selected]
+        source = self.ranks[label if label is not None else self.selected]
+        if reason is not None or (source.live and session.end is None):
+            session.mark_disconnected(reason or "stream closed")
         self.refresh_view()
 
     # ----- the tick -------------------------------------------------------------------------
@@ -173,8 +193,9 @@ class MemtuiApp(App[int]):
         """Drain the inbox, then redraw every widget from one snapshot if anything changed."""
         if not self.is_running or self._stop.is_set():
             return
-        while self._inbox:
-            self.session.ingest(self._inbox.popleft())
+        for label, inbox in self.inboxes.items():
+            while inbox:
+                self.sessions[label].ingest(inbox.popleft())
         if self.job is not None:
             lines = self.job.take_lines()
             if lines:
@@ -188,12 +209,36 @@ class MemtuiApp(App[int]):
                     self.session.version += 1
         timeline = self.query_one(PileTimeline)
         width = timeline.size.width
-        if self.session.version == self._rendered_version and width == self._rendered_width:
+        version = (self.selected, *(session.version for session in self.sessions.values()))
+        if version == self._rendered_version and width == self._rendered_width:
             return
-        self._rendered_version = self.session.version
+        self._rendered_version = version
         self._rendered_width = width
-        snap = self.session.snapshot(timeline_width=max(timeline.size.width - 12, 20))
+        snap = self.session.snapshot(
+            timeline_width=max(timeline.size.width - 12, 20), extra_notes=self._rank_notes()
+        )
         self.show(snap)
+
+    def _rank_notes(self) -> tuple[str, ...]:
+        """With several ranks: which one is shown, and the imbalance at each rank's last step."""
+        if len(self.ranks) < 2:
+            return ()
+        latest = {
+            label: session.steps[-1].peak
+            for label, session in self.sessions.items()
+            if session.steps
+        }
+        line = f"rank {self.selected} of {len(self.ranks)} (r: next rank)"
+        if len(latest) >= 2:
+            parts = []
+            for pile in ("weights", "gradients", "optimizer_state", "activations"):
+                values = {label: getattr(peak, pile) for label, peak in latest.items()}
+                heaviest = max(values, key=lambda label: values[label])
+                low = min(values.values())
+                ratio = f"{values[heaviest] / low:.2f}x" if low else "n/a"
+                parts.append(f"{pile} {ratio} (heaviest rank {heaviest})")
+            line += " · max/min at latest step: " + ", ".join(parts)
+        return (line,)
 
     def show(self, snap: Snapshot) -> None:
         """Hand the snapshot to every view."""
@@ -208,6 +253,8 @@ class MemtuiApp(App[int]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Step keys are priority bindings; on a dialog they step aside so it gets its keys."""
+        if action == "next_rank" and len(self.ranks) < 2:
+            return False  # a single job: no rank key in the footer
         return not (action in STEP_ACTIONS and isinstance(self.screen, ModalScreen))
 
     def _changed(self) -> None:
@@ -230,7 +277,13 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_toggle_units(self) -> None:
-        self.session.toggle_units()
+        for session in self.sessions.values():
+            session.toggle_units()
+        self._changed()
+
+    def action_next_rank(self) -> None:
+        labels = list(self.ranks)
+        self.selected = labels[(labels.index(self.selected) + 1) % len(labels)]
         self._changed()
 
     def action_toggle_pause(self) -> None:
