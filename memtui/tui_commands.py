@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.run_command import JobSpec, summary_line
-from memtui.sources import LiveSource, SourceError, TailSource, replay_source
+from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
 from memtui_agent.runtime_dir import live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
@@ -92,11 +92,37 @@ def run_tui(job_spec: JobSpec) -> int:
     return code
 
 
-def replay(path: str) -> int:
-    """`memtui replay PATH`: the recording at its last step, the cursor free."""
-    source = replay_source(Path(path))
-    try:
+def session_sources(folder: Path) -> dict[str, Any]:
+    """One replay source per rank recording of a session folder.
+
+    Raises:
+        SourceError: the folder holds no rank recordings, or one of them is unreadable.
+    """
+    from memtui.rank_report import session_files
+
+    files = session_files(folder)
+    if not files:
+        raise SourceError(f"{folder}: is a directory with no rank-N.memtui recordings")
+    sources = {}
+    for label, file in files:
+        source = ReplaySource(file)
         source.check()
+        source.label = f"{folder}/{file.name}"
+        sources[label] = source
+    return sources
+
+
+def replay(path: str) -> int:
+    """`memtui replay PATH`: the recording at its last step, the cursor free; a session
+    folder opens every rank (`r` switches)."""
+    ranks = None
+    try:
+        if Path(path).is_dir():
+            ranks = session_sources(Path(path))
+            source = next(iter(ranks.values()))
+        else:
+            source = replay_source(Path(path))
+            source.check()
     except SourceError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -106,7 +132,7 @@ def replay(path: str) -> int:
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    run_app(MemtuiApp(source, warning=source.warning))
+    run_app(MemtuiApp(source, warning=source.warning, ranks=ranks))
     return 0
 
 

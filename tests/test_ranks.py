@@ -69,3 +69,50 @@ def test_torchrun_ddp_session_has_one_exact_recording_per_rank(tmp_path: Path) -
         [*memtui, "report", str(session)], capture_output=True, text=True, timeout=60
     ).stdout
     assert "session of 2 rank(s)" in text and "imbalance" in text
+
+
+def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
+    """Two rank recordings (the second holding twice the weights): `r` moves between them and
+    the imbalance line names the heaviest rank."""
+    import asyncio
+
+    from memtui.tui.app import MemtuiApp
+    from memtui.tui.widgets import PilesPanel
+    from memtui.tui_commands import session_sources
+    from memtui_agent import schema, wire
+
+    for rank, weights in (("0", 1000), ("1", 2000)):
+        piles = schema.Piles(weights, 0, 0, 0)
+        messages = [
+            schema.Hello(
+                format_version=schema.FORMAT_VERSION,
+                agent_version="t",
+                pid=1,
+                argv=["train.py"],
+                started="2026-11-29T09:00:00+00:00",
+                started_unix=0.0,
+                rank=int(rank),
+            ),
+            schema.Step(step=1, t_start=0, t_end=1, end=piles, max=piles, peak=piles),
+            schema.End(time=2.0, status="ok", code=0),
+        ]
+        (tmp_path / f"rank-{rank}.memtui").write_bytes(
+            wire.preamble() + b"".join(wire.encode(m) for m in messages)
+        )
+    ranks = session_sources(tmp_path)
+    app = MemtuiApp(next(iter(ranks.values())), ranks=ranks)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(8):
+                await pilot.pause(0.05)
+                app.refresh_view()
+            panel = app.query_one(PilesPanel)
+            assert app.selected == "0" and panel.snapshot is not None
+            assert panel.snapshot.piles[0].at_peak == 1000
+            assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.snapshot.notes)
+            await pilot.press("r")
+            assert app.selected == "1"
+            assert app.query_one(PilesPanel).snapshot.piles[0].at_peak == 2000
+
+    asyncio.run(scenario())
