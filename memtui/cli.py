@@ -121,26 +121,35 @@ RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check"}
 """Flags of `memtui run` that take a value (the splitter must skip that value too)."""
 
 
-def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
-    """Split `run` arguments into memtui's own and the job's.
+def split_job_argv(
+    tokens: list[str], value_flags: set[str], own_flags: set[str] | None, module_flag: bool
+) -> tuple[list[str], list[str]]:
+    """Split arguments into memtui's own and the job's.
 
-    The job's part starts at `--`, at the first token that is not a flag (the script), or right
-    after `-m MODULE`; everything from there on belongs to the job, flags included, so
-    `memtui run -m mod --lr 3` passes `--lr 3` to the module.
+    The job's part starts at `--`, at the first token that is not one of memtui's flags, or (with
+    `module_flag`) right after `-m MODULE`; everything from there on belongs to the job, flags
+    included, so `memtui run -m mod --lr 3` passes `--lr 3` to the module.
+
+    Args:
+        value_flags: memtui's flags that take a value (the value is skipped too).
+        own_flags: memtui's other flags; None means every flag before the job is memtui's
+            (argparse then rejects the unknown ones).
+        module_flag: whether `-m MODULE` ends memtui's part.
     """
     index = 0
     while index < len(tokens):
         token = tokens[index]
         if token == "--":
             return tokens[:index], tokens[index + 1 :]
-        if token in RUN_VALUE_FLAGS:
+        if token in value_flags:
             index += 2
             continue
-        if token == "-m":
+        if module_flag and token == "-m":
             return tokens[: index + 2], tokens[index + 2 :]
-        if token.startswith("-m") and len(token) > 2:
+        if module_flag and token.startswith("-m") and len(token) > 2:
             return tokens[: index + 1], tokens[index + 1 :]
-        if not token.startswith("-"):
+        is_own = token.startswith("-") if own_flags is None else token in own_flags
+        if not is_own:
             return tokens[:index], tokens[index:]
         index += 1
     return tokens, []
@@ -150,20 +159,14 @@ DEMO_FLAGS = {"--headless", "-h", "--help"}
 DEMO_VALUE_FLAGS = {"-o", "--output"}
 
 
+def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """`memtui run` arguments: memtui's, then the script, module or command with its own."""
+    return split_job_argv(tokens, RUN_VALUE_FLAGS, None, module_flag=True)
+
+
 def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
-    """Split `demo` arguments: memtui's own flags first, anything else goes to the demo job."""
-    index = 0
-    while index < len(tokens):
-        token = tokens[index]
-        if token == "--":
-            return tokens[:index], tokens[index + 1 :]
-        if token in DEMO_VALUE_FLAGS:
-            index += 2
-        elif token in DEMO_FLAGS:
-            index += 1
-        else:
-            return tokens[:index], tokens[index:]
-    return tokens, []
+    """`memtui demo` arguments: memtui's own flags first, anything else goes to the demo job."""
+    return split_job_argv(tokens, DEMO_VALUE_FLAGS, DEMO_FLAGS, module_flag=False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

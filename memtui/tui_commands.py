@@ -126,13 +126,18 @@ def replay(path: str) -> int:
     except SourceError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    problem = _need_terminal("replay")
+    return _open_app("replay", source, ranks=ranks, warning=source.warning)
+
+
+def _open_app(command: str, source: Any, **options: Any) -> int:
+    """Show a checked source in the TUI (after making sure there is a terminal to show it on)."""
+    problem = _need_terminal(command)
     if problem:
         print(f"memtui: error: {problem}", file=sys.stderr)
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    run_app(MemtuiApp(source, warning=source.warning, ranks=ranks))
+    run_app(MemtuiApp(source, **options))
     return 0
 
 
@@ -181,14 +186,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
     except SourceError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    problem = _need_terminal("attach")
-    if problem:
-        print(f"memtui: error: {problem}", file=sys.stderr)
-        return 2
-    from memtui.tui.app import MemtuiApp, run_app
-
-    run_app(MemtuiApp(source))
-    return 0
+    return _open_app("attach", source)
 
 
 def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
