@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from memtui.recording import read_recording
-from memtui.session import gap_rows, pile_rows
+from memtui.step_rows import gap_rows, pile_rows
 from memtui_agent import schema
 from memtui_agent.allocator import (
     allocator_from_stats,
@@ -210,7 +210,7 @@ def test_oom_observer_details_reach_the_final_frame(tmp_path: Path) -> None:
 
 
 def test_allocator_activity_lines_for_the_cursor_step() -> None:
-    from memtui.session import allocator_lines
+    from memtui.step_rows import allocator_lines
 
     allocator = allocator_from_stats(stats(num_alloc_retries=1), stats())
     step = schema.Step(

@@ -16,8 +16,9 @@ import msgspec
 import pytest
 
 import memtui.session as session_module
-from memtui.session import GAP_MEANINGS, Session, gap_rows, pile_rows
+from memtui.session import Session
 from memtui.sources import ReplaySource
+from memtui.step_rows import GAP_MEANINGS, gap_rows, pile_rows
 from memtui_agent import schema, wire
 
 StepFactory = Callable[[int], schema.Step]
@@ -381,7 +382,7 @@ def test_thousand_steps_in_one_batch(
 
 def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first() -> None:
     """Every step after the weights go NaN repeats the alerts; the first must stay visible."""
-    from memtui.session import folded_alerts
+    from memtui.step_rows import folded_alerts
 
     session = Session(live=False)
     session._add_alert(3, schema.Alert(kind="nonfinite_loss", message="loss"))

@@ -14,7 +14,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from memtui.session import Snapshot, describe_rate
+from memtui.session import Snapshot
+from memtui.step_rows import describe_rate
 from memtui.tui.timeline import PILE_COLOURS
 from memtui_agent.units import format_bytes
 
