@@ -27,6 +27,7 @@ Once the weights are non-finite every later step is non-finite too; those alerts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,17 +91,17 @@ class HealthMonitor:
     def close(
         self,
         step: int,
-        named_grads: list[tuple[str, Any]],
+        grads: list[Any],
         losses: list[Any],
-        parameters: list[tuple[str, Any]],
+        named: Callable[[], list[tuple[str, Any]]],
         skipped: bool,
         module_name: Any,
     ) -> list[schema.Alert]:
         """Check the step; return its alerts. One host transfer when healthy."""
         module_flags, self._module_flags = self._module_flags, []
-        if self.mode == "off" or (not named_grads and not losses and not module_flags):
+        if self.mode == "off" or (not grads and not losses and not module_flags):
             return []
-        checks = self._device_checks([g for _, g in named_grads], losses, module_flags)
+        checks = self._device_checks(grads, losses, module_flags)
         if checks is None:
             return []
         values = checks.tolist()  # the one device-to-host transfer of a healthy step
@@ -111,8 +112,7 @@ class HealthMonitor:
             return []
         return self._alerts(
             step,
-            named_grads,
-            parameters,
+            named(),
             skipped,
             (loss_bad, grads_bad),
             module_flags,
@@ -167,7 +167,6 @@ class HealthMonitor:
     def _alerts(
         self,
         step: int,
-        named_grads: list[tuple[str, Any]],
         parameters: list[tuple[str, Any]],
         skipped: bool,
         bad: tuple[bool, bool],
@@ -194,7 +193,7 @@ class HealthMonitor:
         if loss_bad:
             alerts.append(self._alert("nonfinite_loss", "the loss is NaN or Inf", None, grouped))
         if grads_bad and not skipped:
-            names = self._nonfinite_names(named_grads)
+            names = self._nonfinite_names([(name, p.grad) for name, p in parameters])
             shown = ", ".join(names[:MAX_NAMES])
             more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
             message = f"{len(names)} parameter gradient(s) are NaN or Inf"

@@ -118,9 +118,9 @@ class StepCloser:
         alerts.extend(
             self.health.close(
                 step,
-                self._named_grads(),
+                self._grads(),
                 losses,
-                self._named_parameters(),
+                self._named_parameters,  # names are needed only on an alarm
                 skipped,
                 self.registry.name,
             )
@@ -202,8 +202,9 @@ class StepCloser:
             named.append((names.get(id(parameter), f"param[{index}]"), parameter))
         return named
 
-    def _named_grads(self) -> list[tuple[str, Any]]:
-        return [(name, p.grad) for name, p in self._named_parameters() if p.grad is not None]
+    def _grads(self) -> list[Any]:
+        unique = {id(p): p.grad for p in self.registry.parameters() if p.grad is not None}
+        return list(unique.values())
 
 
 class GpuEvents:

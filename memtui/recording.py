@@ -69,6 +69,39 @@ def apply(recording: Recording, message: schema.Message) -> None:
         recording.end = message
 
 
+def read_head(path: str | os.PathLike[str]) -> schema.Hello:
+    """The job's hello, from the first chunk only: is this a recording we can read at all?
+
+    Raises:
+        RecordingError: as `read_recording` does for a file that is not a usable recording.
+    """
+    path = Path(path)
+    _check_file(path)
+    decoder = wire.FrameDecoder()
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(CHUNK)
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not head:
+        raise RecordingError(f"{path}: empty file, not a recording")
+    try:
+        for message in decoder.feed(head):
+            if not isinstance(message, schema.Hello):
+                raise RecordingError(f"{path}: damaged (first message is not the job's hello)")
+            return message
+    except wire.WireError as exc:
+        raise RecordingError(f"{path}: {exc}") from None
+    raise RecordingError(f"{path}: truncated before its header was complete")
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise RecordingError(f"{path}: no such file")
+    if path.is_dir():
+        raise RecordingError(f"{path}: is a directory, not a recording")
+
+
 def read_recording(path: str | os.PathLike[str]) -> Recording:
     """Decode a recording file.
 
@@ -77,10 +110,7 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
             memtui does not read, or damaged before its hello.
     """
     path = Path(path)
-    if not path.exists():
-        raise RecordingError(f"{path}: no such file")
-    if path.is_dir():
-        raise RecordingError(f"{path}: is a directory, not a recording")
+    _check_file(path)
     decoder = wire.FrameDecoder()
     recording: Recording | None = None
     warning = None

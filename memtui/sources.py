@@ -35,17 +35,20 @@ class ReplaySource:
         self.warning: str | None = None
 
     def check(self) -> None:
-        """Fail early, with one line, on a file that is not a readable recording."""
-        from memtui.recording import RecordingError, read_recording
+        """Fail early, with one line, on a file that is not a readable recording.
+
+        Only the head is read (magic, version, the job's hello): a 100,000-step recording is
+        decoded once, by `run()`, which reports damage further in as a warning.
+        """
+        from memtui.recording import RecordingError, read_head
 
         try:
-            recording = read_recording(self.path)
+            read_head(self.path)
         except RecordingError as exc:
             raise SourceError(str(exc)) from None
-        self.warning = recording.warning
 
     def run(self, sink: Sink, stop: threading.Event) -> str | None:
-        """Decode the file into `sink`; returns why the stream ended (None: cleanly)."""
+        """Decode the file into `sink`; returns what went wrong on the way (None: clean)."""
         decoder = wire.FrameDecoder()
         with open(self.path, "rb") as handle:
             while not stop.is_set():
@@ -55,9 +58,11 @@ class ReplaySource:
                 try:
                     batch = list(decoder.feed(chunk))
                 except wire.WireError as exc:
-                    return str(exc)
+                    return f"{exc}; showing the {decoder.frames} frames before it"
                 if batch:
                     sink(batch)
+        if decoder.pending:
+            return f"the last {decoder.pending} bytes are a partial frame (the writer stopped)"
         return None
 
 

@@ -7,6 +7,7 @@ renders where the point is what the user sees (units, the ended state).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -422,5 +423,29 @@ def test_five_thousand_steps_in_batches_of_fifty(
                 assert len(app.session._step_times) <= 256
             finally:
                 await tui.close_source(pilot)
+
+    asyncio.run(scenario())
+
+
+def test_replay_of_a_torn_recording_shows_what_was_read_and_a_warning(tmp_path: Path) -> None:
+    """Opening reads only the head; the damage found later becomes a note, not a blank screen."""
+    from memtui.sources import ReplaySource
+    from memtui.tui.widgets import NotesLine
+
+    data = (Path(__file__).parent / "fixtures" / "demo.memtui").read_bytes()
+    torn = tmp_path / "torn.memtui"
+    torn.write_bytes(data[:-7])
+    source = ReplaySource(torn)
+    source.check()
+    app = MemtuiApp(source)
+
+    async def scenario() -> None:
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(10):
+                await pilot.pause(0.05)
+                app.refresh_view()
+            assert app.session.steps and app.session.steps[-1].step == 24
+            notes = app.query_one(NotesLine).snapshot
+            assert notes is not None and any("partial frame" in note for note in notes.notes)
 
     asyncio.run(scenario())

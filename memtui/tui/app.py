@@ -183,7 +183,12 @@ class MemtuiApp(App[int]):
         self.refresh_view()
         session = self.sessions[label if label is not None else self.selected]
         source = self.ranks[label if label is not None else self.selected]
-        if reason is not None or (source.live and session.end is None):
+        if not source.live:
+            # A recording read to its end: damage on the way is a warning over what was read.
+            if reason is not None:
+                session.warning = reason
+                session.version += 1
+        elif reason is not None or session.end is None:
             session.mark_disconnected(reason or "stream closed")
         self.refresh_view()
 
