@@ -37,7 +37,7 @@ from memtui_agent import schema
 
 TICK_SECONDS = 0.25
 STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank"}
-NARROW_WIDTH = 120
+NARROW_WIDTH = 140
 
 
 class Source(Protocol):

@@ -126,8 +126,8 @@ class GapPanel(Static):
             return Text("no data yet", style="dim")
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column("level", min_width=12, no_wrap=True, overflow="ellipsis")
-        table.add_column("bytes", justify="right", width=10, no_wrap=True)
-        table.add_column("gap", justify="right", width=11, no_wrap=True)
+        table.add_column("bytes", justify="right", width=11, no_wrap=True)
+        table.add_column("gap", justify="right", width=12, no_wrap=True)
         table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
         for row in snap.gap:
             if not row.applicable:
