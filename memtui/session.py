@@ -46,6 +46,8 @@ class Snapshot:
     alerts: tuple[AlertRow, ...]
     timeline_steps: tuple[int, ...]
     timeline_piles: tuple[tuple[int, int, int, int], ...]
+    timeline_allocated: tuple[int | None, ...]
+    timeline_reserved: tuple[int | None, ...]
     timeline_alerts: frozenset[int]
     cursor_step: int | None
     notes: tuple[str, ...] = ()
@@ -261,6 +263,8 @@ class Session:
             ),
             alerts=folded_alerts(self.alerts[-2000:])[:500],
             timeline_steps=tuple(item.step for item in window),
+            timeline_allocated=tuple(item.allocator.allocated for item in window),
+            timeline_reserved=tuple(item.allocator.reserved for item in window),
             timeline_piles=tuple(
                 (s.peak.weights, s.peak.gradients, s.peak.optimizer_state, s.peak.activations)
                 for s in window

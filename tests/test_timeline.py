@@ -14,6 +14,7 @@ from memtui.session import Session
 from memtui.tui.timeline import (
     ALERT_COLOUR,
     AXIS_WIDTH,
+    BLOCKS,
     CURSOR_BG,
     PILE_COLOURS,
     PileTimeline,
@@ -214,3 +215,27 @@ def test_few_steps_get_wider_columns_with_one_marker_each() -> None:
     assert lines[2].plain.count("▲") == 1
     labels = lines[3].plain
     assert labels.rstrip().endswith("3")
+
+
+def test_gpu_steps_show_allocated_and_reserved_levels_above_the_piles() -> None:
+    """On a GPU, torch's allocated and reserved lines sit above the stack: the gap is visible."""
+    from memtui.tui.timeline import LEVEL_ALLOCATED, LEVEL_RESERVED
+
+    gib = 2**30
+    data = TimelineData(
+        steps=(1, 2),
+        piles=((gib, 0, 0, 0), (gib, 0, 0, 0)),
+        alerts=frozenset(),
+        cursor_step=None,
+        binary=True,
+        allocated=(2 * gib, 2 * gib),
+        reserved=(4 * gib, 4 * gib),
+    )
+    lines = render_lines(data, AXIS_WIDTH + 4, 6, max_repeat=1)  # 4 plot rows of 1 GiB each
+    plot = [line.plain[AXIS_WIDTH : AXIS_WIDTH + 2] for line in lines[:4]]
+    assert plot[0] == LEVEL_RESERVED * 2  # the 4 GiB line, at the top
+    assert plot[1] == LEVEL_ALLOCATED * 2  # the 2 GiB line
+    assert plot[2] == BLOCKS[0] * 2  # between the piles and the allocated line: "other"
+    assert plot[3] == BLOCKS[8] * 2  # the piles (1 GiB) fill the bottom row
+    cpu = TimelineData(data.steps, data.piles, frozenset(), None, True)
+    assert all(LEVEL_ALLOCATED not in line.plain for line in render_lines(cpu, AXIS_WIDTH + 4, 6))

@@ -36,6 +36,9 @@ AXIS_WIDTH = 12
 """Fits the longest `format_bytes` label ("1023.99 MiB") plus the axis line."""
 CURSOR_BG = "#3a3f4b"
 ALERT_COLOUR = "#f85149"
+LEVEL_ALLOCATED = "─"
+LEVEL_RESERVED = "┄"
+LEVEL_COLOUR = "#e6edf3"
 MIN_WIDTH = 15
 MAX_REPEAT = 8
 MIN_HEIGHT = 3
@@ -54,6 +57,9 @@ class TimelineData:
     alerts: frozenset[int]
     cursor_step: int | None
     binary: bool
+    allocated: tuple[int | None, ...] = ()
+    reserved: tuple[int | None, ...] = ()
+    """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot) -> TimelineData:
@@ -64,6 +70,8 @@ class TimelineData:
             alerts=snapshot.timeline_alerts,
             cursor_step=snapshot.cursor_step,
             binary=snapshot.binary,
+            allocated=snapshot.timeline_allocated,
+            reserved=snapshot.timeline_reserved,
         )
 
 
@@ -162,6 +170,29 @@ def _step_labels(steps: list[int], cursor: int | None, columns: int) -> str:
     return "".join(row)
 
 
+def _levels(data: TimelineData, index: int) -> tuple[int, ...]:
+    """(allocated, reserved) of one step where the allocator reported them, else ()."""
+    if index >= len(data.allocated) or index >= len(data.reserved):
+        return ()
+    allocated, reserved = data.allocated[index], data.reserved[index]
+    return (allocated, reserved) if allocated is not None and reserved is not None else ()
+
+
+def _with_levels(
+    cells: list[Cell], levels: tuple[int, ...], scale: float, height: int
+) -> list[Cell]:
+    """Mark torch's allocated ("─") and reserved ("┄") levels in the empty cells above the
+    stack: the gap between the piles and those lines is memory the piles do not explain."""
+    if not levels or scale <= 0:
+        return cells
+    marked = list(cells)
+    for level, char in zip(levels, (LEVEL_ALLOCATED, LEVEL_RESERVED), strict=True):
+        row = height - 1 - min(height - 1, int(level / scale * height))
+        if marked[row][0] == BLOCKS[0] and marked[row][2] is None:
+            marked[row] = (char, LEVEL_COLOUR, None)
+    return marked
+
+
 def render_lines(
     data: TimelineData | None, width: int, height: int, max_repeat: int = MAX_REPEAT
 ) -> list[Text]:
@@ -180,10 +211,16 @@ def render_lines(
     cursor_index = _cursor_index(data)
     cursor = cursor_index - window.start if cursor_index in window else None
     plot_height = height - 2
-    scale = nice_scale(max(sum(p) for p in piles), data.binary)
+    levels = [_levels(data, i) for i in window]
+    top = max(max(sum(p) for p in piles), max((max(lv) for lv in levels if lv), default=0))
+    scale = nice_scale(top, data.binary)
     # Few steps get wider columns (up to MAX_REPEAT cells each) so a short run is readable.
     repeat = max(1, min(max_repeat, (width - AXIS_WIDTH) // len(piles)))
-    columns = [column_cells(p, scale, plot_height) for p in piles for _ in range(repeat)]
+    columns = [
+        _with_levels(column_cells(p, scale, plot_height), lv, scale, plot_height)
+        for p, lv in zip(piles, levels, strict=True)
+        for _ in range(repeat)
+    ]
     steps = [step for step in steps for _ in range(repeat)]
     first_of_step = [x % repeat == 0 for x in range(len(steps))]
     cursor_columns = (
