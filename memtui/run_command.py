@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,8 @@ def build_job(
             raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
         recording = recording.resolve()
     env["MEMTUI_RECORD"] = str(recording) if recording is not None else ""
+    # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
+    env["MEMTUI_SESSION"] = uuid.uuid4().hex
     env["MEMTUI_ARGV"] = json.dumps(display)
     if budget is not None:
         env["MEMTUI_BUDGET"] = str(budget)

@@ -150,18 +150,49 @@ def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
     for job in jobs:
         age = format_age(max(0.0, now - float(job.get("started_unix") or now)))
         command = " ".join(job.get("argv") or [])
+        if "ranks" in job:
+            command += f"  [{len(job['ranks'])} ranks]"
         lines.append(f"{job['pid']:>8}  {age:>7}  {command}  ->  {job.get('recording') or '-'}")
     return "\n".join(lines)
 
 
+def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per job: the ranks of a distributed job (same `memtui run` session) together.
+
+    A grouped entry is its rank 0's sidecar (or lowest rank's) with `ranks` listing every
+    member, so the attach list shows one line per job and attaching opens all its ranks.
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    single = []
+    for job in sidecars:
+        if job.get("rank") is not None and job.get("session"):
+            groups.setdefault(str(job["session"]), []).append(job)
+        else:
+            single.append(job)
+    grouped = []
+    for members in groups.values():
+        members.sort(key=lambda job: int(job["rank"]))
+        if len(members) == 1:
+            single.append(members[0])
+            continue
+        grouped.append(dict(members[0], ranks=members))
+    return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
+
+
 def attach(pid: int | None, socket_path: str | None = None) -> int:
-    """`memtui attach [PID]`: one job attaches at once; several are listed to choose from."""
+    """`memtui attach [PID]`: one job attaches at once; several are listed to choose from; a
+    distributed job attaches with all its ranks (`r` switches)."""
+    ranks = None
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
-        jobs = live_sidecars()
+        jobs = group_ranks(live_sidecars())
         if pid is not None:
-            jobs = [job for job in jobs if int(job["pid"]) == pid]
+            jobs = [
+                job
+                for job in jobs
+                if pid in {int(member["pid"]) for member in job.get("ranks", [job])}
+            ]
             if not jobs:
                 print(f"memtui: error: no live memtui job with pid {pid}", file=sys.stderr)
                 return EXIT_BAD_INPUT
@@ -181,12 +212,22 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
             if chosen is None:
                 return 0
         source = LiveSource(Path(str(chosen["socket"])), label=f"attached to pid {chosen['pid']}")
+        if "ranks" in chosen:
+            ranks = {
+                str(member["rank"]): LiveSource(
+                    Path(str(member["socket"])),
+                    label=f"attached to rank {member['rank']} (pid {member['pid']})",
+                )
+                for member in chosen["ranks"]
+            }
+            source = next(iter(ranks.values()))
     try:
-        source.check()
+        for member in (ranks or {"": source}).values():
+            member.check()
     except SourceError as exc:
         print(f"memtui: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return _open_app("attach", source)
+    return _open_app("attach", source, ranks=ranks)
 
 
 def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -116,3 +116,18 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
             assert app.query_one(PilesPanel).snapshot.piles[0].at_peak == 2000
 
     asyncio.run(scenario())
+
+
+def test_attach_groups_the_ranks_of_one_job() -> None:
+    """Sidecars of one `memtui run` session (same token, with ranks) become one attach entry."""
+    from memtui.tui_commands import group_ranks
+
+    sidecars = [
+        {"pid": 11, "rank": 1, "session": "s1", "socket": "/r/11.sock", "started_unix": 5.0},
+        {"pid": 10, "rank": 0, "session": "s1", "socket": "/r/10.sock", "started_unix": 5.0},
+        {"pid": 20, "rank": None, "session": "s2", "socket": "/r/20.sock", "started_unix": 1.0},
+    ]
+    jobs = group_ranks(sidecars)
+    assert [job["pid"] for job in jobs] == [20, 10]
+    assert [member["pid"] for member in jobs[1]["ranks"]] == [10, 11]
+    assert "ranks" not in jobs[0]

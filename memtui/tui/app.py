@@ -229,7 +229,7 @@ class MemtuiApp(App[int]):
         if len(self.ranks) < 2:
             return ()
         latest = {
-            label: session.steps[-1].peak
+            label: session.steps[-1].max
             for label, session in self.sessions.items()
             if session.steps
         }
@@ -242,7 +242,7 @@ class MemtuiApp(App[int]):
                 low = min(values.values())
                 ratio = f"{values[heaviest] / low:.2f}x" if low else "n/a"
                 parts.append(f"{pile} {ratio} (heaviest rank {heaviest})")
-            line += " · max/min at latest step: " + ", ".join(parts)
+            line += " · max/min of each pile's high in the latest step: " + ", ".join(parts)
         return (line,)
 
     def show(self, snap: Snapshot) -> None:

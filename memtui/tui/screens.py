@@ -85,7 +85,8 @@ class AttachScreen(ModalScreen[dict[str, Any] | None]):
             age = max(0.0, self.now - float(job.get("started_unix") or self.now))
             table.add_row(
                 str(job["pid"]),
-                " ".join(job.get("argv") or [])[:60],
+                (" ".join(job.get("argv") or [])[:60])
+                + (f" [{len(job['ranks'])} ranks]" if "ranks" in job else ""),
                 format_age(age),
                 str(job.get("recording") or "(not recording)"),
                 key=str(job["pid"]),
