@@ -221,14 +221,6 @@ class Ledger:
                 if info[0] not in self._members[pile]:
                     self._claim(info, pile)
 
-    def add_if_new(self, pile: int, tensor: Any) -> None:
-        """Like `add`, but a no-op (one dict lookup) for storages already in the pile."""
-        infos = storages_of(tensor)
-        members = self._members[pile]
-        if all(info[0] in members for info in infos):
-            return
-        self.add(pile, tensor)
-
     def _claim(self, info: StorageInfo, pile: int) -> None:
         key, nbytes, dtype, storage = info
         entry = self._entries.get(key)

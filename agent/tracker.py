@@ -249,7 +249,7 @@ class Tracker(LibraryWrappers):
             if isinstance(origin, Parameter) and id(origin) not in self._seen_params:
                 # A parameter no module or optimizer has shown us yet: it is a weight.
                 self._seen_params.add(id(origin))
-                self.ledger.add_if_new(WEIGHTS, origin)
+                self.ledger.add(WEIGHTS, origin)
             infos = storages_of(tensor)
             module = self._stack[-1] if self._stack else NO_MODULE
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)

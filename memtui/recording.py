@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtui.step_rows import module_label
 from memtui_agent import schema, wire
 from memtui_agent.runtime_dir import pid_alive
 
@@ -37,9 +38,7 @@ class Recording:
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
-        if module_id < 0:
-            return "<outside any module>"
-        return self.module_names.get(module_id, f"<module {module_id}>")
+        return module_label(self.module_names, module_id)
 
     def status(self) -> str:
         """ok / error from the agent's last word; running or killed when it has none."""

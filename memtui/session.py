@@ -18,6 +18,7 @@ from memtui.step_rows import (
     dtype_rows,
     folded_alerts,
     gap_rows,
+    module_label,
     pile_rows,
 )
 from memtui_agent import schema
@@ -280,9 +281,7 @@ class Session:
 
     def module_label(self, module_id: int) -> str:
         """Qualified module name for an id."""
-        if module_id < 0:
-            return "<outside any module>"
-        return self.module_names.get(module_id, f"<module {module_id}>")
+        return module_label(self.module_names, module_id)
 
     def _live_piles(self) -> schema.Piles | None:
         return self.last_tick.piles if self.last_tick is not None else None

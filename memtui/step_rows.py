@@ -56,6 +56,13 @@ class AlertRow:
     group: int | None = None
 
 
+def module_label(names: dict[int, str], module_id: int) -> str:
+    """Qualified module name for an id; activations packed outside any module get a label."""
+    if module_id < 0:
+        return "<outside any module>"
+    return names.get(module_id, f"<module {module_id}>")
+
+
 def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
     """Newest first, with each group of follow-on alerts folded into one summary row.
 
