@@ -35,6 +35,7 @@ class Agent:
         nan_check: str = "default",
         reset_peaks: bool = False,
         snapshot_on_oom: bool = False,
+        alloc_events: bool = False,
     ) -> None:
         self.pid = os.getpid()
         self.record = record.resolve() if record is not None else None
@@ -44,6 +45,7 @@ class Agent:
         self.nan_check = nan_check
         self.reset_peaks = reset_peaks
         self.snapshot_on_oom = snapshot_on_oom
+        self.alloc_events = alloc_events
         self._reported: set[str] = set()
         self._finished = False
         self._forked_child = False
@@ -106,6 +108,8 @@ class Agent:
                 self.tracker.closer.gpu_events.snapshot_path = str(path)
             self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
             self.tracker.install()
+            if self.alloc_events:
+                self._arm_alloc_events()
         except BaseException:
             # Leave nothing behind: no hooks in the job, no socket for viewers to find.
             if self.tracker is not None:
@@ -134,6 +138,21 @@ class Agent:
                 )
             except OSError as exc:
                 self.report_failure("sidecar", exc)
+
+    def _arm_alloc_events(self) -> None:
+        """`--alloc-events`: the recorder drains the allocator's history at every close."""
+        from memtui_agent.alloc_events import AllocEventsRecorder
+
+        closer = self.tracker.closer
+        recorder = AllocEventsRecorder(
+            fail=self.report_failure,
+            note=self.note,
+            keep_frees=closer.gpu_events.snapshot_path is not None,
+        )
+        closer.alloc_events = recorder
+        recorder.arm()
+        # The recorder keeps frees for the OOM snapshot; one owner of the history, not two.
+        closer.gpu_events.history_owner = recorder
 
     # ----- plumbing -----------------------------------------------------------------------------
 
@@ -167,6 +186,20 @@ class Agent:
                 schema.AgentError(time=time.time(), component=component, message=message)
             )
 
+    def note(self, component: str, message: str) -> None:
+        """Say once, on stderr and in the stream, that an option has no effect in this job."""
+        if component in self._reported:
+            return
+        self._reported.add(component)
+        try:
+            print(f"memtui: {message}", file=sys.stderr)
+        except Exception:
+            pass
+        if self.emitter is not None:
+            self.emitter.put(
+                schema.AgentError(time=time.time(), component=component, message=message)
+            )
+
     # ----- user-facing ------------------------------------------------------------------------
 
     def watch(self, model: Any, optimizer: Any) -> None:
@@ -185,6 +218,13 @@ class Agent:
             return
         self._finished = True
         tracker = self.tracker
+        recorder = tracker.closer.alloc_events if tracker is not None else None
+        if recorder is not None and recorder.never_started():
+            self.note(
+                "alloc-events",
+                "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
+                "keeps no history)",
+            )
         try:
             end = self._end_message(exit_code, error)
         except Exception as exc:
@@ -217,6 +257,7 @@ class Agent:
                 error=None if status == "ok" else f"exit code {exit_code}",
                 step=tracker.closed_steps if tracker is not None else None,
                 piles=piles,
+                alloc_events=self._unfinished_alloc_events(),
             )
         phase = tracker.phase() if tracker is not None else None
         where = None
@@ -253,7 +294,13 @@ class Agent:
             oom=oom,
             piles=piles,
             alerts=alerts,
+            alloc_events=self._unfinished_alloc_events(),
         )
+
+    def _unfinished_alloc_events(self) -> schema.AllocEvents | None:
+        """`--alloc-events`: what the allocator did after the last close (up to an OOM)."""
+        recorder = self.tracker.closer.alloc_events if self.tracker is not None else None
+        return recorder.unfinished() if recorder is not None else None
 
     def disable_in_fork_child(self) -> None:
         """Called in a forked child: hooks become no-ops, nothing is written or sent."""

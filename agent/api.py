@@ -35,6 +35,7 @@ def start(
     nan_check: str = "default",
     reset_peaks: bool = False,
     snapshot_on_oom: bool = False,
+    alloc_events: bool = False,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
 
@@ -50,6 +51,9 @@ def start(
             and per-phase peaks; takes `max_memory_allocated()` away from the job's own code).
         snapshot_on_oom: on a CUDA out-of-memory, dump a PyTorch memory snapshot beside the
             recording (records allocation history, bounded to 100,000 entries).
+        alloc_events: CUDA: record the allocator's history (bounded, Python stacks) and put
+            each step's largest allocations with their source lines, segment growth and OOM
+            event into its frame. A CPU job gets one note that this has no effect.
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -69,6 +73,7 @@ def start(
                 nan_check=nan_check,
                 reset_peaks=reset_peaks,
                 snapshot_on_oom=snapshot_on_oom,
+                alloc_events=alloc_events,
             )
             agent.start()
         except Exception as exc:

@@ -7,7 +7,8 @@ silently change those. A post-import hook on `sys.meta_path` wraps torch's loade
 
 Environment (all optional): MEMTUI_RECORD (path; empty for none), MEMTUI_SOCKET ("0" disables),
 MEMTUI_BUDGET (bytes), MEMTUI_NAN_CHECK (default/full/off), MEMTUI_ARGV (JSON list shown to
-viewers). MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
+viewers), MEMTUI_RESET_PEAKS, MEMTUI_SNAPSHOT_ON_OOM and MEMTUI_ALLOC_EVENTS ("1" turns each
+on). MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
 (spawned DataLoader workers) do not start duplicates.
 """
 
@@ -48,6 +49,7 @@ def config_from_environment() -> dict[str, Any]:
         "nan_check": os.environ.get("MEMTUI_NAN_CHECK", "default"),
         "reset_peaks": os.environ.get("MEMTUI_RESET_PEAKS") == "1",
         "snapshot_on_oom": os.environ.get("MEMTUI_SNAPSHOT_ON_OOM") == "1",
+        "alloc_events": os.environ.get("MEMTUI_ALLOC_EVENTS") == "1",
     }
 
 
@@ -121,12 +123,22 @@ def is_launcher(argv: list[str]) -> bool:
 def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | None:
     """A session folder (an existing directory) gets one recording per process.
 
+    A multi-rank job (`WORLD_SIZE` > 1) always records into a session folder, made here if the
+    path is new.
+
     Ranks are named by their global rank (`rank-3.memtui`), other processes by pid, so every
     process of a multi-process job writes its own file and none overwrites another's.
     """
+    rank = environ.get("RANK")
+    world = environ.get("WORLD_SIZE", "")
+    if record and not os.path.isdir(record) and world.isdigit() and int(world) > 1:
+        # Ranks of a launcher `memtui run` did not recognise: one file would be written by
+        # every rank at once, so they make a session folder instead (beside a file, if one
+        # is already there).
+        record = record + "-ranks" if os.path.exists(record) else record
+        os.makedirs(record, exist_ok=True)
     if not record or not os.path.isdir(record):
         return record
-    rank = environ.get("RANK")
     name = f"rank-{int(rank)}.memtui" if rank and rank.isdigit() else f"pid-{os.getpid()}.memtui"
     return os.path.join(record, name)
 

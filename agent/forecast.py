@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtui_agent.distributed import local_tensor
+
 STEP_BYTES = 4
 """`state["step"]` is a float32 scalar tensor in torch.optim (its own storage)."""
 
@@ -34,6 +36,7 @@ def _adafactor(parameter: Any, group: dict[str, Any]) -> int:
 def per_parameter_bytes(optimizer: Any, parameter: Any, group: dict[str, Any]) -> int | None:
     """Bytes of state one parameter will get, or None for an optimizer we cannot forecast."""
     name = type(optimizer).__name__
+    parameter = local_tensor(parameter)  # state is shaped like this rank's shard (FSDP, TP)
     full = _full(parameter)
     if name in ("Adam", "AdamW"):
         extra = full if group.get("amsgrad") else 0

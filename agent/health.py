@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from memtui_agent import schema
+from memtui_agent.distributed import local_tensor
 
 ARMED_STEPS = 20
 MAX_NAMES = 5
@@ -60,6 +61,7 @@ def _probe(tensors: list[Any]) -> Any:
     """
     probe = None
     for tensor in tensors:
+        tensor = local_tensor(tensor)
         if not tensor.numel():
             continue
         total = torch.sum(tensor.detach(), dtype=torch.float32)
@@ -128,6 +130,7 @@ class HealthMonitor:
         grads_bad = None
         groups: dict[tuple[Any, Any], list[Any]] = {}
         for grad in grads:
+            grad = local_tensor(grad)  # a DTensor op here would be a collective in the job
             if grad.is_sparse or not grad.is_floating_point():
                 continue
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
@@ -214,7 +217,8 @@ class HealthMonitor:
     @staticmethod
     def _nonfinite_names(named: list[tuple[str, Any]]) -> list[str]:
         """Names of tensors holding NaN/Inf (alarm path only: one transfer for all of them)."""
-        named = [(n, t) for n, t in named if t is not None and t.is_floating_point() and t.numel()]
+        named = [(n, local_tensor(t)) for n, t in named if t is not None]
+        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
         if not named:
             return []
         flags = [torch.isfinite(t).all() for _, t in named]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from memtui_agent.distributed import local_tensor
 from memtui_agent.schema import PILES, DtypeStat, ModuleBytes, Piles
 
 WEIGHTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS = range(4)
@@ -191,11 +192,12 @@ class Ledger:
         for tensor in tensors:
             ident = id(tensor)
             try:
-                pointer = tensor.data_ptr()
+                # A DTensor's own data_ptr() is 0: its local shard's pointer identifies it.
+                pointer = local_tensor(tensor).data_ptr()
             except RuntimeError:  # sparse and wrapper tensors have no single data pointer
-                pointer = -1
+                pointer = 0
             cached = cache.get(ident)
-            if cached is not None and cached[0] == pointer and pointer != -1:
+            if cached is not None and cached[0] == pointer and pointer != 0:
                 fresh[ident] = cached
                 found.update(cached[1])
                 continue
@@ -263,6 +265,27 @@ class Ledger:
                 entry.module = module
                 self._set_mask(key, entry, entry.mask | 8)
 
+    def acquire_plain(self, key: Key, nbytes: int, dtype: Any, module: int) -> None:
+        """`acquire_activation` for one strided storage, the pack hook's common case.
+
+        Same accounting, fewer steps: a storage no pile holds yet (most activations) goes
+        straight to the activations pile without the general precedence bookkeeping.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry(nbytes, dtype_name(dtype))
+                entry.act_refs = 1
+                entry.module = module
+                entry.mask = 8
+                entry.pile = ACTIVATIONS
+                self._account(ACTIVATIONS, entry, nbytes)
+                return
+            entry.act_refs += 1
+            if entry.act_refs == 1:
+                entry.module = module
+                self._set_mask(key, entry, entry.mask | 8)
+
     def release_activation(self, key: Key) -> None:
         """A pack wrapper was freed (its graph was released)."""
         with self._lock:
@@ -271,7 +294,13 @@ class Ledger:
                 return
             entry.act_refs -= 1
             if entry.act_refs == 0:
-                self._set_mask(key, entry, entry.mask & ~8)
+                if entry.mask == 8:  # an activation and nothing else: the common case
+                    entry.mask = 0
+                    entry.pile = -1
+                    self._account(ACTIVATIONS, entry, -entry.nbytes)
+                    del self._entries[key]
+                else:
+                    self._set_mask(key, entry, entry.mask & ~8)
 
     # ----- the one place where bytes move --------------------------------------------------
 

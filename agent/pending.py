@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from memtui_agent import schema
+from memtui_agent.alloc_trace import Drained
 
 _process: Any = None
 
@@ -77,6 +78,9 @@ class PendingStep:
     allocator: schema.Allocator
     device_index: int | None = None
     dropped: int = 0
+    distributed: schema.Distributed | None = None
+    alloc_events: Drained | None = None
+    """`--alloc-events`: the ring entries read at the close, summarised here, off that thread."""
 
     def finalize(self) -> schema.Step:
         """The `Step` message, with loss and scale resolved to floats."""
@@ -113,4 +117,6 @@ class PendingStep:
             alerts=alerts,
             top_activations=self.top,
             dropped=self.dropped,
+            distributed=self.distributed,
+            alloc_events=self.alloc_events.summary() if self.alloc_events is not None else None,
         )

@@ -126,6 +126,40 @@ class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
     bytes: int
 
 
+class AllocEvent(msgspec.Struct, array_like=True, frozen=True):
+    """Allocator events of one size from one source line, folded (`--alloc-events`).
+
+    `where` is `file:line function` of the innermost frame outside torch and the agent, or ""
+    when the allocator recorded no stack for the event.
+    """
+
+    size: int
+    count: int
+    where: str
+
+
+class AllocEvents(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The allocator's history ring drained at a step close (`--alloc-events`, CUDA only).
+
+    Bounded: at most a few `largest` allocations and `segments` (segment growth: cudaMalloc or
+    an expandable segment's new mapping), with totals for all of them. `oom` is the failed
+    request (`count`: out-of-memory events in the step), `oom_free` what the device had free.
+    `lost`: allocations of the step that the bounded ring did not keep (from the allocator's own
+    counters); `overflowed`: the ring wrapped, so the step's earliest events are missing.
+    """
+
+    largest: list[AllocEvent] = []
+    segments: list[AllocEvent] = []
+    allocations: int = 0
+    alloc_bytes: int = 0
+    segment_allocs: int = 0
+    segment_bytes: int = 0
+    oom: AllocEvent | None = None
+    oom_free: int | None = None
+    lost: int = 0
+    overflowed: bool = False
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
     """First message of every stream and recording: who the job is."""
 
@@ -156,6 +190,27 @@ class Names(msgspec.Struct, tag="names", frozen=True):
     names: list[str]
 
 
+class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Memory data-parallel wrappers hold outside the four piles (agent/distributed.py).
+
+    `ddp_buckets`: bytes of DDP's gradient buckets; `ddp_bucket_view`: whether the gradients
+    are views into them (`gradient_as_bucket_view=True`); `ddp_in_gradients`: the part of the
+    buckets the gradients pile already counts. `fsdp_gathered`: FSDP2's unsharded (all-gathered)
+    parameters at close; `fsdp_gathered_max`: the highest sampled during the step.
+    """
+
+    ddp_buckets: int | None = None
+    ddp_bucket_view: bool | None = None
+    ddp_in_gradients: int | None = None
+    fsdp_gathered: int | None = None
+    fsdp_gathered_max: int | None = None
+
+    def untracked(self) -> int:
+        """Bytes of these that no pile counts (to take out of the allocator's `other`)."""
+        buckets = (self.ddp_buckets or 0) - (self.ddp_in_gradients or 0)
+        return max(0, buckets) + (self.fsdp_gathered_max or 0)
+
+
 class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     """One closed optimizer step (or one GradScaler-skipped update).
 
@@ -181,6 +236,8 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     alerts: list[Alert] = []
     top_activations: list[ModuleBytes] = []
     dropped: int = 0
+    distributed: Distributed | None = None
+    alloc_events: AllocEvents | None = None
 
 
 class AlertNow(msgspec.Struct, tag="alert", frozen=True):
@@ -213,7 +270,11 @@ class AgentError(msgspec.Struct, tag="agent_error", frozen=True):
 
 
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
-    """Last message: how the job ended. Its absence means the process was killed."""
+    """Last message: how the job ended. Its absence means the process was killed.
+
+    `alloc_events` (with `--alloc-events`) covers the step that never closed: the allocations
+    since the last close, up to the out-of-memory that ended the job.
+    """
 
     time: float
     status: str
@@ -226,6 +287,7 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     piles: Piles | None = None
     alerts: list[Alert] = []
     requested: int | None = None
+    alloc_events: AllocEvents | None = None
 
 
 Message = Hello | Names | Step | Tick | AgentError | End | AlertNow

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memtui_agent import schema
+from memtui_agent.alloc_events import AllocEventsRecorder
 from memtui_agent.allocator import (
     AllocatorReader,
     expandable_segments_enabled,
@@ -44,6 +45,8 @@ class StepCloser:
         self.ledger = ledger
         self.allocator = AllocatorReader(reset_peaks)
         self.gpu_events = GpuEvents()
+        self.alloc_events: AllocEventsRecorder | None = None
+        """Set by the agent with `--alloc-events`: drains the allocator's history each close."""
         self.registry = registry
         self._emit = emit
         self.budget = budget
@@ -108,8 +111,11 @@ class StepCloser:
         self.allocator.phase_ended("optimizer")
         allocator = self.allocator.read()
         device_index = None
+        drained = None
         if allocator.allocated is not None:
             device_index = self.gpu_events.ensure_attached()
+            if self.alloc_events is not None:
+                drained = self.alloc_events.drain(allocator.allocations)
             fragmented = fragmentation_message(
                 allocator, expandable_segments_enabled(dict(os.environ))
             )
@@ -149,6 +155,7 @@ class StepCloser:
             top=self.ledger.top_modules(TOP_MODULES),
             allocator=allocator,
             device_index=device_index,
+            alloc_events=drained,
         )
 
     def _device_shortfall(self, forecast: int) -> str | None:
@@ -214,6 +221,8 @@ class GpuEvents:
 
     def __init__(self, snapshot_path: str | None = None) -> None:
         self.snapshot_path = snapshot_path
+        self.history_owner: Any = None
+        """`--alloc-events`' recorder, which records the history (frees included) itself."""
         self.last_oom: dict[str, int] | None = None
         self._attached = False
 
@@ -227,7 +236,8 @@ class GpuEvents:
             attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
             if attach is not None:
                 attach(self.observe)
-            if self.snapshot_path is not None:
+            owner = self.history_owner
+            if self.snapshot_path is not None and (owner is None or owner.off):
                 torch.cuda.memory._record_memory_history(max_entries=100_000)
         return index
 

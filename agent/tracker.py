@@ -19,6 +19,7 @@ from threading import get_ident
 from typing import Any
 
 import torch
+from torch import Tensor, strided
 from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -27,6 +28,7 @@ from torch.optim.optimizer import (
 )
 
 from memtui_agent import schema
+from memtui_agent.distributed import DistributedMemory
 from memtui_agent.failures import ErrorContext
 from memtui_agent.ledger import (
     GRADIENTS,
@@ -65,8 +67,32 @@ class _Saved:
             pass
 
 
+_unpack_samplers: list[Callable[[], None]] = []
+"""Called on every unpack while non-empty: FSDP2's gathered parameters are measured there."""
+
+
+class _SavedOne:
+    """`_Saved` for the common case of one storage: the key itself, no list."""
+
+    __slots__ = ("__weakref__", "key", "ledger", "tensor")
+
+    def __init__(self, tensor: Any, key: Any, ledger: Ledger) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.ledger = ledger
+
+    def __del__(self) -> None:
+        try:
+            self.ledger.release_activation(self.key)
+        except Exception:
+            pass
+
+
 def _unpack(saved: Any) -> Any:
-    return saved.tensor if type(saved) is _Saved else saved
+    if _unpack_samplers:
+        _unpack_samplers[0]()
+    kind = type(saved)
+    return saved.tensor if kind is _SavedOne or kind is _Saved else saved
 
 
 class Tracker(LibraryWrappers):
@@ -85,6 +111,8 @@ class Tracker(LibraryWrappers):
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
+        self.distributed = DistributedMemory()
+        self._fsdp = False
         self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check, reset_peaks)
         self._pending_skip: Any = None
         self._scaled_backward = False
@@ -116,6 +144,7 @@ class Tracker(LibraryWrappers):
             "steps": True,
             "loss": True,
             "scaler": True,
+            "distributed": True,
         }
         self.error_context: ErrorContext | None = None
         self.pending_alerts: list[schema.Alert] = []
@@ -152,6 +181,7 @@ class Tracker(LibraryWrappers):
         for handle in self._grad_hooked.values():
             handle.remove()
         self._grad_hooked.clear()
+        _unpack_samplers.clear()
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore.clear()
@@ -234,6 +264,8 @@ class Tracker(LibraryWrappers):
                 self.closer.health.module_output(self._stack[-1], args, output)
             if self._stack:
                 self._stack.pop()
+            if self._fsdp and self.distributed.fsdp.is_fsdp_module(module):
+                self._sample_gathered()  # before FSDP's own post-forward hook reshards
         except Exception as exc:
             self._disable("modules", exc)
 
@@ -247,11 +279,26 @@ class Tracker(LibraryWrappers):
             if origin is None:
                 origin = tensor
             if isinstance(origin, Parameter) and id(origin) not in self._seen_params:
+                if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
+                    # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
+                    # (the shard is) nor an activation; autograd keeps it as FSDP expects.
+                    self._sample_gathered()
+                    return tensor
                 # A parameter no module or optimizer has shown us yet: it is a weight.
                 self._seen_params.add(id(origin))
                 self.ledger.add(WEIGHTS, origin)
-            infos = storages_of(tensor)
             module = self._stack[-1] if self._stack else NO_MODULE
+            if type(tensor) is Tensor and tensor.layout is strided and not tensor.is_meta:
+                # Fast path (almost every saved tensor): one storage, read inline.
+                storage = tensor.untyped_storage()
+                pointer = storage.data_ptr()
+                nbytes = storage.nbytes()
+                if not pointer or not nbytes:
+                    return tensor  # holds no memory
+                key = (tensor.get_device(), pointer)
+                self.ledger.acquire_plain(key, nbytes, tensor.dtype, module)
+                return _SavedOne(tensor.detach(), key, self.ledger)
+            infos = storages_of(tensor)
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
             for info in infos:
                 self.ledger.acquire_activation(info, module)
@@ -359,7 +406,40 @@ class Tracker(LibraryWrappers):
         """A new model tree or optimizer appeared: count its weights and hook its parameters."""
         self._synced_generation = self.registry.generation
         self._hook_new_parameters()
+        self._discover_wrappers()
         self.resync()
+
+    # ----- data-parallel wrappers --------------------------------------------------------------
+
+    def _discover_wrappers(self) -> None:
+        if not self.enabled["distributed"]:
+            return
+        try:
+            self.distributed.discover(list(self.registry.live_roots()))
+            if self.distributed.fsdp.active and not self._fsdp:
+                self._fsdp = True
+                _unpack_samplers[:] = [self._sample_gathered]
+        except Exception as exc:
+            self._disable("distributed", exc)
+
+    def _sample_gathered(self) -> None:
+        try:
+            self.distributed.fsdp.sample()
+        except Exception as exc:
+            self._fsdp = False
+            _unpack_samplers.clear()
+            self._disable("distributed", exc)
+
+    def _distributed_at_close(self) -> schema.Distributed | None:
+        if not self.enabled["distributed"]:
+            return None
+        try:
+            return self.distributed.at_close()
+        except Exception as exc:
+            self._fsdp = False
+            _unpack_samplers.clear()
+            self._disable("distributed", exc)
+            return None
 
     # ----- closing a step ----------------------------------------------------------------------
 
@@ -391,6 +471,7 @@ class Tracker(LibraryWrappers):
             scale_after=scale_after,
             extra_alerts=extra,
         )
+        pending.distributed = self._distributed_at_close()
         self._emit(pending)
         self._losses = []
         self._scale = None

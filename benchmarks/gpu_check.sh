@@ -6,6 +6,9 @@
 # 2. A forced CUDA out-of-memory: the recording must say oom, with the requested size and the
 #    free memory from the allocator's observer, and --snapshot-on-oom must leave a snapshot that
 #    `memtui report` reads.
+# 3. --alloc-events: every step of a demo run carries its largest allocations with a source line
+#    outside torch, the OOM run's final frame carries the OOM event, and the cost against the
+#    default is printed (median step time of steps 6+, two interleaved runs each, as a ratio).
 # Prints the figures and PASS/FAIL per check; exits non-zero if any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +38,18 @@ for step in range(3):
         torch.empty(total * 2, dtype=torch.uint8, device="cuda")  # cannot fit
 PY
 memtui run --headless --snapshot-on-oom -o "$work/oom.memtui" "$work/oom.py"
+memtui run --headless --snapshot-on-oom --alloc-events -o "$work/oom-events.memtui" "$work/oom.py"
+# Default vs --alloc-events on the same demo job, interleaved so drift hits both alike.
+size=(--device cuda --steps 40 --dim 512 --layers 6 --batch 16 --seq 256 --quiet)
+for round in 1 2; do
+  memtui run --headless -o "$work/base-$round.memtui" -m memtui_agent.demo.tiny_lm "${size[@]}" \
+    || exit 1
+  memtui run --headless --alloc-events -o "$work/events-$round.memtui" \
+    -m memtui_agent.demo.tiny_lm "${size[@]}" || exit 1
+done
+for name in oom-events base-1 base-2 events-1 events-2; do
+  memtui report "$work/$name.memtui" --json > "$work/$name.json" || exit 1
+done
 memtui report "$work/demo.memtui" --json > "$work/demo.json" || exit 1
 memtui report "$work/oom.memtui" --json > "$work/oom.json" || exit 1
 python - "$work" <<'PY'
@@ -66,6 +81,36 @@ check("oom alert names free memory", bool(alerts) and "free on the device" in al
       alerts[0]["message"] if alerts else "no oom alert")
 snapshot = work / "oom.memtui.oom-snapshot.pickle"
 check("snapshot on oom written", snapshot.exists(), str(snapshot))
+
+# --alloc-events: what it records, and what it costs.
+import statistics
+load = lambda name: json.load(open(work / f"{name}.json"))
+runs = {kind: [load(f"{kind}-{r}") for r in (1, 2)] for kind in ("base", "events")}
+recorded = [s.get("alloc_events") for rep in runs["events"] for s in rep["steps"]]
+check("alloc events in every step", bool(recorded) and all(recorded),
+      f"{sum(bool(r) for r in recorded)} of {len(recorded)} steps")
+if recorded and recorded[-1]:
+    last = recorded[-1]
+    top = last["largest"][0] if last["largest"] else {"where": "", "size": 0}
+    check("largest allocation has a source line outside torch",
+          bool(top["where"]) and "/torch/" not in top["where"],
+          f"{top['size'] / 2**20:.1f} MiB at {top['where']!r}; "
+          f"{last['allocations']} allocations, lost {last['lost']}, overflowed {last['overflowed']}")
+errors = [e for rep in runs["events"] for e in rep["agent_errors"] if e["component"] == "alloc-events"]
+check("alloc events never turned off", not errors, str(errors))
+ending = load("oom-events")["exit"]
+events_oom = (ending.get("alloc_events") or {}).get("oom")
+check("oom event with its source line", bool(events_oom) and "oom.py" in events_oom["where"],
+      str(events_oom))
+check("snapshot on oom still written with --alloc-events",
+      (work / "oom-events.memtui.oom-snapshot.pickle").exists())
+def step_ms(kind):
+    return 1000 * statistics.median(
+        s["duration_s"] for rep in runs[kind] for s in rep["steps"][5:])
+base_ms, events_ms = step_ms("base"), step_ms("events")
+print(f"COST  --alloc-events {events_ms:.2f} ms/step vs default {base_ms:.2f} ms/step: "
+      f"ratio {events_ms / base_ms:.3f} (+{events_ms - base_ms:.2f} ms/step; median of "
+      "steps 6+, two interleaved runs each)")
 sys.exit(1 if failures else 0)
 PY
 status=$?

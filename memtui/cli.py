@@ -69,12 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="CUDA: dump a PyTorch memory snapshot beside the recording on out-of-memory",
     )
+    run.add_argument(
+        "--alloc-events",
+        action="store_true",
+        help="CUDA: record the allocator's history (bounded ring, Python stacks); each step "
+        "lists its largest allocations with the source line, segment growth and any OOM",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
     attach = commands.add_parser("attach", help="watch a running job live")
     attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: list them)")
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
+    attach.add_argument(
+        "--list",
+        action="store_true",
+        help="print the live jobs with each rank's socket path (to forward over SSH) and exit",
+    )
 
     replay = commands.add_parser("replay", help="open a recording in the TUI")
     replay.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
@@ -185,6 +196,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         job.env["MEMTUI_RESET_PEAKS"] = "1"
     if args.snapshot_on_oom:
         job.env["MEMTUI_SNAPSHOT_ON_OOM"] = "1"
+    if args.alloc_events:
+        job.env["MEMTUI_ALLOC_EVENTS"] = "1"
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
@@ -219,6 +232,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
     """`memtui attach [PID]`."""
     from memtui.tui_commands import attach
 
+    if args.list:
+        from memtui.tui_commands import list_live_jobs
+
+        return list_live_jobs()
     return attach(args.pid, args.socket)
 
 

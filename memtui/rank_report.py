@@ -13,6 +13,7 @@ from typing import Any
 
 from memtui.recording import Recording, RecordingError, read_recording
 from memtui.report import build_report, pile_peaks
+from memtui.step_rows import distributed_notes
 from memtui_agent.schema import PILES
 from memtui_agent.units import format_bytes
 
@@ -104,4 +105,7 @@ def render_session_text(recordings: dict[str, Recording], binary: bool = True) -
             f"  {pile:<16} {ratio:>8}  heaviest rank {entry['heaviest_rank']} "
             f"({size(entry['max'])})"
         )
+    label, first = next(iter(recordings.items()))
+    if first.steps:
+        lines.extend(f"rank {label}: {note}" for note in distributed_notes(first.steps[-1], binary))
     return "\n".join(lines)

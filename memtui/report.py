@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
+from memtui.alloc_rows import events_dict, events_text
 from memtui.recording import Recording
+from memtui.step_rows import distributed_notes
 from memtui_agent.schema import PILES, Alert, Step
 from memtui_agent.units import format_bytes
 
@@ -23,6 +27,13 @@ ALLOCATOR_KEYS = (
 
 def step_report(step: Step, recording: Recording) -> dict[str, Any]:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
+    entry = _step_entry(step, recording)
+    if step.alloc_events is not None:
+        entry["alloc_events"] = events_dict(step.alloc_events)
+    return entry
+
+
+def _step_entry(step: Step, recording: Recording) -> dict[str, Any]:
     return {
         "step": step.step,
         "skipped": step.skipped,
@@ -47,6 +58,7 @@ def step_report(step: Step, recording: Recording) -> dict[str, Any]:
             {"module": recording.module_name(item.module), "bytes": item.bytes}
             for item in step.top_activations
         ],
+        "distributed": msgspec.to_builtins(step.distributed) if step.distributed else None,
         "alerts": [
             {key: value for key, value in alert_dict(step.step, alert).items() if key != "step"}
             for alert in [
@@ -61,7 +73,7 @@ def exit_report(recording: Recording) -> dict[str, Any]:
     """How the job ended; a job with no final frame was killed (or is still running)."""
     end = recording.end
     if end is not None:
-        return {
+        ending: dict[str, Any] = {
             "status": end.status,
             "code": end.code,
             "error": end.error if end.error_type is None else f"{end.error_type}: {end.error}",
@@ -71,6 +83,10 @@ def exit_report(recording: Recording) -> dict[str, Any]:
             "requested": end.requested,
             "piles": end.piles.as_dict() if end.piles is not None else None,
         }
+        if end.alloc_events is not None:
+            # `--alloc-events`: the step the job ended in, which never closed.
+            ending["alloc_events"] = events_dict(end.alloc_events)
+        return ending
     status = recording.status()
     last_step = recording.steps[-1].step if recording.steps else 0
     tick = recording.last_tick
@@ -205,6 +221,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
                 "optimizer state"
             )
         last = steps[-1]
+        lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")
         losses = [step.loss for step in steps if step.loss is not None]
         if losses:
@@ -215,6 +232,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         for alert in other_alerts[:20]:
             where = f" [{alert['where']}]" if alert["where"] else ""
             lines.append(f"  step {alert['step']}: {alert['kind']}{where}: {alert['message']}")
+    lines.extend(events_text(steps, recording.end, binary))
     for error in report["agent_errors"]:
         lines.append(f"agent: {error['component']} turned off: {error['message']}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ its own: in headless mode they pass through untouched.
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import shutil
@@ -56,6 +57,23 @@ def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path
     return Path.cwd() / f"memtui-{stem}-{now:%Y%m%d-%H%M%S}.memtui"
 
 
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def launches_ranks(target: list[str], module: str | None) -> bool:
+    """Whether the command is a torch distributed launcher (torchrun), which starts ranks."""
+    if module in LAUNCHER_MODULES:
+        return True
+    if not target:
+        return False
+    if Path(target[0]).name == "torchrun":
+        return True
+    return any(
+        word == "-m" and following in LAUNCHER_MODULES
+        for word, following in itertools.pairwise(target)
+    )
+
+
 def build_job(
     target: list[str],
     module: str | None,
@@ -97,11 +115,19 @@ def build_job(
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
-        if recording.is_dir():
-            # A session folder: every process of the job (each torchrun rank) records into it.
-            pass
-        elif not recording.parent.exists():
+        distributed = launches_ranks(target, module)
+        if distributed and not output:
+            recording = recording.with_suffix("")
+        if not recording.is_dir() and not recording.parent.exists():
             raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
+        if distributed and not recording.is_dir():
+            # One recording per rank: the session folder must exist before the ranks start.
+            if recording.exists():
+                raise UsageError(
+                    f"-o {recording}: is a file; a distributed launcher needs a session folder "
+                    "(one recording per rank)"
+                )
+            recording.mkdir()
         recording = recording.resolve()
     env["MEMTUI_RECORD"] = str(recording) if recording is not None else ""
     # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.

@@ -10,11 +10,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from memtui.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.step_rows import (
     AlertRow,
     GapRow,
     PileRow,
     allocator_lines,
+    distributed_notes,
     dtype_rows,
     folded_alerts,
     gap_rows,
@@ -56,6 +58,10 @@ class Snapshot:
     loss: float | None = None
     skipped: bool = False
     microbatches: int = 0
+    distributed_lines: tuple[str, ...] = ()
+    alloc_recorded: bool = False
+    """The job runs with `--alloc-events`: the allocations table is on screen."""
+    alloc_rows: tuple[AllocRow, ...] = ()
 
 
 @dataclass
@@ -79,6 +85,7 @@ class Session:
     exit_code: int | None = None
     warning: str | None = None
     dropped_steps: int = 0
+    alloc_recorded: bool = False
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -103,6 +110,7 @@ class Session:
                 self.agent_errors.append(message)
             elif isinstance(message, schema.End):
                 self.end = message
+                self.alloc_recorded |= message.alloc_events is not None
                 for alert in message.alerts:
                     self._add_alert(message.step or 0, alert)
         if messages:
@@ -110,6 +118,7 @@ class Session:
 
     def _add_step(self, step: schema.Step) -> None:
         self.steps.append(step)
+        self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)
         for alert in step.alerts:
             self._add_alert(step.step, alert)
@@ -277,6 +286,24 @@ class Session:
             loss=step.loss if step is not None else None,
             skipped=step.skipped if step is not None else False,
             microbatches=step.microbatches if step is not None else 0,
+            distributed_lines=distributed_notes(step, self.binary),
+            alloc_recorded=self.alloc_recorded,
+            alloc_rows=self._alloc_rows(step),
+        )
+
+    def _alloc_rows(self, step: schema.Step | None) -> tuple[AllocRow, ...]:
+        """The cursor step's allocator events; on the newest step also the step that never
+        closed (where an OOM that killed the job is)."""
+        if not self.alloc_recorded:
+            return ()
+        newest = step is None or self.cursor == len(self.steps) - 1
+        end_events = self.end.alloc_events if self.end is not None and newest else None
+        return alloc_rows(
+            step.alloc_events if step is not None else None,
+            self.binary,
+            end_events,
+            unfinished_step_number(self.steps) if end_events is not None else None,
+            has_step=step is not None,
         )
 
     def module_label(self, module_id: int) -> str:

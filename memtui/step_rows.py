@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from memtui_agent import schema
 from memtui_agent.schema import PILES
+from memtui_agent.units import format_bytes
 
 GAP_MEANINGS = {
     "allocated": "other: temporaries, workspaces, inputs, caches, leaks",
@@ -104,17 +105,54 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     if piles is None:
         return ()
     other = None
+    wrapped = step.distributed if step is not None else None
     if step is not None and step.allocator.peak_allocated is not None:
-        other = max(0, step.allocator.peak_allocated - step.peak.total)
+        untracked = wrapped.untracked() if wrapped is not None else 0
+        other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
     values: dict[str, int | None] = dict(piles.as_dict())
+    if wrapped is not None and wrapped.ddp_buckets is not None:
+        # Only the part no pile counts: with gradient_as_bucket_view the gradients are in them.
+        values["ddp_buckets"] = max(0, wrapped.ddp_buckets - (wrapped.ddp_in_gradients or 0))
+    if wrapped is not None and wrapped.fsdp_gathered_max is not None:
+        values["fsdp_gathered"] = wrapped.fsdp_gathered_max
     values["other"] = other
     total = sum(value for value in values.values() if value)
     rows = []
     for name, value in values.items():
         step_max = getattr(step.max, name) if step is not None and name in PILES else None
+        if name in ("ddp_buckets", "fsdp_gathered"):
+            step_max = value  # constant (buckets) or already the step's highest (gathered)
         share = (value / total) if value and total else 0.0
         rows.append(PileRow(name, value, share, step_max))
     return tuple(rows)
+
+
+def distributed_notes(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:
+    """What DDP's buckets and FSDP's gathered parameters are, in words the user can act on."""
+    wrapped = step.distributed if step is not None else None
+    if wrapped is None:
+        return ()
+    notes = []
+    if wrapped.ddp_buckets is not None:
+        size = format_bytes(wrapped.ddp_buckets, binary)
+        if wrapped.ddp_bucket_view:
+            notes.append(
+                f"DDP gradient buckets {size}: the gradients are views into them "
+                "(gradient_as_bucket_view=True), so they are not counted twice"
+            )
+        else:
+            notes.append(
+                f"DDP gradient buckets {size}: a second copy of the gradients; "
+                "DistributedDataParallel(gradient_as_bucket_view=True) would share them"
+            )
+    if wrapped.fsdp_gathered_max is not None:
+        high = format_bytes(wrapped.fsdp_gathered_max, binary)
+        now = format_bytes(wrapped.fsdp_gathered or 0, binary)
+        notes.append(
+            f"FSDP gathered parameters: up to {high} unsharded during forward/backward "
+            f"({now} at step end); weights, gradients and optimizer state are this rank's shards"
+        )
+    return tuple(notes)
 
 
 def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[GapRow, ...]:

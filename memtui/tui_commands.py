@@ -75,11 +75,19 @@ def run_tui(job_spec: JobSpec) -> int:
         return job.poll() is not None
 
     source: Any
-    if job_spec.recording is not None:
+    ranks = None
+    if job_spec.recording is not None and job_spec.recording.is_dir():
+        # A session folder: follow each rank's recording as the ranks write them.
+        ranks = {
+            str(rank): TailSource(job_spec.recording / f"rank-{rank}.memtui", exited)
+            for rank in local_ranks(job_spec.display)
+        }
+        source = next(iter(ranks.values()))
+    elif job_spec.recording is not None:
         source = TailSource(job_spec.recording, exited)
     else:
         source = SessionSocketSource(token, exited)
-    app = MemtuiApp(source, job=job)
+    app = MemtuiApp(source, job=job, ranks=ranks)
     try:
         run_app(app)
     finally:
@@ -90,6 +98,22 @@ def run_tui(job_spec: JobSpec) -> int:
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code
+
+
+def local_ranks(argv: list[str]) -> range:
+    """The global ranks a torchrun command starts on this node (`--nproc-per-node N`, and
+    `--node-rank K` on several nodes); rank 0 alone when the count is not a number."""
+    options: dict[str, str] = {}
+    for index, word in enumerate(argv):
+        name, _, value = word.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--nproc-per-node", "--node-rank"):
+            options[name] = value or (argv[index + 1] if index + 1 < len(argv) else "")
+    count = options.get("--nproc-per-node", "1")
+    node = options.get("--node-rank", "0")
+    per_node = int(count) if count.isdigit() else 1
+    first = int(node) * per_node if node.isdigit() else 0
+    return range(first, first + per_node)
 
 
 def session_sources(folder: Path) -> dict[str, Any]:
@@ -177,6 +201,22 @@ def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         grouped.append(dict(members[0], ranks=members))
     return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
+
+
+def list_live_jobs() -> int:
+    """`memtui attach --list`: each live job, then one socket path per rank (what to forward
+    with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
+    jobs = group_ranks(live_sidecars())
+    if not jobs:
+        print(f"memtui: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for job in jobs:
+        print(list_jobs_text([job]))
+        for member in job.get("ranks", [job]):
+            rank = member.get("rank")
+            label = f"rank {rank}" if rank is not None else "socket"
+            print(f"          {label}: {member['socket']}")
+    return 0
 
 
 def attach(pid: int | None, socket_path: str | None = None) -> int:

@@ -131,3 +131,34 @@ def test_attach_groups_the_ranks_of_one_job() -> None:
     assert [job["pid"] for job in jobs] == [20, 10]
     assert [member["pid"] for member in jobs[1]["ranks"]] == [10, 11]
     assert "ranks" not in jobs[0]
+
+
+def test_launchers_get_a_session_folder_and_ranks_never_share_a_file(tmp_path: Path) -> None:
+    from memtui.run_command import UsageError, build_job, launches_ranks
+    from memtui.tui_commands import local_ranks
+
+    assert launches_ranks(["torchrun", "--nproc-per-node", "2", "t.py"], None)
+    assert launches_ranks(["python", "-m", "torch.distributed.run", "t.py"], None)
+    assert launches_ranks([], "torch.distributed.run")
+    assert not launches_ranks(["python", "t.py"], None)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    job = build_job([torchrun, "x.py"], None, str(tmp_path / "new"), False, None)
+    assert job.recording == (tmp_path / "new").resolve() and job.recording.is_dir()
+    (tmp_path / "old.memtui").write_bytes(b"")
+    try:
+        build_job([torchrun, "x.py"], None, str(tmp_path / "old.memtui"), False, None)
+    except UsageError as exc:
+        assert "needs a session folder" in str(exc)
+    else:
+        raise AssertionError("a file given to a launcher must be refused")
+    assert list(local_ranks(["torchrun", "--nproc-per-node", "4", "t.py"])) == [0, 1, 2, 3]
+    assert list(local_ranks(["torchrun", "--nproc_per_node=2", "--node_rank=1", "t.py"])) == [2, 3]
+    assert list(local_ranks(["torchrun", "--nproc-per-node=gpu", "t.py"])) == [0]
+    # A launcher memtui did not recognise: ranks still make a folder rather than share a file.
+    env = {"RANK": "1", "WORLD_SIZE": "2"}
+    assert record_path_for_rank(str(tmp_path / "r.memtui"), env) == str(
+        tmp_path / "r.memtui" / "rank-1.memtui"
+    )
+    assert record_path_for_rank(str(tmp_path / "old.memtui"), env) == str(
+        tmp_path / "old.memtui-ranks" / "rank-1.memtui"
+    )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,3 +119,64 @@ def test_viewer_killed_mid_stream_does_not_break_the_job(tmp_path: Path) -> None
     from memtui.recording import read_recording
 
     assert len(read_recording(tmp_path / "rec.memtui").steps) == 200
+
+
+def _forward_unix_socket(listen: Path, target: Path, chunk: int) -> threading.Thread:
+    """What `ssh -L LISTEN.sock:TARGET.sock host` does on the viewer's side: a 0600 socket whose
+    connections are relayed byte for byte (here in tiny chunks, to split frames anywhere)."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(listen))
+    os.chmod(listen, 0o600)
+    server.listen(1)
+
+    def pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(chunk):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:  # pass the end on (a bare close would not wake the other direction's recv)
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        viewer, _ = server.accept()
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.connect(str(target))
+        threading.Thread(target=pump, args=(viewer, upstream), daemon=True).start()
+        pump(upstream, viewer)
+        server.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_attach_socket_through_a_forwarded_unix_socket(tmp_path: Path) -> None:
+    """The multi-node recipe: `memtui attach --list` on the node prints the socket, the viewer's
+    side gets it through a Unix-socket forward, and `LiveSource` (what `attach --socket` opens)
+    reads the job through it with no sidecar and no pid of its own."""
+    from memtui.sources import LiveSource
+
+    job, runtime = _start(tmp_path, steps=60, pause=0.02)
+    listing = subprocess.run(
+        [sys.executable, "-m", "memtui.cli", "attach", "--list"],
+        env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(runtime)),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    remote = Path(str(_sidecar(runtime, job.pid)["socket"]))
+    assert listing.returncode == 0 and f"socket: {remote}" in listing.stdout
+    forwarded = tmp_path / "forwarded" / "node1.sock"
+    forwarded.parent.mkdir()
+    _forward_unix_socket(forwarded, remote, chunk=7)
+    source = LiveSource(forwarded)
+    source.check()
+    received: list[object] = []
+    stop = threading.Event()
+    reason = source.run(lambda batch: received.extend(batch), stop)
+    job.wait(timeout=60)
+    assert reason == "the job closed its socket"
+    assert isinstance(received[0], schema.Hello) and received[0].pid == job.pid
+    steps = [m.step for m in received if isinstance(m, schema.Step)]
+    assert steps == list(range(1, 61))
+    assert isinstance(received[-1], schema.End) and received[-1].status == "ok"

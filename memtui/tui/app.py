@@ -22,6 +22,7 @@ from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
 from memtui.session import Session, Snapshot
+from memtui.tui.allocations import AllocationsTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline, TimelineData
 from memtui.tui.widgets import (
@@ -128,6 +129,9 @@ class MemtuiApp(App[int]):
                     yield DtypeTable(id="dtypes")
                 with Vertical(id="activations-box", classes="box"):
                     yield TopActivations(id="activations")
+            # Hidden until the job sends allocator events (`--alloc-events`).
+            with Vertical(id="allocations-box", classes="box"):
+                yield AllocationsTable(id="allocations")
             if self.job is not None:
                 with Vertical(id="output-box", classes="box"):
                     yield RichLog(id="output", max_lines=2000, wrap=False, markup=False)
@@ -141,6 +145,7 @@ class MemtuiApp(App[int]):
             "alerts-box": "Alerts (newest first)",
             "dtypes-box": "Dtypes",
             "activations-box": "Top activations by module",
+            "allocations-box": "Allocations in the step (--alloc-events)",
             "output-box": "Job output",
         }
         for box_id, title in titles.items():
@@ -253,6 +258,11 @@ class MemtuiApp(App[int]):
         self.query_one(AlertsTable).snapshot = snap
         self.query_one(DtypeTable).snapshot = snap
         self.query_one(TopActivations).snapshot = snap
+        box = self.query_one("#allocations-box")
+        if box.display != snap.alloc_recorded:
+            box.display = snap.alloc_recorded
+        if snap.alloc_recorded:
+            self.query_one(AllocationsTable).snapshot = snap
 
     # ----- actions ---------------------------------------------------------------------------
 

@@ -24,8 +24,12 @@ PILE_LABELS = {
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
     "activations": "activations",
+    "ddp_buckets": "DDP buckets",
+    "fsdp_gathered": "FSDP gathered",
     "other": "other",
 }
+ROW_COLOURS = {**PILE_COLOURS, "ddp_buckets": "#d29922", "fsdp_gathered": "#58a6ff"}
+"""The piles' colours plus the data-parallel wrappers' memory (shown only when present)."""
 
 
 def _size(value: int | None, binary: bool) -> str:
@@ -74,7 +78,7 @@ class PilesPanel(Static):
             cells = round(row.share * width)
             cells = min(cells, width - used)
             if cells > 0:
-                bar.append(" " * cells, style=f"on {PILE_COLOURS[row.name]}")
+                bar.append(" " * cells, style=f"on {ROW_COLOURS[row.name]}")
                 used += cells
         if used < width:
             bar.append(" " * (width - used))
@@ -90,7 +94,7 @@ class PilesPanel(Static):
             Text("step max", style="bold"),
         )
         for row in snap.piles:
-            name = Text("■ ", style=PILE_COLOURS[row.name])
+            name = Text("■ ", style=ROW_COLOURS[row.name])
             name.append(PILE_LABELS[row.name])
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
@@ -112,7 +116,8 @@ class PilesPanel(Static):
             extra.append("SKIPPED by GradScaler")
         from rich.console import Group
 
-        return Group(bar, table, Text(" · ".join(extra), style="dim"))
+        lines = [Text(line, style="dim") for line in snap.distributed_lines]
+        return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
 
 
 class GapPanel(Static):

@@ -1,0 +1,52 @@
+"""The allocations table (`--alloc-events`): a passive view of the snapshot's allocation rows.
+
+Its box is on screen only when the recording has allocator events, so jobs run without the flag
+keep the usual layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.reactive import reactive
+
+from memtui.session import Snapshot
+from memtui.tui.widgets import PanelTable, sync_rows
+from memtui_agent.units import format_bytes
+
+KIND_STYLES = {"OOM": "bold red", "ring full": "yellow", "none": "dim"}
+
+
+class AllocationsTable(PanelTable):
+    """The cursor step's largest allocations, segment growth and OOM, with their source lines."""
+
+    snapshot: reactive[Snapshot | None] = reactive(None)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.show_cursor = False
+        self.add_columns("event", "size", "count", "source line")
+
+    def watch_snapshot(self, snap: Snapshot | None) -> None:
+        if snap is None:
+            return
+        sync_rows(
+            self, (_row(index, row, snap.binary) for index, row in enumerate(snap.alloc_rows))
+        )
+
+
+def _row(index: int, row: Any, binary: bool) -> tuple[str, tuple[Any, ...]]:
+    heading = row.kind not in KIND_STYLES and row.kind not in ("alloc", "segment +")
+    style = "bold" if heading else KIND_STYLES.get(row.kind, "")
+    size = format_bytes(row.size, binary) if row.size is not None else ""
+    count = f"x{row.count:,}" if row.count is not None else ""
+    return (
+        f"{index}:{row.kind}",
+        (
+            Text(row.kind, style=style),
+            Text(size, justify="right"),
+            Text(count, justify="right"),
+            row.where,
+        ),
+    )
