@@ -23,6 +23,7 @@ any failure turns the measurement off with one agent error, never the job.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -90,11 +91,9 @@ class DdpBuckets:
 
 
 def _ddp_class() -> Any:
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except Exception:  # a build without torch.distributed
-        return None
-    return DistributedDataParallel
+    """DDP's class if the job imported it (importing it here would cost the job time and RSS)."""
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    return getattr(module, "DistributedDataParallel", None)
 
 
 def _bucketed_parameters(wrapper: Any) -> list[Any]:
@@ -206,11 +205,10 @@ class FsdpGathered:
 
 
 def _fsdp_class() -> Any:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:  # older torch or a build without torch.distributed
-        return None
-    return FSDPModule
+    """FSDP2's module class if the job imported it (`torch.distributed.fsdp` pulls in DTensor:
+    seconds of imports no job without FSDP should pay)."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FSDPModule", None)
 
 
 class DistributedMemory:

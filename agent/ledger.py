@@ -35,9 +35,19 @@ _ALL_BITS = (1, 2, 4, 8)
 NO_MODULE = -1
 """Module id for activations packed outside any module's forward (e.g. the loss function)."""
 
-Key = tuple[int, int]
+Key = int
+"""A storage's identity: its data pointer and device in one int (`storage_key`)."""
 StorageInfo = tuple[Key, int, str, Any]
 """(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
+ENTRY_POOL = 4096
+"""Freed entries kept for reuse: hooks then allocate no new objects the garbage collector
+tracks, which matters because each young-generation collection also walks autograd graphs."""
+
+
+def storage_key(device: int, pointer: int) -> Key:
+    """`(device, data_ptr)` as one int: unlike a tuple, nothing for the garbage collector."""
+    return (pointer << 8) | (device + 1)
+
 
 _dtype_names: dict[Any, str] = {}
 
@@ -83,7 +93,9 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
             if type(part) is not torch.Tensor and type(part) is not torch.nn.Parameter:
                 found.extend(_inner_storages(part))
             continue
-        found.append(((part.get_device(), pointer), nbytes, dtype_name(part.dtype), storage))
+        found.append(
+            (storage_key(part.get_device(), pointer), nbytes, dtype_name(part.dtype), storage)
+        )
     return found
 
 
@@ -128,6 +140,9 @@ class Ledger:
         self._module_live: dict[int, int] = {}
         self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
         self._act_max_pending = False
+        self._pool: list[_Entry] = []
+        self._ref_keys: dict[int, Key] = {}
+        """id(weakref) -> key, for the one shared free callback."""
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
@@ -192,8 +207,9 @@ class Ledger:
         for tensor in tensors:
             ident = id(tensor)
             try:
-                # A DTensor's own data_ptr() is 0: its local shard's pointer identifies it.
-                pointer = local_tensor(tensor).data_ptr()
+                pointer = tensor.data_ptr()
+                if not pointer:  # a DTensor's own is 0: its local shard's identifies it
+                    pointer = local_tensor(tensor).data_ptr()
             except RuntimeError:  # sparse and wrapper tensors have no single data pointer
                 pointer = 0
             cached = cache.get(ident)
@@ -223,13 +239,20 @@ class Ledger:
                 if info[0] not in self._members[pile]:
                     self._claim(info, pile)
 
+    def claim_plain(self, pile: int, key: Key, nbytes: int, dtype: Any, storage: Any) -> None:
+        """`add` for one strided storage (a fresh gradient): no `storages_of` list."""
+        with self._lock:
+            if key not in self._members[pile]:
+                self._claim((key, nbytes, dtype_name(dtype), storage), pile)
+
     def _claim(self, info: StorageInfo, pile: int) -> None:
         key, nbytes, dtype, storage = info
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(nbytes, dtype)
+            entry = self._entries[key] = self._new_entry(nbytes, dtype)
         if entry.ref is None:
-            entry.ref = weakref.ref(storage, self._make_free_callback(key))
+            entry.ref = weakref.ref(storage, self._freed)
+            self._ref_keys[id(entry.ref)] = key
         self._members[pile].add(key)
         self._set_mask(key, entry, entry.mask | _ALL_BITS[pile])
 
@@ -239,17 +262,37 @@ class Ledger:
         if entry is not None:
             self._set_mask(key, entry, entry.mask & ~_ALL_BITS[pile])
 
-    def _make_free_callback(self, key: Key) -> Any:
-        def freed(ref: weakref.ref[Any]) -> None:
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is None or entry.ref is not ref:
-                    return
-                for members in self._members:
-                    members.discard(key)
-                self._set_mask(key, entry, 0)
+    def _freed(self, ref: weakref.ref[Any]) -> None:
+        """A claimed storage was deallocated: it leaves every pile."""
+        with self._lock:
+            key = self._ref_keys.pop(id(ref), None)
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None or entry.ref is not ref:
+                return
+            for members in self._members:
+                members.discard(key)
+            self._set_mask(key, entry, 0)
 
-        return freed
+    def _new_entry(self, nbytes: int, dtype: str) -> _Entry:
+        pool = self._pool
+        if not pool:
+            return _Entry(nbytes, dtype)
+        entry = pool.pop()
+        entry.nbytes = nbytes
+        entry.dtype = dtype
+        entry.mask = 0
+        entry.pile = -1
+        entry.act_refs = 0
+        entry.module = NO_MODULE
+        return entry
+
+    def _drop_entry(self, key: Key, entry: _Entry) -> None:
+        del self._entries[key]
+        if entry.ref is not None:
+            self._ref_keys.pop(id(entry.ref), None)
+            entry.ref = None
+        if len(self._pool) < ENTRY_POOL:
+            self._pool.append(entry)
 
     # ----- activations ---------------------------------------------------------------------
 
@@ -259,7 +302,7 @@ class Ledger:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(nbytes, dtype)
+                entry = self._entries[key] = self._new_entry(nbytes, dtype)
             entry.act_refs += 1
             if entry.act_refs == 1:
                 entry.module = module
@@ -274,7 +317,7 @@ class Ledger:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(nbytes, dtype_name(dtype))
+                entry = self._entries[key] = self._new_entry(nbytes, dtype_name(dtype))
                 entry.act_refs = 1
                 entry.module = module
                 entry.mask = 8
@@ -298,7 +341,7 @@ class Ledger:
                     entry.mask = 0
                     entry.pile = -1
                     self._account(ACTIVATIONS, entry, -entry.nbytes)
-                    del self._entries[key]
+                    self._drop_entry(key, entry)
                 else:
                     self._set_mask(key, entry, entry.mask & ~8)
 
@@ -317,7 +360,7 @@ class Ledger:
         if pile >= 0:
             self._account(pile, entry, nbytes)
         else:
-            del self._entries[key]
+            self._drop_entry(key, entry)
 
     def _account(self, pile: int, entry: _Entry, delta: int) -> None:
         if pile == ACTIVATIONS and delta < 0 and self._act_max_pending:

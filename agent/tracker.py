@@ -295,7 +295,7 @@ class Tracker(LibraryWrappers):
                 nbytes = storage.nbytes()
                 if not pointer or not nbytes:
                     return tensor  # holds no memory
-                key = (tensor.get_device(), pointer)
+                key = (pointer << 8) | (tensor.get_device() + 1)  # ledger.storage_key, inline
                 self.ledger.acquire_plain(key, nbytes, tensor.dtype, module)
                 return _SavedOne(tensor.detach(), key, self.ledger)
             infos = storages_of(tensor)
@@ -323,8 +323,17 @@ class Tracker(LibraryWrappers):
             return
         try:
             grad = parameter.grad
-            if grad is not None:
-                self.ledger.add(GRADIENTS, grad)
+            if grad is None:
+                return
+            if type(grad) is Tensor and grad.layout is strided:
+                storage = grad.untyped_storage()
+                pointer = storage.data_ptr()
+                nbytes = storage.nbytes()
+                if pointer and nbytes:
+                    key = (pointer << 8) | (grad.get_device() + 1)  # ledger.storage_key
+                    self.ledger.claim_plain(GRADIENTS, key, nbytes, grad.dtype, storage)
+                    return
+            self.ledger.add(GRADIENTS, grad)
         except Exception as exc:
             self._disable("grads", exc)
 
