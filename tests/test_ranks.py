@@ -77,6 +77,7 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
     import asyncio
 
     from memtui.tui.app import MemtuiApp
+    from memtui.tui.ranks import RanksTable
     from memtui.tui.widgets import PilesPanel
     from memtui.tui_commands import session_sources
     from memtui_agent import schema, wire
@@ -111,9 +112,18 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
             assert app.selected == "0" and panel.snapshot is not None
             assert panel.snapshot.piles[0].at_peak == 1000
             assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.snapshot.notes)
+            table = app.query_one(RanksTable)
+            assert table.display and table.row_count == 2
+            assert [row.piles[0] for row in table.entries] == [1000, 2000]
+            assert "weights" in table.entries[1].heaviest  # marked as the heaviest rank
+            assert "weights" not in table.entries[0].heaviest
+            assert str(table.get_row_at(0)[0]).startswith("▶")
             await pilot.press("r")
             assert app.selected == "1"
             assert app.query_one(PilesPanel).snapshot.piles[0].at_peak == 2000
+            await pilot.pause(0.3)
+            assert str(table.get_row_at(1)[0]).startswith("▶")
+            assert not str(table.get_row_at(0)[0]).startswith("▶")
 
     asyncio.run(scenario())
 

@@ -21,8 +21,10 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
+from memtui.rank_rows import imbalance_line, rank_rows
 from memtui.session import Session, Snapshot
 from memtui.tui.allocations import AllocationsTable
+from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline, TimelineData
 from memtui.tui.widgets import (
@@ -115,6 +117,9 @@ class MemtuiApp(App[int]):
         yield JobHeader(id="header")
         with VerticalScroll(id="body"):
             yield NotesLine(id="notes")
+            # Shown only with several ranks (a session folder or a torchrun job).
+            with Vertical(id="ranks-box", classes="box"):
+                yield RanksTable(id="ranks")
             with Horizontal(id="top-row"):
                 with Vertical(id="piles-box", classes="box"):
                     yield PilesPanel(id="piles")
@@ -146,12 +151,17 @@ class MemtuiApp(App[int]):
             "dtypes-box": "Dtypes",
             "activations-box": "Top activations by module",
             "allocations-box": "Allocations in the step (--alloc-events)",
+            "ranks-box": "Ranks side by side (each pile's high in the rank's latest step; r: next)",
             "output-box": "Job output",
         }
         for box_id, title in titles.items():
             for box in self.query(f"#{box_id}"):
                 box.border_title = title
         self._apply_width_class(self.size.width)
+        if len(self.ranks) > 1:
+            box = self.query_one("#ranks-box")
+            box.styles.display = "block"
+            box.styles.height = min(len(self.ranks), 8) + 3  # header, rows, border
         for label in self.ranks:
             self._read_source(label)
         self.set_interval(TICK_SECONDS, self.refresh_view)
@@ -230,24 +240,27 @@ class MemtuiApp(App[int]):
         self.show(snap)
 
     def _rank_notes(self) -> tuple[str, ...]:
-        """With several ranks: which one is shown, and the imbalance at each rank's last step."""
+        """With several ranks: which one is shown, the imbalance, and the side-by-side table."""
         if len(self.ranks) < 2:
             return ()
         latest = {
-            label: session.steps[-1].max
+            label: session.steps[-1] if session.steps else None
             for label, session in self.sessions.items()
-            if session.steps
         }
+        table = self.query_one(RanksTable)
+        table.binary = self.session.binary
+        table.selected = self.selected
+        table.entries = rank_rows(
+            latest,
+            {
+                label: session.state_text().split(" · ")[-1]
+                for label, session in self.sessions.items()
+            },
+        )
         line = f"rank {self.selected} of {len(self.ranks)} (r: next rank)"
-        if len(latest) >= 2:
-            parts = []
-            for pile in ("weights", "gradients", "optimizer_state", "activations"):
-                values = {label: getattr(peak, pile) for label, peak in latest.items()}
-                heaviest = max(values, key=lambda label: values[label])
-                low = min(values.values())
-                ratio = f"{values[heaviest] / low:.2f}x" if low else "n/a"
-                parts.append(f"{pile} {ratio} (heaviest rank {heaviest})")
-            line += " · max/min of each pile's high in the latest step: " + ", ".join(parts)
+        imbalance = imbalance_line(latest)
+        if imbalance is not None:
+            line += " · max/min of each pile's high in the latest step: " + imbalance
         return (line,)
 
     def show(self, snap: Snapshot) -> None:

@@ -1,0 +1,53 @@
+"""The ranks table: every rank of a distributed job side by side, the heaviest per pile marked.
+
+Shown only when the view has several ranks (a session folder, or `attach` to a torchrun job);
+single-process jobs keep the usual layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.reactive import reactive
+
+from memtui.rank_rows import RankRow
+from memtui.tui.widgets import PanelTable, sync_rows
+from memtui_agent.schema import PILES
+from memtui_agent.units import format_bytes
+
+HEAVIEST_STYLE = "bold #f85149"
+
+
+class RanksTable(PanelTable):
+    """Per rank: the latest step and each pile's high in it; `▶` marks the rank on screen."""
+
+    entries: reactive[tuple[RankRow, ...]] = reactive(())
+    selected: reactive[str] = reactive("")
+    binary: reactive[bool] = reactive(True)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.show_cursor = False
+        self.add_columns("rank", "step", "weights", "gradients", "optimizer", "activations", "")
+
+    def watch_entries(self) -> None:
+        self._sync()
+
+    def watch_selected(self) -> None:
+        self._sync()
+
+    def _sync(self) -> None:
+        if not self.is_mounted:
+            return
+        sync_rows(self, (self._row(row) for row in self.entries))
+
+    def _row(self, row: RankRow) -> tuple[str, tuple[Any, ...]]:
+        marker = "▶ " if row.label == self.selected else "  "
+        cells: list[Any] = [Text(marker + row.label), Text(str(row.step or "-"), justify="right")]
+        for pile, value in zip(PILES, row.piles, strict=True):
+            shown = format_bytes(value, self.binary) if value is not None else "-"
+            style = HEAVIEST_STYLE if pile in row.heaviest else ""
+            cells.append(Text(shown, style=style, justify="right"))
+        cells.append(Text(row.state, style="dim"))
+        return row.label, tuple(cells)
