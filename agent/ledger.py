@@ -99,6 +99,10 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
     return found
 
 
+def _data_ptr(tensor: Any) -> int:
+    return tensor.data_ptr()
+
+
 def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
     """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
     flatten = getattr(wrapper, "__tensor_flatten__", None)
@@ -139,6 +143,7 @@ class Ledger:
         self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
         self._module_live: dict[int, int] = {}
         self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
+        self._fingerprints: list[Any] = [None, None, None]
         self._act_max_pending = False
         self._pool: list[_Entry] = []
         self._ref_keys: dict[int, Key] = {}
@@ -197,9 +202,20 @@ class Ledger:
         Called once per step close; it catches reassigned buffers, `p.data = ...`, state loaded
         from a checkpoint and anything else no hook reports.
         """
-        # Most tensors are the same objects on the same storage as last time: a cache keyed by
-        # id() and confirmed by data_ptr() skips re-deriving their storages. It holds keys
-        # only, never tensors or storages, so it keeps nothing alive.
+        tensors = tensors if isinstance(tensors, list) else list(tensors)
+        members = self._members[pile]
+        # The usual close changes nothing: the same tensor objects on the same pointers, and no
+        # storage of the pile freed or claimed since (both change its size). Checked in C.
+        try:
+            fingerprint = (list(map(id, tensors)), list(map(_data_ptr, tensors)), len(members))
+        except RuntimeError:  # sparse and wrapper tensors have no single data pointer
+            fingerprint = None
+        if fingerprint is not None and fingerprint == self._fingerprints[pile]:
+            return
+        # Otherwise a cache keyed by id() and confirmed by data_ptr() skips re-deriving the
+        # storages of tensors seen before. It holds keys only, never tensors or storages, so it
+        # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
+        # reused) is derived again.
         cache = self._sync_cache[pile]
         fresh: dict[int, tuple[int, tuple[Key, ...]]] = {}
         found: set[Key] = set()
@@ -210,10 +226,15 @@ class Ledger:
                 pointer = tensor.data_ptr()
                 if not pointer:  # a DTensor's own is 0: its local shard's identifies it
                     pointer = local_tensor(tensor).data_ptr()
-            except RuntimeError:  # sparse and wrapper tensors have no single data pointer
+            except RuntimeError:
                 pointer = 0
             cached = cache.get(ident)
-            if cached is not None and cached[0] == pointer and pointer != 0:
+            if (
+                cached is not None
+                and cached[0] == pointer
+                and pointer != 0
+                and all(key in members for key in cached[1])
+            ):
                 fresh[ident] = cached
                 found.update(cached[1])
                 continue
@@ -224,12 +245,17 @@ class Ledger:
                 new_infos.append(info)
         self._sync_cache[pile] = fresh
         with self._lock:
-            members = self._members[pile]
             for key in members - found:
                 self._clear_bit(key, pile)
             for info in new_infos:
                 if info[0] not in members:
                     self._claim(info, pile)
+            if fingerprint is not None and 0 not in fingerprint[1]:
+                self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
+
+    def remember(self, pile: int, tensor: Any, key: Key) -> None:
+        """A hook claimed `tensor`'s one storage: the next `sync` finds it in its cache."""
+        self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
 
     def add(self, pile: int, tensor: Any) -> None:
         """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""

@@ -128,20 +128,24 @@ class ModuleRegistry:
             for group in optimizer.param_groups:
                 yield from group["params"]
 
-    def optimizer_state_tensors(self) -> Iterator[Any]:
+    def gradients(self) -> list[Any]:
+        """Each parameter's `.grad`, once (parameters come from modules and optimizers both)."""
+        unique = {id(p.grad): p.grad for p in self.parameters() if p.grad is not None}
+        return list(unique.values())
+
+    def optimizer_state_tensors(self) -> list[Any]:
         """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
+        import torch
+
+        tensor = torch.Tensor
+        found: list[Any] = []
         for optimizer in self.live_optimizers():
             for state in list(optimizer.state.values()):
                 if not isinstance(state, dict):
                     continue
-                for value in list(state.values()):
-                    if _is_tensor(value):
-                        yield value
-                    elif isinstance(value, (list, tuple)):
-                        yield from (item for item in value if _is_tensor(item))
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
+                values = list(state.values())
+                found.extend(value for value in values if isinstance(value, tensor))
+                for value in values:
+                    if isinstance(value, (list, tuple)):
+                        found.extend(item for item in value if isinstance(item, tensor))
+        return found

@@ -124,7 +124,7 @@ class StepCloser:
         alerts.extend(
             self.health.close(
                 step,
-                self._grads(),
+                self.registry.gradients(),
                 losses,
                 self._named_parameters,  # names are needed only on an alarm
                 skipped,
@@ -208,10 +208,6 @@ class StepCloser:
             seen.add(id(parameter))
             named.append((names.get(id(parameter), f"param[{index}]"), parameter))
         return named
-
-    def _grads(self) -> list[Any]:
-        unique = {id(p): p.grad for p in self.registry.parameters() if p.grad is not None}
-        return list(unique.values())
 
 
 class GpuEvents:

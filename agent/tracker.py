@@ -332,6 +332,8 @@ class Tracker(LibraryWrappers):
                 if pointer and nbytes:
                     key = (pointer << 8) | (grad.get_device() + 1)  # ledger.storage_key
                     self.ledger.claim_plain(GRADIENTS, key, nbytes, grad.dtype, storage)
+                    if grad.data_ptr() == pointer:  # a view at an offset is derived at close
+                        self.ledger.remember(GRADIENTS, grad, key)
                     return
             self.ledger.add(GRADIENTS, grad)
         except Exception as exc:
@@ -455,8 +457,7 @@ class Tracker(LibraryWrappers):
     def resync(self) -> None:
         """Recount the persistent piles from the objects themselves (once per step close)."""
         self.ledger.sync(WEIGHTS, self.registry.weight_tensors())
-        grads = [p.grad for p in self.registry.parameters() if p.grad is not None]
-        self.ledger.sync(GRADIENTS, grads)
+        self.ledger.sync(GRADIENTS, self.registry.gradients())
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
 
     def close_step(self, skipped: bool, scale_after: Any = None) -> None:

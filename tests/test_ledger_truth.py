@@ -546,3 +546,25 @@ def test_tensor_subclass_does_not_switch_off_activation_tracking(tmp_path: Path)
     (step,) = agent.steps
     assert step.max.activations == truth.reports["saved"]
     assert step.end.activations == 0
+
+
+def test_sync_recounts_a_storage_freed_since_even_at_the_same_pointer() -> None:
+    """The close-time sync skips unchanged piles and caches tensors by id and pointer; neither
+    shortcut may keep out a storage that left the pile (freed, its pointer then reused)."""
+    from memtui_agent.ledger import WEIGHTS, Ledger
+
+    ledger = Ledger()
+    weight = torch.zeros(64)
+    ledger.sync(WEIGHTS, [weight])
+    ledger.sync(WEIGHTS, [weight])  # unchanged: the fingerprint path
+    assert ledger.current().weights == 256
+    key = next(iter(ledger._members[WEIGHTS]))
+    ledger._clear_bit(key, WEIGHTS)  # as the free callback does when the storage dies
+    assert ledger.current().weights == 0
+    ledger.sync(WEIGHTS, [weight])  # same object, same pointer: must be counted again
+    assert ledger.current().weights == 256
+    other = torch.zeros(16)
+    ledger.sync(WEIGHTS, [weight, other])
+    assert ledger.current().weights == 256 + 64
+    ledger.sync(WEIGHTS, [other])
+    assert ledger.current().weights == 64
