@@ -123,13 +123,18 @@ class _Entry:
     __slots__ = ("act_refs", "dtype", "mask", "module", "nbytes", "pile", "ref")
 
     def __init__(self, nbytes: int, dtype: str) -> None:
+        self.ref: weakref.ref[Any] | None = None
+        self.reset(nbytes, dtype)
+
+    def reset(self, nbytes: int, dtype: str) -> _Entry:
+        """A fresh entry for a new storage (also how a pooled entry is reused)."""
         self.nbytes = nbytes
         self.dtype = dtype
         self.mask = 0
         self.pile = -1
         self.act_refs = 0
         self.module = NO_MODULE
-        self.ref: weakref.ref[Any] | None = None
+        return self
 
 
 class Ledger:
@@ -301,16 +306,7 @@ class Ledger:
 
     def _new_entry(self, nbytes: int, dtype: str) -> _Entry:
         pool = self._pool
-        if not pool:
-            return _Entry(nbytes, dtype)
-        entry = pool.pop()
-        entry.nbytes = nbytes
-        entry.dtype = dtype
-        entry.mask = 0
-        entry.pile = -1
-        entry.act_refs = 0
-        entry.module = NO_MODULE
-        return entry
+        return pool.pop().reset(nbytes, dtype) if pool else _Entry(nbytes, dtype)
 
     def _drop_entry(self, key: Key, entry: _Entry) -> None:
         del self._entries[key]

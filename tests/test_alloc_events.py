@@ -186,21 +186,14 @@ def test_summary_is_bounded_however_busy_the_step() -> None:
     assert events.largest[0].size == 5000 and events.allocations == 5000
     assert all(len(row.where) <= WHERE_CHARS for row in events.largest)
     assert events.largest[0].where.endswith(".py:1 f")
-    assert (
-        len(
-            wire.encode(
-                schema.Step(
-                    step=1,
-                    t_start=0,
-                    t_end=1,
-                    end=schema.Piles(),
-                    max=schema.Piles(),
-                    peak=schema.Piles(),
-                    alloc_events=events,
-                )
-            )
-        )
-        < 6000
+    assert len(wire.encode(_step(1, events))) < 6000
+
+
+def _step(number: int, events: Any) -> schema.Step:
+    """An otherwise empty step carrying `events`."""
+    empty = schema.Piles()
+    return schema.Step(
+        step=number, t_start=0, t_end=1, end=empty, max=empty, peak=empty, alloc_events=events
     )
 
 
@@ -210,15 +203,7 @@ def test_alloc_events_round_trip_the_wire() -> None:
         expected_allocations=5,
         cwd="/work/job",
     )
-    step = schema.Step(
-        step=3,
-        t_start=0,
-        t_end=1,
-        end=schema.Piles(),
-        max=schema.Piles(),
-        peak=schema.Piles(),
-        alloc_events=events,
-    )
+    step = _step(3, events)
     end = schema.End(time=2.0, status="error", oom=True, alloc_events=events)
     decoder = wire.FrameDecoder()
     decoded = list(decoder.feed(wire.preamble() + wire.encode(step) + wire.encode(end)))
