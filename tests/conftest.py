@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import io
+import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,6 +134,28 @@ class FakeJob:
 
     def wait(self) -> int:
         return self.code if self.code is not None else 0
+
+
+JobRunner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@pytest.fixture
+def run_python(tmp_path: Path) -> JobRunner:
+    """`run_python(SOURCE, *args)`: `python -c SOURCE` in `tmp_path` (or `cwd=`), as the agent
+    tests run their jobs: a private runtime folder (the agent's socket and sidecar), text output
+    captured, a timeout instead of a hung test run."""
+
+    def run(
+        source: str, *args: str, cwd: Path | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        folder = cwd or tmp_path
+        env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(folder / "rt"))
+        return subprocess.run(
+            [sys.executable, "-c", source, *args],
+            cwd=folder, env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+
+    return run
 
 
 @pytest.fixture

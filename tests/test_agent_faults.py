@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from memtui.recording import read_recording
 from memtui_agent import runtime_dir
@@ -31,6 +32,7 @@ print("FINAL", float(sum(p.sum() for p in model.parameters())))
 
 UNWRITABLE = """
 import torch, memtui_agent
+
 with memtui_agent.monitor(record="no/such/folder/rec.memtui", socket=False):
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -40,20 +42,12 @@ print("JOB DONE")
 """
 
 
-def _run(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
-    return subprocess.run(
-        [sys.executable, "-c", source],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _run(run_python: Any, tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    return run_python(source)
 
 
-def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path) -> None:
-    result = _run(tmp_path, BROKEN_PACK)
+def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path, run_python: Any) -> None:
+    result = _run(run_python, tmp_path, BROKEN_PACK)
     assert result.returncode == 0, result.stderr
     assert "FINAL" in result.stdout
     reports = [line for line in result.stderr.splitlines() if "injected ledger failure" in line]
@@ -66,8 +60,8 @@ def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path) -> None:
     assert recording.steps[-1].end.weights == (8 * 8 + 8 + 8 + 1) * 4
 
 
-def test_unwritable_recording_leaves_the_job_running(tmp_path: Path) -> None:
-    result = _run(tmp_path, UNWRITABLE)
+def test_unwritable_recording_leaves_the_job_running(tmp_path: Path, run_python: Any) -> None:
+    result = _run(run_python, tmp_path, UNWRITABLE)
     assert result.returncode == 0, result.stderr
     assert "JOB DONE" in result.stdout
     lines = [line for line in result.stderr.splitlines() if "recording failed" in line]

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 from memtui.recording import Recording, read_recording
 
@@ -42,6 +40,7 @@ with memtui_agent.monitor(record="rec.memtui", socket=False):
 WATCH_AND_WORKERS = """
 import sys, torch, memtui_agent
 from torch.utils.data import DataLoader, TensorDataset
+
 with memtui_agent.monitor(record="rec.memtui", socket=False):
     model = torch.nn.Linear(16, 2)
     opt = torch.optim.Adam(model.parameters())
@@ -56,22 +55,16 @@ print("WORKERS OK")
 """
 
 
-def _run(tmp_path: Path, source: str, *args: str) -> tuple[str, Recording]:
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
-    result = subprocess.run(
-        [sys.executable, "-c", source, *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _run(run_python: Any, tmp_path: Path, source: str, *args: str) -> tuple[str, Recording]:
+    result = run_python(source, *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     return result.stdout, read_recording(tmp_path / "rec.memtui")
 
 
-def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(tmp_path: Path) -> None:
-    stdout, recording = _run(tmp_path, GRAD_SCALER)
+def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(
+    tmp_path: Path, run_python: Any
+) -> None:
+    stdout, recording = _run(run_python, tmp_path, GRAD_SCALER)
     printed = [line.split() for line in stdout.splitlines() if line.startswith("LOSS")]
     steps = recording.steps
     assert [step.step for step in steps] == [1, 2, 3, 4]
@@ -85,10 +78,10 @@ def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(tmp_pat
     assert steps[0].end.optimizer_state == (8 * 4 + 4) * 4
 
 
-def test_job_without_optimizer_gets_ticks_with_live_piles(tmp_path: Path) -> None:
+def test_job_without_optimizer_gets_ticks_with_live_piles(tmp_path: Path, run_python: Any) -> None:
     from memtui_agent import schema, wire
 
-    _, recording = _run(tmp_path, NO_OPTIMIZER)
+    _, recording = _run(run_python, tmp_path, NO_OPTIMIZER)
     assert recording.steps == []
     messages = list(wire.FrameDecoder().feed((tmp_path / "rec.memtui").read_bytes()))
     ticks = [m for m in messages if isinstance(m, schema.Tick)]
@@ -98,11 +91,13 @@ def test_job_without_optimizer_gets_ticks_with_live_piles(tmp_path: Path) -> Non
     assert recording.end is not None and recording.end.status == "ok"
 
 
-def test_watch_counts_weights_and_forked_or_spawned_workers_stay_silent(tmp_path: Path) -> None:
+def test_watch_counts_weights_and_forked_or_spawned_workers_stay_silent(
+    tmp_path: Path, run_python: Any
+) -> None:
     for context in ("fork", "spawn"):
         folder = tmp_path / context
         folder.mkdir()
-        stdout, recording = _run(folder, WATCH_AND_WORKERS, context)
+        stdout, recording = _run(run_python, folder, WATCH_AND_WORKERS, context)
         assert "WORKERS OK" in stdout
         assert len(recording.steps) == 4
         assert recording.steps[0].peak.weights == (16 * 2 + 2) * 4
