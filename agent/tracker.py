@@ -278,15 +278,19 @@ class Tracker(LibraryWrappers):
             origin = tensor._base
             if origin is None:
                 origin = tensor
-            if isinstance(origin, Parameter) and id(origin) not in self._seen_params:
-                if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
-                    # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
-                    # (the shard is) nor an activation; autograd keeps it as FSDP expects.
-                    self._sample_gathered()
-                    return tensor
-                # A parameter no module or optimizer has shown us yet: it is a weight.
-                self._seen_params.add(id(origin))
-                self.ledger.add(WEIGHTS, origin)
+            if isinstance(origin, Parameter):
+                if id(origin) not in self._seen_params:
+                    if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
+                        # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
+                        # (the shard is) nor an activation; autograd keeps it as FSDP expects.
+                        self._sample_gathered()
+                        return tensor
+                    # A parameter no module or optimizer has shown us yet: it is a weight.
+                    self._seen_params.add(id(origin))
+                    self.ledger.add(WEIGHTS, origin)
+                # A parameter or a view of one is a weight, never an activation: autograd keeps
+                # it as it would without hooks (no wrapper, nothing more for the GC to walk).
+                return tensor
             module = self._stack[-1] if self._stack else NO_MODULE
             if type(tensor) is Tensor and tensor.layout is strided and not tensor.is_meta:
                 # Fast path (almost every saved tensor): one storage, read inline.
