@@ -62,6 +62,9 @@ def imbalance_line(latest: dict[str, schema.Step | None]) -> str | None:
         values = [getattr(step.max, pile) for step in latest.values() if step]
         low = min(values)
         high = max(values)
+        if high == low:
+            parts.append(f"{pile} equal")
+            continue
         ratio = f"{high / low:.2f}x" if low else "n/a"
         parts.append(f"{pile} {ratio} (heaviest rank {leader})")
     return ", ".join(parts)

@@ -4,7 +4,8 @@
 
 Runs `memtui demo --headless` to record the bundled training job, then opens the recording in
 the TUI offscreen at two terminal sizes and saves what the screen shows. A second capture is taken
-live, while a slowed-down demo is still training.
+live, while a slowed-down demo is still training, and one of a two-rank FSDP2 job's session
+(`memtui run -o DIR -- torchrun`), replayed with both ranks.
 """
 
 from __future__ import annotations
@@ -26,11 +27,47 @@ def record_demo(path: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def capture(source: object, name: str, size: tuple[int, int], settle: float) -> None:
+FSDP_JOB = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for step in range(30):
+    opt.zero_grad()
+    model(torch.randn(32, 256)).pow(2).mean().backward()
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+def record_fsdp_session(folder: Path) -> Path:
+    """A two-rank FSDP2 job on CPU (gloo) under `memtui run -o DIR -- torchrun`."""
+    script = folder / "fsdp_train.py"
+    script.write_text(FSDP_JOB)
+    session = folder / "fsdp-session"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [sys.executable, "-m", "memtui.cli", "run", "--headless", "-o", str(session), "--"]
+    command += [torchrun, "--standalone", "--nproc-per-node", "2", str(script)]
+    subprocess.run(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return session
+
+
+async def capture(
+    source: object,
+    name: str,
+    size: tuple[int, int],
+    settle: float,
+    ranks: dict[str, object] | None = None,
+) -> None:
     """Open the app on `source` offscreen and save its screen as `screenshots/<name>.svg`."""
     from memtui.tui.app import MemtuiApp
 
-    app = MemtuiApp(source)  # type: ignore[arg-type]
+    app = MemtuiApp(source, ranks=ranks)  # type: ignore[arg-type]
     async with app.run_test(size=size) as pilot:
         deadline = time.monotonic() + settle
         while time.monotonic() < deadline:
@@ -41,7 +78,7 @@ async def capture(source: object, name: str, size: tuple[int, int], settle: floa
 
 
 def main() -> int:
-    """Record, then capture replay (two sizes) and live."""
+    """Record, then capture replay (two sizes), live, and a two-rank session."""
     from memtui.sources import ReplaySource, TailSource
 
     with tempfile.TemporaryDirectory() as folder:
@@ -64,6 +101,11 @@ def main() -> int:
         finally:
             job.terminate()
             job.wait()
+        from memtui.tui_commands import session_sources
+
+        ranks = session_sources(record_fsdp_session(Path(folder)))
+        first = next(iter(ranks.values()))
+        asyncio.run(capture(first, "ranks-fsdp2-160x48", (160, 48), settle=1.5, ranks=ranks))
     return 0
 
 

@@ -112,6 +112,7 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
             assert app.selected == "0" and panel.snapshot is not None
             assert panel.snapshot.piles[0].at_peak == 1000
             assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.snapshot.notes)
+            assert "gradients equal" in " ".join(panel.snapshot.notes)
             table = app.query_one(RanksTable)
             assert table.display and table.row_count == 2
             assert [row.piles[0] for row in table.entries] == [1000, 2000]

@@ -28,7 +28,7 @@ PILE_LABELS = {
     "fsdp_gathered": "FSDP gathered",
     "other": "other",
 }
-ROW_COLOURS = {**PILE_COLOURS, "ddp_buckets": "#d29922", "fsdp_gathered": "#58a6ff"}
+ROW_COLOURS = {**PILE_COLOURS, "ddp_buckets": "#d29922", "fsdp_gathered": "#39c5cf"}
 """The piles' colours plus the data-parallel wrappers' memory (shown only when present)."""
 
 
