@@ -9,7 +9,8 @@ Environment (all optional): MEMTUI_RECORD (path; empty for none), MEMTUI_SOCKET 
 MEMTUI_BUDGET (bytes), MEMTUI_NAN_CHECK (default/full/off), MEMTUI_ARGV (JSON list shown to
 viewers), MEMTUI_RESET_PEAKS, MEMTUI_SNAPSHOT_ON_OOM and MEMTUI_ALLOC_EVENTS ("1" turns each
 on). MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
-(spawned DataLoader workers) do not start duplicates.
+(spawned DataLoader workers) do not start duplicates; a child that is a new rank (another
+`LOCAL_RANK`, as Lightning's DDP launcher starts them) does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
+OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
+"""The `LOCAL_RANK` of the owning process (absent: 0), to tell its helpers from new ranks."""
 
 
 def config_from_environment() -> dict[str, Any]:
@@ -120,6 +123,20 @@ def is_launcher(argv: list[str]) -> bool:
     return os.path.basename(program) == "torchrun" or program.endswith(LAUNCHERS)
 
 
+def is_launched_rank(argv: list[str], environ: dict[str, str]) -> bool:
+    """Whether a process that inherited a monitored parent is a training rank of its own.
+
+    Launchers such as Lightning's DDP re-run the script as a fresh interpreter per rank, with
+    `LOCAL_RANK` set; those ranks are monitored too. Helper processes of a monitored process
+    (DataLoader workers, a forkserver) keep their parent's `LOCAL_RANK`, and multiprocessing's
+    spawned children carry `--multiprocessing-fork`: they stay unmonitored.
+    """
+    if "--multiprocessing-fork" in argv:
+        return False
+    local = environ.get("LOCAL_RANK", "0")
+    return local.isdigit() and local != environ.get(OWNER_RANK_VARIABLE, "0")
+
+
 def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | None:
     """A session folder (an existing directory) gets one recording per process.
 
@@ -130,6 +147,8 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
     process of a multi-process job writes its own file and none overwrites another's.
     """
     rank = environ.get("RANK")
+    if not rank and environ.get("NODE_RANK", "0") == "0":
+        rank = environ.get("LOCAL_RANK")  # launchers that set only LOCAL_RANK (Lightning)
     world = environ.get("WORLD_SIZE", "")
     if record and not os.path.isdir(record) and world.isdigit() and int(world) > 1:
         # Ranks of a launcher `memtui run` did not recognise: one file would be written by
@@ -151,7 +170,7 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
             the process (via `atexit`). The runner, which sees exceptions itself, passes False.
     """
     owner = os.environ.get(OWNER_VARIABLE)
-    if owner and owner != str(os.getpid()):
+    if owner and owner != str(os.getpid()) and not is_launched_rank(sys.argv, dict(os.environ)):
         return False
     config = config_from_environment()
 
@@ -164,6 +183,7 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
             config["record"] = record_path_for_rank(config["record"], dict(os.environ))
             if api.start(**config) is not None:
                 os.environ[OWNER_VARIABLE] = str(os.getpid())
+                os.environ[OWNER_RANK_VARIABLE] = os.environ.get("LOCAL_RANK", "0")
         except Exception as exc:  # never into the user's import of torch
             print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
 

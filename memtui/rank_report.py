@@ -101,6 +101,9 @@ def render_session_text(recordings: dict[str, Recording], binary: bool = True) -
     lines.append("imbalance (max/min across ranks):")
     for pile, entry in imbalance(recordings).items():
         ratio = f"{entry['ratio']:.2f}x" if entry["ratio"] is not None else "n/a"
+        if entry["max"] == entry["min"]:
+            lines.append(f"  {pile:<16} {ratio:>8}  equal ({size(entry['max'])})")
+            continue
         lines.append(
             f"  {pile:<16} {ratio:>8}  heaviest rank {entry['heaviest_rank']} "
             f"({size(entry['max'])})"

@@ -200,8 +200,12 @@ def summary_line(job: JobSpec, code: int) -> str:
     peaks = pile_peaks(recording)
     piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
     status = recording.status() if recording.end is None else recording.end.status
-    return (
+    lines = (
         f"memtui: job {status} (exit code {code}) after {len(recording.steps)} steps; "
         f"highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"
     )
+    others = Path(f"{job.recording}-ranks")
+    if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
+        lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
+    return lines

@@ -173,3 +173,27 @@ def test_launchers_get_a_session_folder_and_ranks_never_share_a_file(tmp_path: P
     assert record_path_for_rank(str(tmp_path / "old.memtui"), env) == str(
         tmp_path / "old.memtui-ranks" / "rank-1.memtui"
     )
+
+
+def test_ranks_a_launcher_starts_itself_are_armed_but_helper_processes_are_not(
+    tmp_path: Path,
+) -> None:
+    """Lightning's DDP launcher re-runs the script per rank with LOCAL_RANK set; those inherit
+    the monitored parent's environment yet are ranks of their own. DataLoader workers keep
+    their parent's LOCAL_RANK (or carry --multiprocessing-fork) and stay unmonitored."""
+    from memtui_agent.autostart import OWNER_RANK_VARIABLE, is_launched_rank
+
+    owner_rank_0 = {"MEMTUI_AGENT_OWNER": "100", OWNER_RANK_VARIABLE: "0"}
+    assert is_launched_rank(["train.py"], {**owner_rank_0, "LOCAL_RANK": "1"})
+    assert not is_launched_rank(["train.py"], {**owner_rank_0, "LOCAL_RANK": "0"})
+    assert not is_launched_rank(["train.py"], owner_rank_0)  # a plain child process
+    spawned = ["-c", "from multiprocessing.spawn import spawn_main", "--multiprocessing-fork"]
+    assert not is_launched_rank(spawned, {**owner_rank_0, "LOCAL_RANK": "1"})
+    owner_rank_1 = {"MEMTUI_AGENT_OWNER": "101", OWNER_RANK_VARIABLE: "1"}
+    assert not is_launched_rank(["train.py"], {**owner_rank_1, "LOCAL_RANK": "1"})
+    # Rank 0 already writes the file: a rank that only has LOCAL_RANK records beside it.
+    (tmp_path / "run.memtui").write_bytes(b"")
+    env = {"LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    assert record_path_for_rank(str(tmp_path / "run.memtui"), env) == str(
+        tmp_path / "run.memtui-ranks" / "rank-1.memtui"
+    )
