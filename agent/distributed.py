@@ -56,18 +56,20 @@ class DdpBuckets:
     """DDP wrappers among the watched roots and the size of their gradient buckets."""
 
     def __init__(self) -> None:
-        self._wrappers: list[weakref.ref[Any]] = []
+        self._wrappers: list[tuple[weakref.ref[Any], int]] = []
+        """Each DDP wrapper (weakly) and its bucket bytes, fixed once DDP is built."""
 
     def discover(self, roots: list[Any]) -> None:
         """Remember the DDP wrappers among newly registered model roots."""
         ddp_type = _ddp_class()
         if ddp_type is None:
             return
-        known = {id(ref()) for ref in self._wrappers}
+        known = {id(ref()) for ref, _ in self._wrappers}
         for root in roots:
             for module in root.modules():
                 if isinstance(module, ddp_type) and id(module) not in known:
-                    self._wrappers.append(weakref.ref(module))
+                    size = sum(p.numel() * p.element_size() for p in _bucketed_parameters(module))
+                    self._wrappers.append((weakref.ref(module), size))
                     known.add(id(module))
 
     def measure(self) -> tuple[int, bool, int] | None:
@@ -75,15 +77,15 @@ class DdpBuckets:
         buckets = in_gradients = 0
         view = False
         found = False
-        for ref in self._wrappers:
+        for ref, size in self._wrappers:
             wrapper = ref()
             if wrapper is None:
                 continue
             found = True
-            params = _bucketed_parameters(wrapper)
-            buckets += sum(p.numel() * p.element_size() for p in params)
+            buckets += size
             if getattr(wrapper, "gradient_as_bucket_view", False):
                 view = True
+                params = _bucketed_parameters(wrapper)
                 in_gradients += _unique_nbytes([p.grad for p in params if p.grad is not None])
         if not found:
             return None
@@ -114,11 +116,17 @@ def _bucketed_parameters(wrapper: Any) -> list[Any]:
 class _Group:
     """One FSDP parameter group: gathered and resharded together."""
 
-    __slots__ = ("params", "storages")
+    __slots__ = ("_params", "storages")
 
     def __init__(self, params: list[Any]) -> None:
-        self.params = params
+        # Weakly: a model the job drops must not be kept alive by the agent.
+        self._params = [weakref.ref(param) for param in params]
         self.storages: list[Any] = []
+
+    @property
+    def params(self) -> list[Any]:
+        """FSDP's parameter objects of the group that are still alive."""
+        return [param for param in (ref() for ref in self._params) if param is not None]
 
     def refresh(self) -> None:
         storages = []
