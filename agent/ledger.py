@@ -99,6 +99,15 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
     return found
 
 
+def plain_storage(tensor: Any) -> tuple[Key, int, Any] | None:
+    """(key, nbytes, storage) of a plain strided tensor, the hooks' common case, read without
+    building `storages_of`'s list; None for anything else (subclasses, sparse, meta)."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
+        return None
+    storage = tensor.untyped_storage()
+    return storage_key(tensor.get_device(), storage.data_ptr()), storage.nbytes(), storage
+
+
 def _data_ptr(tensor: Any) -> int:
     return tensor.data_ptr()
 
@@ -270,11 +279,11 @@ class Ledger:
                 if info[0] not in self._members[pile]:
                     self._claim(info, pile)
 
-    def claim_plain(self, pile: int, key: Key, nbytes: int, dtype: Any, storage: Any) -> None:
-        """`add` for one strided storage (a fresh gradient): no `storages_of` list."""
+    def claim(self, pile: int, info: StorageInfo) -> None:
+        """Claim one storage for a persistent pile (a fresh gradient's, from `plain_storage`)."""
         with self._lock:
-            if key not in self._members[pile]:
-                self._claim((key, nbytes, dtype_name(dtype), storage), pile)
+            if info[0] not in self._members[pile]:
+                self._claim(info, pile)
 
     def _claim(self, info: StorageInfo, pile: int) -> None:
         key, nbytes, dtype, storage = info
@@ -318,28 +327,16 @@ class Ledger:
 
     # ----- activations ---------------------------------------------------------------------
 
-    def acquire_activation(self, info: StorageInfo, module: int) -> None:
-        """A pack hook saved a tensor on this storage."""
-        key, nbytes, dtype, _storage = info
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = self._new_entry(nbytes, dtype)
-            entry.act_refs += 1
-            if entry.act_refs == 1:
-                entry.module = module
-                self._set_mask(key, entry, entry.mask | 8)
+    def acquire_activation(self, key: Key, nbytes: int, dtype: str, module: int) -> None:
+        """A pack hook saved a tensor on this storage.
 
-    def acquire_plain(self, key: Key, nbytes: int, dtype: Any, module: int) -> None:
-        """`acquire_activation` for one strided storage, the pack hook's common case.
-
-        Same accounting, fewer steps: a storage no pile holds yet (most activations) goes
-        straight to the activations pile without the general precedence bookkeeping.
+        A storage no pile holds yet (most activations) goes straight to the activations pile;
+        one already counted elsewhere keeps its pile by precedence.
         """
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = self._new_entry(nbytes, dtype_name(dtype))
+                entry = self._entries[key] = self._new_entry(nbytes, dtype)
                 entry.act_refs = 1
                 entry.module = module
                 entry.mask = 8

@@ -19,7 +19,6 @@ from threading import get_ident
 from typing import Any
 
 import torch
-from torch import Tensor, strided
 from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -36,6 +35,8 @@ from memtui_agent.ledger import (
     OPTIMIZER_STATE,
     WEIGHTS,
     Ledger,
+    dtype_name,
+    plain_storage,
     storages_of,
 )
 from memtui_agent.library_wrappers import LibraryWrappers
@@ -292,20 +293,17 @@ class Tracker(LibraryWrappers):
                 # it as it would without hooks (no wrapper, nothing more for the GC to walk).
                 return tensor
             module = self._stack[-1] if self._stack else NO_MODULE
-            if type(tensor) is Tensor and tensor.layout is strided and not tensor.is_meta:
-                # Fast path (almost every saved tensor): one storage, read inline.
-                storage = tensor.untyped_storage()
-                pointer = storage.data_ptr()
-                nbytes = storage.nbytes()
-                if not pointer or not nbytes:
+            plain = plain_storage(tensor)
+            if plain is not None:  # almost every saved tensor: one storage
+                key, nbytes, _storage = plain
+                if not nbytes or not key >> 8:
                     return tensor  # holds no memory
-                key = (pointer << 8) | (tensor.get_device() + 1)  # ledger.storage_key, inline
-                self.ledger.acquire_plain(key, nbytes, tensor.dtype, module)
+                self.ledger.acquire_activation(key, nbytes, dtype_name(tensor.dtype), module)
                 return _SavedOne(tensor.detach(), key, self.ledger)
             infos = storages_of(tensor)
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
-            for info in infos:
-                self.ledger.acquire_activation(info, module)
+            for key, nbytes, dtype, _storage in infos:
+                self.ledger.acquire_activation(key, nbytes, dtype, module)
             return saved
         except Exception as exc:
             self._disable("pack", exc)
@@ -329,17 +327,14 @@ class Tracker(LibraryWrappers):
             grad = parameter.grad
             if grad is None:
                 return
-            if type(grad) is Tensor and grad.layout is strided:
-                storage = grad.untyped_storage()
-                pointer = storage.data_ptr()
-                nbytes = storage.nbytes()
-                if pointer and nbytes:
-                    key = (pointer << 8) | (grad.get_device() + 1)  # ledger.storage_key
-                    self.ledger.claim_plain(GRADIENTS, key, nbytes, grad.dtype, storage)
-                    if grad.data_ptr() == pointer:  # a view at an offset is derived at close
-                        self.ledger.remember(GRADIENTS, grad, key)
-                    return
-            self.ledger.add(GRADIENTS, grad)
+            plain = plain_storage(grad)
+            if plain is None or not plain[1] or not plain[0] >> 8:
+                self.ledger.add(GRADIENTS, grad)
+                return
+            key, nbytes, storage = plain
+            self.ledger.claim(GRADIENTS, (key, nbytes, dtype_name(grad.dtype), storage))
+            if grad.data_ptr() == key >> 8:  # a view at an offset is derived at close
+                self.ledger.remember(GRADIENTS, grad, key)
         except Exception as exc:
             self._disable("grads", exc)
 
@@ -435,15 +430,13 @@ class Tracker(LibraryWrappers):
                 self._fsdp = True
                 _unpack_samplers[:] = [self._sample_gathered]
         except Exception as exc:
-            self._disable("distributed", exc)
+            self._distributed_failed(exc)
 
     def _sample_gathered(self) -> None:
         try:
             self.distributed.fsdp.sample()
         except Exception as exc:
-            self._fsdp = False
-            _unpack_samplers.clear()
-            self._disable("distributed", exc)
+            self._distributed_failed(exc)
 
     def _distributed_at_close(self) -> schema.Distributed | None:
         if not self.enabled["distributed"]:
@@ -451,10 +444,14 @@ class Tracker(LibraryWrappers):
         try:
             return self.distributed.at_close()
         except Exception as exc:
-            self._fsdp = False
-            _unpack_samplers.clear()
-            self._disable("distributed", exc)
+            self._distributed_failed(exc)
             return None
+
+    def _distributed_failed(self, exc: BaseException) -> None:
+        """Turn the DDP/FSDP measurements off everywhere they run, reported once."""
+        self._fsdp = False
+        _unpack_samplers.clear()
+        self._disable("distributed", exc)
 
     # ----- closing a step ----------------------------------------------------------------------
 

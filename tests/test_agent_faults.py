@@ -18,7 +18,7 @@ BROKEN_PACK = """
 import torch, memtui_agent, memtui_agent.ledger as ledger
 def explode(*args):
     raise RuntimeError("injected ledger failure")
-ledger.Ledger.acquire_plain = ledger.Ledger.acquire_activation = explode
+ledger.Ledger.acquire_activation = explode
 torch.manual_seed(0)
 with memtui_agent.monitor(record="rec.memtui", socket=False):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
