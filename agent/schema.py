@@ -205,10 +205,14 @@ class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
     fsdp_gathered: int | None = None
     fsdp_gathered_max: int | None = None
 
+    def untracked_buckets(self) -> int:
+        """DDP bucket bytes the gradients pile does not already count (all of them unless the
+        gradients are views into the buckets)."""
+        return max(0, (self.ddp_buckets or 0) - (self.ddp_in_gradients or 0))
+
     def untracked(self) -> int:
         """Bytes of these that no pile counts (to take out of the allocator's `other`)."""
-        buckets = (self.ddp_buckets or 0) - (self.ddp_in_gradients or 0)
-        return max(0, buckets) + (self.fsdp_gathered_max or 0)
+        return self.untracked_buckets() + (self.fsdp_gathered_max or 0)
 
 
 class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from memtui.rank_rows import spread
 from memtui.recording import Recording, RecordingError, read_recording
 from memtui.report import build_report, pile_peaks
 from memtui.step_rows import distributed_notes
@@ -64,14 +65,13 @@ def imbalance(recordings: dict[str, Recording]) -> dict[str, dict[str, Any]]:
     result = {}
     for pile in PILES:
         values = {label: peaks[label][pile] for label in peaks}
-        heaviest = max(values, key=lambda label: values[label])
-        low = min(values.values())
+        pile_spread = spread(values)
         result[pile] = {
             "per_rank": values,
-            "max": values[heaviest],
-            "min": low,
-            "ratio": (values[heaviest] / low) if low else None,
-            "heaviest_rank": heaviest,
+            "max": pile_spread.high,
+            "min": pile_spread.low,
+            "ratio": pile_spread.ratio,
+            "heaviest_rank": pile_spread.heaviest,
         }
     return result
 

@@ -23,9 +23,44 @@ class RankRow:
     state: str
 
 
+@dataclass(frozen=True)
+class Spread:
+    """One pile across ranks: highest and lowest value, and the rank holding the highest."""
+
+    high: int
+    low: int
+    heaviest: str
+
+    @property
+    def ratio(self) -> float | None:
+        """max/min (None when the lowest rank holds nothing)."""
+        return self.high / self.low if self.low else None
+
+    @property
+    def differs(self) -> bool:
+        """Whether any rank holds more than another (equal ranks have no heaviest to mark)."""
+        return self.high != self.low
+
+
+def spread(values: dict[str, int]) -> Spread:
+    """The spread of one pile's value per rank (ties: the first rank listed is the heaviest)."""
+    heaviest = max(values, key=values.__getitem__)
+    return Spread(values[heaviest], min(values.values()), heaviest)
+
+
+def _latest(latest: dict[str, schema.Step | None], pile: str) -> dict[str, int]:
+    """Each reporting rank's high of `pile` in its latest step."""
+    return {label: getattr(step.max, pile) for label, step in latest.items() if step}
+
+
 def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> tuple[RankRow, ...]:
-    """A row per rank; `heaviest` names the piles where this rank holds the most (ties: first)."""
-    leaders = {pile: _leader(latest, pile) for pile in PILES}
+    """A row per rank; `heaviest` names the piles where this rank holds the most."""
+    leaders = {}
+    for pile in PILES:
+        values = _latest(latest, pile)
+        pile_spread = spread(values) if len(values) >= 2 else None
+        if pile_spread is not None and pile_spread.differs:
+            leaders[pile] = pile_spread.heaviest
     rows = []
     for label, step in latest.items():
         piles = tuple(getattr(step.max, pile) if step else None for pile in PILES)
@@ -36,35 +71,19 @@ def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> 
     return tuple(rows)
 
 
-def heaviest_rank(latest: dict[str, schema.Step | None], pile: str) -> str | None:
-    """The rank whose latest step reached the most of `pile` (None before two ranks report)."""
-    values = {label: getattr(step.max, pile) for label, step in latest.items() if step}
-    if len(values) < 2:
-        return None
-    return max(values, key=lambda label: values[label])
-
-
-def _leader(latest: dict[str, schema.Step | None], pile: str) -> str | None:
-    """The heaviest rank for `pile`, only where the ranks differ (equal ranks mark nothing)."""
-    values = [getattr(step.max, pile) for step in latest.values() if step]
-    if len(values) < 2 or max(values) == min(values):
-        return None
-    return heaviest_rank(latest, pile)
-
-
 def imbalance_line(latest: dict[str, schema.Step | None]) -> str | None:
-    """`weights 1.00x (heaviest rank 0), ...`: max/min of each pile across ranks."""
+    """`weights 1.05x (heaviest rank 0), gradients equal, ...`: max/min of each pile across
+    ranks (None before two ranks report)."""
     parts = []
     for pile in PILES:
-        leader = heaviest_rank(latest, pile)
-        if leader is None:
+        values = _latest(latest, pile)
+        if len(values) < 2:
             return None
-        values = [getattr(step.max, pile) for step in latest.values() if step]
-        low = min(values)
-        high = max(values)
-        if high == low:
+        pile_spread = spread(values)
+        if not pile_spread.differs:
             parts.append(f"{pile} equal")
             continue
-        ratio = f"{high / low:.2f}x" if low else "n/a"
-        parts.append(f"{pile} {ratio} (heaviest rank {leader})")
+        ratio = pile_spread.ratio
+        shown = f"{ratio:.2f}x" if ratio is not None else "n/a"
+        parts.append(f"{pile} {shown} (heaviest rank {pile_spread.heaviest})")
     return ", ".join(parts)

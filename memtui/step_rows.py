@@ -112,7 +112,7 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     values: dict[str, int | None] = dict(piles.as_dict())
     if wrapped is not None and wrapped.ddp_buckets is not None:
         # Only the part no pile counts: with gradient_as_bucket_view the gradients are in them.
-        values["ddp_buckets"] = max(0, wrapped.ddp_buckets - (wrapped.ddp_in_gradients or 0))
+        values["ddp_buckets"] = wrapped.untracked_buckets()
     if wrapped is not None and wrapped.fsdp_gathered_max is not None:
         values["fsdp_gathered"] = wrapped.fsdp_gathered_max
     values["other"] = other
