@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import io
+import json
 import os
 import queue
 import subprocess
@@ -154,6 +155,46 @@ def run_python(tmp_path: Path) -> JobRunner:
             [sys.executable, "-c", source, *args],
             cwd=folder, env=env, capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
+
+    return run
+
+
+@pytest.fixture
+def torchrun_session(tmp_path: Path) -> Callable[..., tuple[dict[str, Any], str]]:
+    """`torchrun_session(SOURCE, env={...})`: SOURCE as `job.py` under `memtui run --headless
+    -o tmp_path/session -- torchrun --standalone --nproc-per-node 2 job.py tmp_path` (CPU, gloo).
+
+    Checks the run succeeded with one recording per rank; returns the ranks of `memtui report
+    session --json` and the run's stderr. `folder_exists=True` makes the folder beforehand.
+    """
+
+    def run(
+        source: str, env: dict[str, str] | None = None, folder_exists: bool = False
+    ) -> tuple[dict[str, Any], str]:
+        script = tmp_path / "job.py"
+        script.write_text(source)
+        session = tmp_path / "session"
+        if folder_exists:
+            session.mkdir()
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        memtui = [sys.executable, "-m", "memtui.cli"]
+        result = subprocess.run(
+            [*memtui, "run", "--headless", "-o", str(session), "--", torchrun, "--standalone",
+             "--nproc-per-node", "2", str(script), str(tmp_path)],
+            cwd=tmp_path,
+            env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"), **(env or {})),
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert sorted(path.name for path in session.iterdir()) == [
+            "rank-0.memtui",
+            "rank-1.memtui",
+        ]
+        report = subprocess.run(
+            [*memtui, "report", str(session), "--json"], capture_output=True, text=True, timeout=60
+        )
+        assert report.returncode == 0, report.stderr
+        return json.loads(report.stdout)["ranks"], result.stderr
 
     return run
 

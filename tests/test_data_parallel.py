@@ -8,13 +8,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from memtui_agent.schema import Distributed
 
 MEMTUI = [sys.executable, "-m", "memtui.cli"]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 DDP_JOB = """
 import json, os, sys, torch, torch.distributed as dist
@@ -91,30 +91,20 @@ for step in range(3):
 """
 
 
-def _session(tmp_path: Path, job: str, env: dict[str, str]) -> tuple[dict, dict, str]:
-    """Run `job` under `memtui run -o DIR -- torchrun` (2 ranks): the report, truth, stderr."""
-    script = tmp_path / "job.py"
-    script.write_text(job)
-    session = tmp_path / "session"  # not created: memtui run makes the session folder
-    result = subprocess.run(
-        [*MEMTUI, "run", "--headless", "-o", str(session), "--", TORCHRUN, "--standalone",
-         "--nproc-per-node", "2", str(script), str(tmp_path)],
-        cwd=tmp_path, env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"), **env),
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(path.name for path in session.iterdir()) == ["rank-0.memtui", "rank-1.memtui"]
-    report = subprocess.run(
-        [*MEMTUI, "report", str(session), "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert report.returncode == 0, report.stderr
+def _session(
+    tmp_path: Path, torchrun_session: Any, job: str, env: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The per-rank reports, the truth each rank wrote, and the run's stderr."""
+    ranks, stderr = torchrun_session(job, env)
     truth = {rank: json.loads((tmp_path / f"truth-{rank}.json").read_text()) for rank in "01"}
-    return json.loads(report.stdout)["ranks"], truth, result.stderr
+    return ranks, truth, stderr
 
 
 @pytest.mark.parametrize("view", [False, True], ids=["separate-buckets", "bucket-view"])
-def test_ddp_buckets_are_their_own_line(tmp_path: Path, view: bool) -> None:
-    ranks, truth, _ = _session(tmp_path, DDP_JOB, {"BUCKET_VIEW": "1" if view else "0"})
+def test_ddp_buckets_are_their_own_line(tmp_path: Path, torchrun_session: Any, view: bool) -> None:
+    ranks, truth, _ = _session(
+        tmp_path, torchrun_session, DDP_JOB, {"BUCKET_VIEW": "1" if view else "0"}
+    )
     weights = (64 * 512 + 512 + 512 * 96 + 96) * 4
     for rank in "01":
         steps = ranks[rank]["steps"]
@@ -134,8 +124,10 @@ def test_ddp_buckets_are_their_own_line(tmp_path: Path, view: bool) -> None:
 
 
 @pytest.mark.parametrize("layout", ["root", "layers"])
-def test_fsdp2_counts_local_shards_and_gathered_parameters(tmp_path: Path, layout: str) -> None:
-    ranks, truth, stderr = _session(tmp_path, FSDP_JOB, {"LAYOUT": layout})
+def test_fsdp2_counts_local_shards_and_gathered_parameters(
+    tmp_path: Path, torchrun_session: Any, layout: str
+) -> None:
+    ranks, truth, stderr = _session(tmp_path, torchrun_session, FSDP_JOB, {"LAYOUT": layout})
     # The agent's health check works on local shards: no DTensor op leaks into the job.
     assert "DTensor" not in stderr
     for rank in "01":
@@ -162,10 +154,12 @@ def test_fsdp2_counts_local_shards_and_gathered_parameters(tmp_path: Path, layou
         assert f"({grown:,} bytes)" in forecast  # forecast from the shard, as allocated
 
 
-def test_fsdp2_gathered_parameters_are_not_activations(tmp_path: Path) -> None:
+def test_fsdp2_gathered_parameters_are_not_activations(
+    tmp_path: Path, torchrun_session: Any
+) -> None:
     """The same model unsharded in one process saves the same activations: the gathered
     parameters autograd saves under FSDP are not counted as activations."""
-    ranks, _, _ = _session(tmp_path, FSDP_JOB, {"LAYOUT": "layers"})
+    ranks, _, _ = _session(tmp_path, torchrun_session, FSDP_JOB, {"LAYOUT": "layers"})
     plain = tmp_path / "plain.py"
     plain.write_text(PLAIN_JOB)
     recording = tmp_path / "plain.memtui"

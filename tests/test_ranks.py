@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from memtui_agent.autostart import is_launcher, record_path_for_rank
 
@@ -36,26 +35,10 @@ def test_launcher_detection_and_per_rank_names(tmp_path: Path) -> None:
     )
 
 
-def test_torchrun_ddp_session_has_one_exact_recording_per_rank(tmp_path: Path) -> None:
-    script = tmp_path / "ddp.py"
-    script.write_text(DDP_JOB)
-    session = tmp_path / "session"
-    session.mkdir()
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    memtui = [sys.executable, "-m", "memtui.cli"]
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
-    result = subprocess.run(
-        [*memtui, "run", "--headless", "-o", str(session), "--", torchrun,
-         "--nproc-per-node", "2", "--master-port", "29533", str(script)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert sorted(path.name for path in session.iterdir()) == ["rank-0.memtui", "rank-1.memtui"]
-    report = subprocess.run(
-        [*memtui, "report", str(session), "--json"], capture_output=True, text=True, timeout=60
-    )
-    assert report.returncode == 0, report.stderr
-    ranks = json.loads(report.stdout)["ranks"]
+def test_torchrun_ddp_session_has_one_exact_recording_per_rank(
+    tmp_path: Path, torchrun_session: Any
+) -> None:
+    ranks, _ = torchrun_session(DDP_JOB, folder_exists=True)
     weights = (64 * 128 + 128 + 128 * 8 + 8) * 4
     for label in ("0", "1"):
         rank = ranks[label]
@@ -66,8 +49,9 @@ def test_torchrun_ddp_session_has_one_exact_recording_per_rank(tmp_path: Path) -
         assert end["optimizer_state"] == 2 * weights + 4 * 4  # AdamW: 2 moments, 4 step tensors
         assert rank["exit"]["status"] == "ok"
     text = subprocess.run(
-        [*memtui, "report", str(session)], capture_output=True, text=True, timeout=60
-    ).stdout
+        [sys.executable, "-m", "memtui.cli", "report", str(tmp_path / "session")],
+        capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
     assert "session of 2 rank(s)" in text and "imbalance" in text
 
 
