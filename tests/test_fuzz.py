@@ -726,16 +726,21 @@ def test_status_of_a_recording_with_an_impossible_pid_is_killed(tmp_path: Path, 
     assert read_recording(path).status() == "killed"
 
 
-def test_report_on_an_impossible_pid_is_not_a_traceback(tmp_path: Path) -> None:
-    """`memtui report` must never print a traceback, whatever the file holds."""
-    path = tmp_path / "pid.memtui"
-    path.write_bytes(_crafted_hello(2**64 - 1))
-    result = subprocess.run(
+def _report_cli(path: Path) -> subprocess.CompletedProcess[str]:
+    """`memtui report PATH` as a user runs it."""
+    return subprocess.run(
         [sys.executable, "-m", "memtui.cli", "report", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+def test_report_on_an_impossible_pid_is_not_a_traceback(tmp_path: Path) -> None:
+    """`memtui report` must never print a traceback, whatever the file holds."""
+    path = tmp_path / "pid.memtui"
+    path.write_bytes(_crafted_hello(2**64 - 1))
+    result = _report_cli(path)
     assert "Traceback" not in result.stderr
     assert result.returncode == 0, result.stderr
 
@@ -775,12 +780,7 @@ def test_report_on_a_non_utf8_string_is_one_line(tmp_path: Path) -> None:
     """`memtui report` on such a file: partial report, one warning line, exit 3."""
     path = tmp_path / "utf8.memtui"
     path.write_bytes(DATA[:HELLO_END] + _frame(NOT_UTF8["tag"]))
-    result = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "report", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = _report_cli(path)
     assert "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert result.returncode == 3
