@@ -181,3 +181,30 @@ def test_ranks_a_launcher_starts_itself_are_armed_but_helper_processes_are_not(
     assert record_path_for_rank(str(tmp_path / "run.memtui"), env) == str(
         tmp_path / "run.memtui-ranks" / "rank-1.memtui"
     )
+
+
+def test_table_columns_grow_when_live_values_widen() -> None:
+    """Rows first shown before any step ("-") must not truncate the sizes that follow."""
+    import asyncio
+
+    from textual.app import App, ComposeResult
+    from textual.widgets import DataTable
+
+    from memtui.tui.widgets import sync_rows
+
+    class One(App[None]):
+        def compose(self) -> ComposeResult:
+            yield DataTable()
+
+    async def scenario() -> None:
+        app = One()
+        async with app.run_test(size=(80, 10)) as pilot:
+            table = app.query_one(DataTable)
+            table.add_columns("rank", "weights")
+            sync_rows(table, [("0", ("0", "-"))])
+            await pilot.pause()
+            sync_rows(table, [("0", ("0", "1023.99 MiB"))])
+            await pilot.pause()
+            assert table.ordered_columns[1].content_width >= len("1023.99 MiB")
+
+    asyncio.run(scenario())

@@ -170,7 +170,7 @@ def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]
     for key, cells in wanted:
         if key in existing:
             for column, value in zip(columns, cells, strict=True):
-                table.update_cell(key, column, value)
+                table.update_cell(key, column, value, update_width=True)
 
 
 class PanelTable(DataTable):  # type: ignore[type-arg]
