@@ -51,6 +51,17 @@ def _floating(value: Any) -> list[Any]:
     return []
 
 
+def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
+    """Group tensors as the foreach kernels need them (in C++ where torch offers it)."""
+    group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
+    if group is not None and tensors:
+        return {key: lists[0] for key, (lists, _) in group([tensors], False).items()}
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
+
+
 def _probe(tensors: list[Any]) -> Any:
     """A 0-dim float32 device tensor that is non-finite iff some element is (no host sync).
 
@@ -128,13 +139,10 @@ class HealthMonitor:
         """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
         device = None
         grads_bad = None
-        groups: dict[tuple[Any, Any], list[Any]] = {}
-        for grad in grads:
-            grad = local_tensor(grad)  # a DTensor op here would be a collective in the job
-            if grad.is_sparse or not grad.is_floating_point():
-                continue
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (grad_device, _dtype), members in groups.items():
+        # A DTensor op here would be a collective in the job: check local shards.
+        grads = [g if type(g) is torch.Tensor else local_tensor(g) for g in grads]
+        grads = [g for g in grads if g.layout is torch.strided and g.is_floating_point()]
+        for (grad_device, _dtype), members in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=grad_device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 members, found, torch.ones(1, device=grad_device)

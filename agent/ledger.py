@@ -99,19 +99,6 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
     return found
 
 
-def plain_storage(tensor: Any) -> tuple[Key, int, Any] | None:
-    """(key, nbytes, storage) of a plain strided tensor, the hooks' common case, read without
-    building `storages_of`'s list; None for anything else (subclasses, sparse, meta)."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
-        return None
-    storage = tensor.untyped_storage()
-    return storage_key(tensor.get_device(), storage.data_ptr()), storage.nbytes(), storage
-
-
-def _data_ptr(tensor: Any) -> int:
-    return tensor.data_ptr()
-
-
 def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
     """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
     flatten = getattr(wrapper, "__tensor_flatten__", None)
@@ -155,13 +142,17 @@ class Ledger:
         self._members: list[set[Key]] = [set(), set(), set()]
         self.piles = [0, 0, 0, 0]
         self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
+        self._act_dtypes = self._dtypes[ACTIVATIONS]
         self._module_live: dict[int, int] = {}
         self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
         self._fingerprints: list[Any] = [None, None, None]
         self._act_max_pending = False
+        self._peak_pending = False
         self._pool: list[_Entry] = []
         self._ref_keys: dict[int, Key] = {}
         """id(weakref) -> key, for the one shared free callback."""
+        self._on_freed = self._freed
+        """The callback bound once: `self._freed` would make a new bound method per weakref."""
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
@@ -174,12 +165,13 @@ class Ledger:
             self.peak_total = sum(self.piles)
             self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
             self._act_max_pending = False
+            self._peak_pending = False
             self._module_max = dict(self._module_live)
 
     def snapshot(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
         """(current, max, peak, dtypes) for the step that is closing."""
         with self._lock:
-            self._settle_activation_max()
+            self._settle()
             dtypes = {PILES[pile]: self._dtype_snapshot(pile) for pile in range(3)}
             dtypes[PILES[ACTIVATIONS]] = dict(self._act_dtypes_at_max)
             return Piles(*self.piles), Piles(*self.max), Piles(*self.peak), dtypes
@@ -194,13 +186,17 @@ class Ledger:
             ranked = sorted(self._module_max.items(), key=lambda item: item[1], reverse=True)
         return [ModuleBytes(module, size) for module, size in ranked[:limit] if size > 0]
 
-    def _settle_activation_max(self) -> None:
-        """Take the activation dtype inventory owed since the pile last reached a new high.
+    def _settle(self) -> None:
+        """Take the high-water details owed since a pile last reached a new high.
 
-        Activations grow with every pack during forward, so the inventory is taken lazily: just
-        before the first decrease after a new high, or when the step closes. Same result as a
-        snapshot at every new high, at one snapshot per forward/backward.
+        While piles only grow, every increase is a new high, so the peak's composition and the
+        activation dtype inventory at the activations' maximum are taken lazily: just before
+        the first decrease after a new high, or when the step closes. Same result as a copy at
+        every new high, without allocating one per pack during forward.
         """
+        if self._peak_pending:
+            self.peak = list(self.piles)
+            self._peak_pending = False
         if self._act_max_pending:
             self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
             self._act_max_pending = False
@@ -221,7 +217,11 @@ class Ledger:
         # The usual close changes nothing: the same tensor objects on the same pointers, and no
         # storage of the pile freed or claimed since (both change its size). Checked in C.
         try:
-            fingerprint = (list(map(id, tensors)), list(map(_data_ptr, tensors)), len(members))
+            fingerprint = (
+                list(map(id, tensors)),
+                list(map(torch.Tensor.data_ptr, tensors)),
+                len(members),
+            )
         except RuntimeError:  # sparse and wrapper tensors have no single data pointer
             fingerprint = None
         if fingerprint is not None and fingerprint == self._fingerprints[pile]:
@@ -243,15 +243,17 @@ class Ledger:
             except RuntimeError:
                 pointer = 0
             cached = cache.get(ident)
-            if (
-                cached is not None
-                and cached[0] == pointer
-                and pointer != 0
-                and all(key in members for key in cached[1])
-            ):
-                fresh[ident] = cached
-                found.update(cached[1])
-                continue
+            if cached is not None and cached[0] == pointer and pointer != 0:
+                keys = cached[1]
+                if len(keys) == 1:
+                    if keys[0] in members:
+                        fresh[ident] = cached
+                        found.add(keys[0])
+                        continue
+                elif all(key in members for key in keys):
+                    fresh[ident] = cached
+                    found.update(keys)
+                    continue
             infos = storages_of(tensor)
             fresh[ident] = (pointer, tuple(info[0] for info in infos))
             for info in infos:
@@ -267,10 +269,6 @@ class Ledger:
             if fingerprint is not None and 0 not in fingerprint[1]:
                 self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
 
-    def remember(self, pile: int, tensor: Any, key: Key) -> None:
-        """A hook claimed `tensor`'s one storage: the next `sync` finds it in its cache."""
-        self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
-
     def add(self, pile: int, tensor: Any) -> None:
         """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""
         infos = storages_of(tensor)
@@ -279,11 +277,19 @@ class Ledger:
                 if info[0] not in self._members[pile]:
                     self._claim(info, pile)
 
-    def claim(self, pile: int, info: StorageInfo) -> None:
-        """Claim one storage for a persistent pile (a fresh gradient's, from `plain_storage`)."""
+    def claim(
+        self, pile: int, key: Key, nbytes: int, dtype: str, storage: Any, tensor: Any = None
+    ) -> None:
+        """Claim one storage for a persistent pile (a fresh gradient's, read by its hook).
+
+        With `tensor` (whose data starts at the storage's), the next `sync` of the pile finds
+        it in its cache instead of deriving its storage again.
+        """
         with self._lock:
-            if info[0] not in self._members[pile]:
-                self._claim(info, pile)
+            if key not in self._members[pile]:
+                self._claim((key, nbytes, dtype, storage), pile)
+        if tensor is not None:
+            self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
 
     def _claim(self, info: StorageInfo, pile: int) -> None:
         key, nbytes, dtype, storage = info
@@ -291,7 +297,7 @@ class Ledger:
         if entry is None:
             entry = self._entries[key] = self._new_entry(nbytes, dtype)
         if entry.ref is None:
-            entry.ref = weakref.ref(storage, self._freed)
+            entry.ref = weakref.ref(storage, self._on_freed)
             self._ref_keys[id(entry.ref)] = key
         self._members[pile].add(key)
         self._set_mask(key, entry, entry.mask | _ALL_BITS[pile])
@@ -330,39 +336,78 @@ class Ledger:
     def acquire_activation(self, key: Key, nbytes: int, dtype: str, module: int) -> None:
         """A pack hook saved a tensor on this storage.
 
-        A storage no pile holds yet (most activations) goes straight to the activations pile;
-        one already counted elsewhere keeps its pile by precedence.
+        A storage no pile holds yet (most activations) goes straight to the activations pile,
+        accounted inline: this runs for every saved tensor, so it avoids helper calls and
+        allocations. One already counted elsewhere keeps its pile by precedence.
         """
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = self._new_entry(nbytes, dtype)
-                entry.act_refs = 1
-                entry.module = module
-                entry.mask = 8
-                entry.pile = ACTIVATIONS
-                self._account(ACTIVATIONS, entry, nbytes)
+            if entry is not None:
+                entry.act_refs += 1
+                if entry.act_refs == 1:
+                    entry.module = module
+                    self._set_mask(key, entry, entry.mask | 8)
                 return
-            entry.act_refs += 1
-            if entry.act_refs == 1:
-                entry.module = module
-                self._set_mask(key, entry, entry.mask | 8)
+            pool = self._pool
+            if pool:
+                entry = pool.pop()
+                entry.nbytes = nbytes
+                entry.dtype = dtype
+            else:
+                entry = _Entry(nbytes, dtype)
+            entry.act_refs = 1
+            entry.module = module
+            entry.mask = 8
+            entry.pile = ACTIVATIONS
+            self._entries[key] = entry
+            piles = self.piles
+            size = piles[ACTIVATIONS] + nbytes
+            piles[ACTIVATIONS] = size
+            stat = self._act_dtypes.get(dtype)
+            if stat is None:
+                self._act_dtypes[dtype] = [nbytes, 1]
+            else:
+                stat[0] += nbytes
+                stat[1] += 1
+            live = self._module_live.get(module, 0) + nbytes
+            self._module_live[module] = live
+            if live > self._module_max.get(module, 0):
+                self._module_max[module] = live
+            if size > self.max[ACTIVATIONS]:
+                self.max[ACTIVATIONS] = size
+                self._act_max_pending = True
+            total = piles[0] + piles[1] + piles[2] + size
+            if total > self.peak_total:
+                self.peak_total = total
+                self._peak_pending = True
 
     def release_activation(self, key: Key) -> None:
-        """A pack wrapper was freed (its graph was released)."""
+        """A pack wrapper was freed (its graph was released); the common case inline."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.act_refs == 0:
                 return
             entry.act_refs -= 1
-            if entry.act_refs == 0:
-                if entry.mask == 8:  # an activation and nothing else: the common case
-                    entry.mask = 0
-                    entry.pile = -1
-                    self._account(ACTIVATIONS, entry, -entry.nbytes)
-                    self._drop_entry(key, entry)
-                else:
-                    self._set_mask(key, entry, entry.mask & ~8)
+            if entry.act_refs:
+                return
+            if entry.mask != 8:
+                self._set_mask(key, entry, entry.mask & ~8)
+                return
+            # An activation and nothing else: it leaves every pile.
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            nbytes = entry.nbytes
+            self.piles[ACTIVATIONS] -= nbytes
+            dtypes = self._act_dtypes
+            stat = dtypes[entry.dtype]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if not stat[1]:
+                del dtypes[entry.dtype]
+            self._module_live[entry.module] -= nbytes
+            entry.mask = 0
+            entry.pile = -1
+            self._drop_entry(key, entry)
 
     # ----- the one place where bytes move --------------------------------------------------
 
@@ -382,8 +427,8 @@ class Ledger:
             self._drop_entry(key, entry)
 
     def _account(self, pile: int, entry: _Entry, delta: int) -> None:
-        if pile == ACTIVATIONS and delta < 0 and self._act_max_pending:
-            self._settle_activation_max()
+        if delta < 0 and (self._peak_pending or self._act_max_pending):
+            self._settle()
         piles = self.piles
         piles[pile] += delta
         stat = self._dtypes[pile].get(entry.dtype)
@@ -406,4 +451,4 @@ class Ledger:
             total = piles[0] + piles[1] + piles[2] + piles[3]
             if total > self.peak_total:
                 self.peak_total = total
-                self.peak = list(piles)
+                self._peak_pending = True

@@ -105,33 +105,34 @@ class ModuleRegistry:
             self._module_cache = (self.generation, list(seen.values()))
         return self._module_cache[1]
 
-    def weight_tensors(self) -> Iterator[Any]:
+    def weight_tensors(self) -> list[Any]:
         """Parameters and buffers of every root, plus optimizer parameters outside any root."""
-        for module in self.modules():
-            for tensor in module._parameters.values():
-                if tensor is not None:
-                    yield tensor
-            for tensor in module._buffers.values():
-                if tensor is not None:
-                    yield tensor
-        for optimizer in self.live_optimizers():
-            for group in optimizer.param_groups:
-                yield from group["params"]
+        buffers = [
+            t for module in self.modules() for t in module._buffers.values() if t is not None
+        ]
+        return self.parameters() + buffers
 
-    def parameters(self) -> Iterator[Any]:
-        """Every known parameter (duplicates possible; callers dedupe by storage)."""
-        for module in self.modules():
-            for tensor in module._parameters.values():
-                if tensor is not None:
-                    yield tensor
+    def parameters(self) -> list[Any]:
+        """Every known parameter once: those of the modules, then optimizer-only ones.
+
+        Read afresh from each module's `_parameters` (a parameter replaced since is seen at
+        once); list comprehensions rather than generators, as this runs at every step close.
+        """
+        found = {
+            id(t): t
+            for module in self.modules()
+            for t in module._parameters.values()
+            if t is not None
+        }
         for optimizer in self.live_optimizers():
             for group in optimizer.param_groups:
-                yield from group["params"]
+                for parameter in group["params"]:
+                    found.setdefault(id(parameter), parameter)
+        return list(found.values())
 
     def gradients(self) -> list[Any]:
-        """Each parameter's `.grad`, once (parameters come from modules and optimizers both)."""
-        unique = {id(p.grad): p.grad for p in self.parameters() if p.grad is not None}
-        return list(unique.values())
+        """Each known parameter's `.grad`."""
+        return [grad for p in self.parameters() if (grad := p.grad) is not None]
 
     def optimizer_state_tensors(self) -> list[Any]:
         """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
@@ -140,12 +141,18 @@ class ModuleRegistry:
         tensor = torch.Tensor
         found: list[Any] = []
         for optimizer in self.live_optimizers():
-            for state in list(optimizer.state.values()):
-                if not isinstance(state, dict):
-                    continue
-                values = list(state.values())
-                found.extend(value for value in values if isinstance(value, tensor))
-                for value in values:
-                    if isinstance(value, (list, tuple)):
-                        found.extend(item for item in value if isinstance(item, tensor))
+            values = [
+                value
+                for state in list(optimizer.state.values())
+                if isinstance(state, dict)
+                for value in state.values()
+            ]
+            found += [value for value in values if isinstance(value, tensor)]
+            found += [
+                item
+                for value in values
+                if isinstance(value, (list, tuple))
+                for item in value
+                if isinstance(item, tensor)
+            ]
         return found

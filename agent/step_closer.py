@@ -104,8 +104,12 @@ class StepCloser:
         scale: Any,
         scale_after: Any,
         extra_alerts: list[schema.Alert],
+        gradients: list[Any] | None = None,
     ) -> PendingStep:
-        """The closing step's frame (handed to the emitter by the caller)."""
+        """The closing step's frame (handed to the emitter by the caller).
+
+        `gradients` is the parameters' `.grad` list when the caller already has it.
+        """
         end, high, peak, dtypes = self.ledger.snapshot()
         alerts = list(extra_alerts)
         self.allocator.phase_ended("optimizer")
@@ -124,7 +128,7 @@ class StepCloser:
         alerts.extend(
             self.health.close(
                 step,
-                self.registry.gradients(),
+                self.registry.gradients() if gradients is None else gradients,
                 losses,
                 self._named_parameters,  # names are needed only on an alarm
                 skipped,

@@ -19,6 +19,8 @@ from threading import get_ident
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch import strided as _strided
 from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -35,8 +37,8 @@ from memtui_agent.ledger import (
     OPTIMIZER_STATE,
     WEIGHTS,
     Ledger,
+    _dtype_names,
     dtype_name,
-    plain_storage,
     storages_of,
 )
 from memtui_agent.library_wrappers import LibraryWrappers
@@ -273,13 +275,17 @@ class Tracker(LibraryWrappers):
     # ----- saved tensors -----------------------------------------------------------------------
 
     def _pack(self, tensor: Any) -> Any:
+        # The hottest function of the agent (every saved tensor): the one-storage case and
+        # `storage_key` are inlined, and a parameter is recognised by its exact type first,
+        # because `isinstance(x, Parameter)` runs a Python metaclass hook.
         if is_compiling() or not self.enabled["pack"]:
             return tensor
         try:
             origin = tensor._base
             if origin is None:
                 origin = tensor
-            if isinstance(origin, Parameter):
+            kind = type(origin)
+            if kind is Parameter or (kind is not Tensor and isinstance(origin, Parameter)):
                 if id(origin) not in self._seen_params:
                     if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
                         # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
@@ -293,12 +299,15 @@ class Tracker(LibraryWrappers):
                 # it as it would without hooks (no wrapper, nothing more for the GC to walk).
                 return tensor
             module = self._stack[-1] if self._stack else NO_MODULE
-            plain = plain_storage(tensor)
-            if plain is not None:  # almost every saved tensor: one storage
-                key, nbytes, _storage = plain
-                if not nbytes or not key >> 8:
+            if type(tensor) is Tensor and tensor.layout is _strided and not tensor.is_meta:
+                storage = tensor.untyped_storage()  # almost every saved tensor: one storage
+                nbytes = storage.nbytes()
+                pointer = storage.data_ptr()
+                if not nbytes or not pointer:
                     return tensor  # holds no memory
-                self.ledger.acquire_activation(key, nbytes, dtype_name(tensor.dtype), module)
+                key = (pointer << 8) | (tensor.get_device() + 1)  # `storage_key`, inlined
+                name = _dtype_names.get(tensor.dtype) or dtype_name(tensor.dtype)
+                self.ledger.acquire_activation(key, nbytes, name, module)
                 return _SavedOne(tensor.detach(), key, self.ledger)
             infos = storages_of(tensor)
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
@@ -321,20 +330,25 @@ class Tracker(LibraryWrappers):
             self._grad_hooked[id(parameter)] = handle
 
     def _grad_ready(self, parameter: Any) -> None:
+        # Runs for every parameter in every backward: the plain case is read inline.
         if not self.enabled["grads"]:
             return
         try:
             grad = parameter.grad
             if grad is None:
                 return
-            plain = plain_storage(grad)
-            if plain is None or not plain[1] or not plain[0] >> 8:
-                self.ledger.add(GRADIENTS, grad)
-                return
-            key, nbytes, storage = plain
-            self.ledger.claim(GRADIENTS, (key, nbytes, dtype_name(grad.dtype), storage))
-            if grad.data_ptr() == key >> 8:  # a view at an offset is derived at close
-                self.ledger.remember(GRADIENTS, grad, key)
+            if type(grad) is Tensor and grad.layout is _strided:
+                storage = grad.untyped_storage()
+                nbytes = storage.nbytes()
+                pointer = storage.data_ptr()
+                if nbytes and pointer:
+                    key = (pointer << 8) | (grad.get_device() + 1)  # `storage_key`, inlined
+                    name = _dtype_names.get(grad.dtype) or dtype_name(grad.dtype)
+                    # A view at an offset is not cached: the close derives its storage.
+                    cached = grad if grad.data_ptr() == pointer else None
+                    self.ledger.claim(GRADIENTS, key, nbytes, name, storage, cached)
+                    return
+            self.ledger.add(GRADIENTS, grad)
         except Exception as exc:
             self._disable("grads", exc)
 
@@ -455,11 +469,16 @@ class Tracker(LibraryWrappers):
 
     # ----- closing a step ----------------------------------------------------------------------
 
-    def resync(self) -> None:
-        """Recount the persistent piles from the objects themselves (once per step close)."""
+    def resync(self) -> list[Any]:
+        """Recount the persistent piles from the objects themselves (once per step close).
+
+        Returns the gradients it counted, which the health check reads next.
+        """
+        gradients = self.registry.gradients()
         self.ledger.sync(WEIGHTS, self.registry.weight_tensors())
-        self.ledger.sync(GRADIENTS, self.registry.gradients())
+        self.ledger.sync(GRADIENTS, gradients)
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+        return gradients
 
     def close_step(self, skipped: bool, scale_after: Any = None) -> None:
         """Turn the current window into a `Step` and start the next one."""
@@ -468,7 +487,7 @@ class Tracker(LibraryWrappers):
             # are counted by `resync` meanwhile; the hook only makes the timing exact).
             self._synced_generation = self.registry.generation
             self._hook_new_parameters()
-        self.resync()
+        gradients = self.resync()
         self.closed_steps += 1
         extra = list(self.pending_alerts)
         self.pending_alerts.clear()
@@ -481,6 +500,7 @@ class Tracker(LibraryWrappers):
             scale=self._scale,
             scale_after=scale_after,
             extra_alerts=extra,
+            gradients=gradients,
         )
         pending.distributed = self._distributed_at_close()
         self._emit(pending)
