@@ -27,6 +27,7 @@ Once the weights are non-finite every later step is non-finite too; those alerts
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -62,6 +63,14 @@ def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]
     return groups
 
 
+def _stacked(flags: list[Any], device: Any) -> Any:
+    """One tensor of 0-dim flags on `device` (moved one by one only when devices differ)."""
+    try:
+        return torch.stack(flags).to(device)
+    except RuntimeError:  # flags on several devices (a model split across GPUs)
+        return torch.stack([flag.to(device) for flag in flags])
+
+
 def _probe(tensors: list[Any]) -> Any:
     """A 0-dim float32 device tensor that is non-finite iff some element is (no host sync).
 
@@ -72,7 +81,8 @@ def _probe(tensors: list[Any]) -> Any:
     """
     probe = None
     for tensor in tensors:
-        tensor = local_tensor(tensor)
+        if type(tensor) is not torch.Tensor:
+            tensor = local_tensor(tensor)
         if not tensor.numel():
             continue
         total = torch.sum(tensor.detach(), dtype=torch.float32)
@@ -88,6 +98,8 @@ class HealthMonitor:
         self.armed_until = 0
         self.weights_bad_since: int | None = None
         self._module_flags: list[tuple[int, Any, Any]] = []
+        self._probed: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
+        """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
 
     def watching_modules(self, step: int) -> bool:
         """Whether module outputs are checked during this step."""
@@ -95,11 +107,27 @@ class HealthMonitor:
 
     def module_output(self, module_id: int, args: Any, output: Any) -> None:
         """Record device flags for one module call (inputs finite, output finite)."""
-        out_flag = _probe(_floating(output))
+        outputs = _floating(output)
+        out_flag = _probe(outputs)
         if out_flag is None:
             return
-        in_flag = _probe(_floating(args))
-        self._module_flags.append((module_id, out_flag, in_flag))
+        self._module_flags.append((module_id, out_flag, self._input_probe(_floating(args))))
+        if len(outputs) == 1:
+            tensor = outputs[0]
+            self._probed[id(tensor)] = (weakref.ref(tensor), tensor._version, out_flag)
+
+    def _input_probe(self, inputs: list[Any]) -> Any:
+        """The input flag, reusing an earlier module's output flag for the same tensor.
+
+        Most inputs are the previous module's output, already reduced once. The flag is reused
+        only for that very tensor (a weakref, so an id reused by a new tensor never matches)
+        and only if nothing wrote to it since (its version counter is unchanged).
+        """
+        if len(inputs) == 1:
+            known = self._probed.get(id(inputs[0]))
+            if known is not None and known[0]() is inputs[0] and known[1] == inputs[0]._version:
+                return known[2]
+        return _probe(inputs)
 
     def close(
         self,
@@ -112,6 +140,7 @@ class HealthMonitor:
     ) -> list[schema.Alert]:
         """Check the step; return its alerts. One host transfer when healthy."""
         module_flags, self._module_flags = self._module_flags, []
+        self._probed.clear()
         if self.mode == "off" or (not grads and not losses and not module_flags):
             return []
         checks = self._device_checks(grads, losses, module_flags)
@@ -167,10 +196,8 @@ class HealthMonitor:
         ]
         if module_flags:
             finite = torch.zeros((), device=device)
-            outputs = torch.stack([flag.to(device) for _, flag, _ in module_flags])
-            inputs = torch.stack(
-                [(f if f is not None else finite).to(device) for _, _, f in module_flags]
-            )
+            outputs = _stacked([flag for _, flag, _ in module_flags], device)
+            inputs = _stacked([f if f is not None else finite for _, _, f in module_flags], device)
             parts.append(torch.isfinite(outputs))
             parts.append(torch.isfinite(inputs))
         return torch.cat([p.reshape(-1).float() for p in parts])

@@ -141,6 +141,45 @@ def test_full_mode_names_the_module_whose_output_turned_nonfinite(
     assert later and all(alert.get("group") == 3 for alert in later)
 
 
+INPLACE_JOB = """
+import torch, memtui_agent
+torch.manual_seed(0)
+
+class Pair(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+        self.step = 0
+    def forward(self, x):
+        y = self.a(x)
+        if self.step == 2:
+            y.mul_(float("inf"))  # written in place between two modules, by no module
+        return self.b(y)
+
+with memtui_agent.monitor(record="rec.memtui", socket=False, nan_check="full"):
+    model = Pair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 4):
+        model.step = step
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+"""
+
+
+def test_full_mode_sees_an_input_written_in_place_after_the_previous_module(
+    tmp_path: Path, run_python: Any
+) -> None:
+    # `b`'s input is `a`'s output, whose flag is reused when unchanged; here it was modified
+    # in place after `a` returned, so `b` must be told its input was already non-finite.
+    _, report = _run(run_python, tmp_path, INPLACE_JOB)
+    first = _alerts(report, 2)
+    assert first[0]["kind"] == "nonfinite_activation"
+    assert first[0]["where"] == "b"
+    assert "input of b was already non-finite" in first[0]["message"]
+    assert not _alerts(report, 1)
+
+
 def test_default_mode_flags_the_step_and_arms_module_checks(
     tmp_path: Path, run_python: Any
 ) -> None:
