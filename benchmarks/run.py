@@ -66,7 +66,7 @@ FULL = Plan(
         quick=False,
         rounds=4,
         warmup={"gpt": 6, "stack": 10},
-        measured={"gpt": 8, "stack": 30},
+        measured={"gpt": 16, "stack": 30},
         slow_steps=2,
         timeout=600.0,
         parallel=1,
@@ -174,6 +174,17 @@ def print_training(plan: Plan, cells: Cells, threads: int) -> None:
             row += [f"<= {target:.2f}x", mark(ratio <= target)] if target else ["", ""]
             rows.append(row)
         table(["configuration", "step", "ratio", "per round", "target", ""], rows)
+        floor = cells[(job, "floor")].median()
+        if floor is not None and base_median is not None:
+            over = [
+                f"{LABELS[config]} {median / floor:.3f}x"
+                for config in ("default", "full")
+                if (median := cells[(job, config)].median()) is not None
+            ]
+            print(
+                f"  the hooks alone cost {floor / base_median:.3f}x; over that floor: "
+                + ", ".join(over)
+            )
         if (job, "memtracker") == SLOW and cells[SLOW].medians:
             measured = sizes.slow_steps - 1
             print(

@@ -24,6 +24,7 @@ T = TypeVar("T")
 AGENT_CONFIGS = ("off", "default", "full")
 CONFIGS: list[tuple[str, str]] = [
     ("none", "no monitoring"),
+    ("floor", "hook floor: the agent's hooks, empty"),
     ("off", "memtui, NaN checks off"),
     ("default", "memtui agent (defaults)"),
     ("full", 'memtui, nan_check="full"'),

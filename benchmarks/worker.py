@@ -8,6 +8,10 @@ The result is one line on stdout, `BENCH_RESULT {json}`, which the parent finds 
 tool's launcher (TraceML's) prints its own report around it. Configurations:
 
     none        no monitoring (the baseline)
+    floor       the hooks memtui's agent installs, with empty bodies: identity saved-tensor
+                hooks, global module pre/post hooks, optimizer pre/post hooks, a post-accumulate
+                grad hook per parameter. What any tool that observes these events pays before
+                doing any work; the agent cannot cost less than this.
     default     memtui agent, defaults (recording to --record, no socket)
     full        memtui agent with nan_check="full"
     off         memtui agent with nan_check="off"
@@ -32,7 +36,7 @@ from typing import Any
 from procs import MARKER
 
 MEMTUI_CONFIGS = {"default": "default", "full": "full", "off": "off"}
-CONFIGS = ["none", *MEMTUI_CONFIGS, "profiler", "memtracker", "traceml"]
+CONFIGS = ["none", "floor", *MEMTUI_CONFIGS, "profiler", "memtracker", "traceml"]
 
 
 def rss_bytes() -> int:
@@ -63,6 +67,49 @@ def _loop(
     return times, samples
 
 
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _nothing(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _empty_hooks(job: Any) -> Iterator[None]:
+    """The agent's hook set with bodies that do nothing (the `floor` configuration).
+
+    Same kinds, same registration points and the same per-call mechanism (a Python call from
+    C++ for every saved tensor, unpack, module call and accumulated gradient), so the ratio it
+    measures is the floor under any implementation of the agent's accounting.
+    """
+    import torch
+    from torch.nn.modules import module
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    handles = [
+        module.register_module_forward_pre_hook(_nothing),
+        module.register_module_forward_hook(_nothing, always_call=True),
+        register_optimizer_step_pre_hook(_nothing),
+        register_optimizer_step_post_hook(_nothing),
+    ]
+    handles += [
+        parameter.register_post_accumulate_grad_hook(_nothing)
+        for parameter in job.model.parameters()
+        if parameter.requires_grad
+    ]
+    torch._C._autograd._push_saved_tensors_default_hooks(_identity, _identity)
+    try:
+        yield
+    finally:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        for handle in handles:
+            handle.remove()
+
+
 @contextlib.contextmanager
 def _outer(config: str, job: Any) -> Iterator[Callable[[], Any]]:
     """Enter the context a tool wants around the whole loop; yield its per-step wrapper.
@@ -89,6 +136,9 @@ def _outer(config: str, job: Any) -> Iterator[Callable[[], Any]]:
 
         with tracker:
             yield per_step
+    elif config == "floor":
+        with _empty_hooks(job):
+            yield contextlib.nullcontext
     elif config == "traceml":
         import traceml_ai
 
