@@ -474,8 +474,9 @@ class Tracker(LibraryWrappers):
 
         Returns the gradients it counted, which the health check reads next.
         """
-        gradients = self.registry.gradients()
-        self.ledger.sync(WEIGHTS, self.registry.weight_tensors())
+        parameters = self.registry.parameters()
+        gradients = self.registry.gradients(parameters)
+        self.ledger.sync(WEIGHTS, self.registry.weight_tensors(parameters))
         self.ledger.sync(GRADIENTS, gradients)
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
         return gradients
