@@ -13,6 +13,7 @@ stderr and in the stream, and the failing part turns itself off; the job is neve
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -24,6 +25,9 @@ from typing import Any
 _lock = threading.Lock()
 _agent: Any = None
 _fork_hook_installed = False
+_exit_hook_installed = False
+exit_owned = False
+"""True where something else records how the process ends (`memtui run -- COMMAND`)."""
 
 
 def start(
@@ -58,7 +62,7 @@ def start(
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
     """
-    global _agent, _fork_hook_installed
+    global _agent, _fork_hook_installed, _exit_hook_installed
     with _lock:
         if _agent is not None and _agent.pid == os.getpid():
             return _agent
@@ -83,7 +87,22 @@ def start(
         if not _fork_hook_installed:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _fork_hook_installed = True
+        if not _exit_hook_installed and not exit_owned:
+            atexit.register(_stop_at_exit)
+            _exit_hook_installed = True
         return agent
+
+
+def _stop_at_exit() -> None:
+    """Finish an agent the job started by hand and never stopped, as the interpreter exits.
+
+    The recording then ends with its `End` (an error if an exception ended the script), and the
+    emitter thread is joined before finalisation rather than frozen mid-write.
+    """
+    if current() is None:
+        return
+    error = getattr(sys, "last_value", None)  # set when an uncaught exception ended the script
+    stop(exit_code=1 if error is not None else 0, error=error)
 
 
 def stop(exit_code: int | None = 0, error: BaseException | None = None) -> None:

@@ -203,6 +203,7 @@ def _install_exit_handlers() -> None:
     from memtui_agent import api
     from memtui_agent.failures import exit_code_of, without_agent_frames
 
+    api.exit_owned = True  # the handlers below record the end; api's fallback stays out
     previous_hook = sys.excepthook
     original_exit = sys.exit
     requested: list[object] = []

@@ -118,3 +118,32 @@ def test_oom_recognition_on_cuda_and_cpu_messages() -> None:
     assert is_oom(MemoryError())
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_oom(ValueError("out of memory"))
+
+
+UNSTOPPED = """
+import sys, torch, memtui_agent
+memtui_agent.start(record="rec.memtui", socket=False)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+def test_an_agent_started_by_hand_and_never_stopped_still_ends_its_recording(
+    tmp_path: Path, run_python: Any
+) -> None:
+    # `start()` without `stop()`: at interpreter exit the agent finishes itself, so the
+    # recording says how the job ended instead of looking like a killed one.
+    from memtui.report import build_report
+
+    for how, status in (("return", "ok"), ("raise", "error")):
+        done = run_python(UNSTOPPED, how)
+        assert done.returncode == (1 if how == "raise" else 0), done.stderr
+        report = build_report(read_recording(tmp_path / "rec.memtui"))
+        assert report["exit"]["status"] == status, report["exit"]
+        assert len(report["steps"]) == 3
+        if how == "raise":
+            assert "the script failed" in (report["exit"]["error"] or "")
