@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from threading import get_ident
 from typing import Any
 
@@ -136,6 +137,7 @@ class Tracker(LibraryWrappers):
         self._grad_hooked: dict[int, Any] = {}
         self._seen_params: set[int] = set()
         self._handles: list[Any] = []
+        self._module_handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self._hooks_pushed = False
         self.owner_thread = get_ident()
@@ -157,11 +159,7 @@ class Tracker(LibraryWrappers):
     def install(self) -> None:
         """Register every global hook; call on the thread that runs the forward."""
         self.owner_thread = get_ident()
-        module_mod = torch.nn.modules.module
-        self._handles.append(module_mod.register_module_forward_pre_hook(self._module_pre))
-        self._handles.append(
-            module_mod.register_module_forward_hook(self._module_post, always_call=True)
-        )
+        self._module_handles = self._register_module_hooks()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
@@ -176,10 +174,56 @@ class Tracker(LibraryWrappers):
             self._wrap(torch.nn.utils, name, self._wrap_clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self._wrap_checkpoint)
 
+    def _register_module_hooks(self) -> list[Any]:
+        module_mod = torch.nn.modules.module
+        return [
+            module_mod.register_module_forward_pre_hook(self._module_pre),
+            module_mod.register_module_forward_hook(self._module_post, always_call=True),
+        ]
+
+    @contextmanager
+    def without(self, kind: str) -> Iterator[None]:
+        """Run with one kind of hook taken out ("modules", "grads", "pack" or "all").
+
+        For measuring what each kind costs inside real training steps, in one process
+        (`benchmarks/ablation.py`); call it between steps, on the thread that runs them.
+        """
+        if kind == "modules":
+            for handle in self._module_handles:
+                handle.remove()
+            try:
+                yield
+            finally:
+                self._module_handles = self._register_module_hooks()
+        elif kind == "grads":
+            for handle in self._grad_hooked.values():
+                handle.remove()
+            self._grad_hooked.clear()
+            try:
+                yield
+            finally:
+                self._hook_new_parameters()
+        elif kind == "pack":
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            try:
+                yield
+            finally:
+                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+        elif kind == "all":
+            self.remove()
+            try:
+                yield
+            finally:
+                self.install()
+                self._hook_new_parameters()
+        else:
+            raise ValueError(f"no hook kind {kind!r}")
+
     def remove(self) -> None:
         """Undo `install()` and drop per-parameter hooks."""
-        for handle in self._handles:
+        for handle in self._module_handles + self._handles:
             handle.remove()
+        self._module_handles = []
         self._handles.clear()
         for handle in self._grad_hooked.values():
             handle.remove()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 SECTIONS = (
@@ -32,3 +33,51 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     for section in SECTIONS:
         assert section in done.stdout, f"missing {section!r} in:\n{done.stdout}"
+
+
+WITHOUT_JOB = """
+import torch, memtui_agent
+agent = memtui_agent.start(record=None, socket=False)
+tracker = agent.tracker
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def step():
+    opt.zero_grad()
+    out = model(torch.randn(2, 4))
+    live = dict(tracker.ledger._module_live)
+    acts = tracker.ledger.piles[3]
+    out.sum().backward()
+    opt.step()
+    attributed = sum(size for module, size in live.items() if module >= 0)
+    return acts, attributed, len(tracker._grad_hooked)
+
+step()
+print("agent", *step())
+for kind in ("pack", "modules", "grads", "all"):
+    with tracker.without(kind):
+        print(kind, *step())
+    print("back", *step())
+"""
+
+
+def test_tracker_without_takes_one_kind_of_hook_out_and_puts_it_back(run_python: Any) -> None:
+    # benchmarks/ablation.py splits the overhead with this; each kind must really go and return.
+    done = run_python(WITHOUT_JOB)
+    assert done.returncode == 0, done.stderr
+    rows = {}
+    backs = []
+    for line in done.stdout.splitlines():
+        name, *values = line.split()
+        numbers = tuple(int(value) for value in values)
+        if name == "back":
+            backs.append(numbers)
+        else:
+            rows[name] = numbers
+    acts, attributed, hooked = rows["agent"]
+    assert acts > 0 and attributed == acts and hooked == 2
+    assert rows["pack"][0] == 0  # no saved tensor counted
+    assert rows["modules"][0] == acts and rows["modules"][1] == 0  # counted, not attributed
+    assert rows["grads"][2] == 0
+    assert rows["all"][0] == 0 and rows["all"][2] == 0
+    assert backs == [rows["agent"]] * 4
