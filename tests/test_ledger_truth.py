@@ -568,3 +568,69 @@ def test_sync_recounts_a_storage_freed_since_even_at_the_same_pointer() -> None:
     assert ledger.current().weights == 256 + 64
     ledger.sync(WEIGHTS, [other])
     assert ledger.current().weights == 64
+
+
+def test_high_water_marks_match_an_eager_replay_of_random_event_sequences() -> None:
+    """The ledger takes the peak's composition and the activation dtypes at their maximum lazily
+    (at the first decrease after a new high); an eager replay, copying at every new high, must
+    agree after any interleaving of packs, releases, gradient claims and gradient frees."""
+    import random
+
+    from memtui_agent.ledger import ACTIVATIONS, GRADIENTS, Ledger
+
+    def as_list(piles: schema.Piles) -> list[int]:
+        return [piles.weights, piles.gradients, piles.optimizer_state, piles.activations]
+
+    for seed in range(25):
+        rng = random.Random(seed)
+        ledger = Ledger()
+        piles = [0, 0, 0, 0]
+        best_total, best_piles, best_pile = 0, list(piles), list(piles)
+        act_dtypes: dict[str, list[int]] = {}
+        dtypes_at_max: dict[str, tuple[int, int]] = {}
+        acts: dict[int, tuple[int, str]] = {}
+        grads: dict[int, tuple[Any, int]] = {}
+        for index in range(300):
+            choice = rng.random()
+            if choice < 0.35 or (not acts and not grads):
+                key, nbytes = ((index + 1) << 8) | 0x55, rng.randrange(1, 5000)
+                dtype = rng.choice(["float32", "bfloat16"])
+                ledger.acquire_activation(key, nbytes, dtype, rng.randrange(-1, 4))
+                acts[key] = (nbytes, dtype)
+                piles[ACTIVATIONS] += nbytes
+                act_dtypes.setdefault(dtype, [0, 0])
+                act_dtypes[dtype][0] += nbytes
+                act_dtypes[dtype][1] += 1
+            elif choice < 0.6 and acts:
+                key = rng.choice(sorted(acts))
+                nbytes, dtype = acts.pop(key)
+                ledger.release_activation(key)
+                piles[ACTIVATIONS] -= nbytes
+                act_dtypes[dtype][0] -= nbytes
+                act_dtypes[dtype][1] -= 1
+                if not act_dtypes[dtype][1]:
+                    del act_dtypes[dtype]
+            elif choice < 0.85:
+                tensor = torch.empty(rng.randrange(1, 4000), dtype=torch.uint8)
+                storage = tensor.untyped_storage()
+                key = (storage.data_ptr() << 8) | 0  # a CPU storage's key
+                ledger.claim(GRADIENTS, key, storage.nbytes(), "uint8", storage, tensor)
+                grads[key] = (tensor, storage.nbytes())
+                piles[GRADIENTS] += storage.nbytes()
+                del storage
+            elif grads:
+                key = rng.choice(sorted(grads))
+                tensor, nbytes = grads.pop(key)
+                del tensor  # the storage's weakref callback takes it out of the pile
+                piles[GRADIENTS] -= nbytes
+            if piles[ACTIVATIONS] > best_pile[ACTIVATIONS]:  # a new activations high
+                dtypes_at_max = {name: (s, c) for name, (s, c) in act_dtypes.items()}
+            best_pile = [max(a, b) for a, b in zip(best_pile, piles, strict=True)]
+            if sum(piles) > best_total:
+                best_total, best_piles = sum(piles), list(piles)
+        current, high, peak, dtypes = ledger.snapshot()
+        assert as_list(current) == piles, seed
+        assert as_list(high) == best_pile, seed
+        assert as_list(peak) == best_piles and sum(best_piles) == best_total, seed
+        at_max = {name: (stat.bytes, stat.count) for name, stat in dtypes["activations"].items()}
+        assert at_max == dtypes_at_max, seed
