@@ -53,14 +53,11 @@ def _floating(value: Any) -> list[Any]:
 
 
 def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
-    """Group tensors as the foreach kernels need them (in C++ where torch offers it)."""
-    group = getattr(torch._C, "_group_tensors_by_device_and_dtype", None)
-    if group is not None and tensors:
-        return {key: lists[0] for key, (lists, _) in group([tensors], False).items()}
-    groups: dict[tuple[Any, Any], list[Any]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return groups
+    """Group tensors as the foreach kernels need them, in C++ (as torch's optimizers do)."""
+    if not tensors:
+        return {}
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
+    return {key: lists[0] for key, (lists, _) in grouped.items()}
 
 
 def _stacked(flags: list[Any], device: Any) -> Any:

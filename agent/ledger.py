@@ -99,6 +99,16 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
     return found
 
 
+def plain_storage(tensor: Any) -> StorageInfo | None:
+    """`storages_of` for the hooks' common case, a plain strided tensor, without building a
+    list (it runs for every saved tensor and every gradient); None for anything else."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
+        return None
+    storage = tensor.untyped_storage()
+    key = storage_key(tensor.get_device(), storage.data_ptr())
+    return key, storage.nbytes(), dtype_name(tensor.dtype), storage
+
+
 def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
     """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
     flatten = getattr(wrapper, "__tensor_flatten__", None)

@@ -105,15 +105,12 @@ class ModuleRegistry:
             self._module_cache = (self.generation, list(seen.values()))
         return self._module_cache[1]
 
-    def weight_tensors(self, parameters: list[Any] | None = None) -> list[Any]:
-        """Parameters and buffers of every root, plus optimizer parameters outside any root.
-
-        `parameters` is `self.parameters()` when the caller has just read it.
-        """
+    def weight_tensors(self, parameters: list[Any]) -> list[Any]:
+        """`parameters` (this step's `self.parameters()`) and the buffers of every root."""
         buffers = [
             t for module in self.modules() for t in module._buffers.values() if t is not None
         ]
-        return (self.parameters() if parameters is None else parameters) + buffers
+        return parameters + buffers
 
     def parameters(self) -> list[Any]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
@@ -133,10 +130,10 @@ class ModuleRegistry:
                     found.setdefault(id(parameter), parameter)
         return list(found.values())
 
-    def gradients(self, parameters: list[Any] | None = None) -> list[Any]:
-        """Each known parameter's `.grad` (of `parameters`, when the caller has just read them)."""
-        known = self.parameters() if parameters is None else parameters
-        return [grad for p in known if (grad := p.grad) is not None]
+    @staticmethod
+    def gradients(parameters: list[Any]) -> list[Any]:
+        """The `.grad` of each of `parameters` (this step's `parameters()`) that has one."""
+        return [grad for p in parameters if (grad := p.grad) is not None]
 
     def optimizer_state_tensors(self) -> list[Any]:
         """Every tensor held in `optimizer.state`, one level of lists and tuples included."""

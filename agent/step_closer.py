@@ -104,11 +104,11 @@ class StepCloser:
         scale: Any,
         scale_after: Any,
         extra_alerts: list[schema.Alert],
-        gradients: list[Any] | None = None,
+        gradients: list[Any],
     ) -> PendingStep:
         """The closing step's frame (handed to the emitter by the caller).
 
-        `gradients` is the parameters' `.grad` list when the caller already has it.
+        `gradients` are the ones the caller's resync just counted; the health check reads them.
         """
         end, high, peak, dtypes = self.ledger.snapshot()
         alerts = list(extra_alerts)
@@ -128,7 +128,7 @@ class StepCloser:
         alerts.extend(
             self.health.close(
                 step,
-                self.registry.gradients() if gradients is None else gradients,
+                gradients,
                 losses,
                 self._named_parameters,  # names are needed only on an alarm
                 skipped,

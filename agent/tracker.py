@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch import strided as _strided
 from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -38,8 +37,7 @@ from memtui_agent.ledger import (
     OPTIMIZER_STATE,
     WEIGHTS,
     Ledger,
-    _dtype_names,
-    dtype_name,
+    plain_storage,
     storages_of,
 )
 from memtui_agent.library_wrappers import LibraryWrappers
@@ -319,9 +317,8 @@ class Tracker(LibraryWrappers):
     # ----- saved tensors -----------------------------------------------------------------------
 
     def _pack(self, tensor: Any) -> Any:
-        # The hottest function of the agent (every saved tensor): the one-storage case and
-        # `storage_key` are inlined, and a parameter is recognised by its exact type first,
-        # because `isinstance(x, Parameter)` runs a Python metaclass hook.
+        # The hottest function of the agent (every saved tensor): a parameter is recognised by
+        # its exact type first, because `isinstance(x, Parameter)` runs a Python metaclass hook.
         if is_compiling() or not self.enabled["pack"]:
             return tensor
         try:
@@ -343,14 +340,11 @@ class Tracker(LibraryWrappers):
                 # it as it would without hooks (no wrapper, nothing more for the GC to walk).
                 return tensor
             module = self._stack[-1] if self._stack else NO_MODULE
-            if type(tensor) is Tensor and tensor.layout is _strided and not tensor.is_meta:
-                storage = tensor.untyped_storage()  # almost every saved tensor: one storage
-                nbytes = storage.nbytes()
-                pointer = storage.data_ptr()
-                if not nbytes or not pointer:
+            plain = plain_storage(tensor)
+            if plain is not None:  # almost every saved tensor: one storage
+                key, nbytes, name, _storage = plain
+                if not nbytes or not key >> 8:
                     return tensor  # holds no memory
-                key = (pointer << 8) | (tensor.get_device() + 1)  # `storage_key`, inlined
-                name = _dtype_names.get(tensor.dtype) or dtype_name(tensor.dtype)
                 self.ledger.acquire_activation(key, nbytes, name, module)
                 return _SavedOne(tensor.detach(), key, self.ledger)
             infos = storages_of(tensor)
@@ -374,25 +368,20 @@ class Tracker(LibraryWrappers):
             self._grad_hooked[id(parameter)] = handle
 
     def _grad_ready(self, parameter: Any) -> None:
-        # Runs for every parameter in every backward: the plain case is read inline.
         if not self.enabled["grads"]:
             return
         try:
             grad = parameter.grad
             if grad is None:
                 return
-            if type(grad) is Tensor and grad.layout is _strided:
-                storage = grad.untyped_storage()
-                nbytes = storage.nbytes()
-                pointer = storage.data_ptr()
-                if nbytes and pointer:
-                    key = (pointer << 8) | (grad.get_device() + 1)  # `storage_key`, inlined
-                    name = _dtype_names.get(grad.dtype) or dtype_name(grad.dtype)
-                    # A view at an offset is not cached: the close derives its storage.
-                    cached = grad if grad.data_ptr() == pointer else None
-                    self.ledger.claim(GRADIENTS, key, nbytes, name, storage, cached)
-                    return
-            self.ledger.add(GRADIENTS, grad)
+            plain = plain_storage(grad)
+            if plain is None or not plain[1] or not plain[0] >> 8:
+                self.ledger.add(GRADIENTS, grad)
+                return
+            key, nbytes, name, storage = plain
+            # A view at an offset is not cached: the close derives its storage.
+            cached = grad if grad.data_ptr() == key >> 8 else None
+            self.ledger.claim(GRADIENTS, key, nbytes, name, storage, cached)
         except Exception as exc:
             self._disable("grads", exc)
 
