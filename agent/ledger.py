@@ -152,7 +152,6 @@ class Ledger:
         self._members: list[set[Key]] = [set(), set(), set()]
         self.piles = [0, 0, 0, 0]
         self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
-        self._act_dtypes = self._dtypes[ACTIVATIONS]
         self._module_live: dict[int, int] = {}
         self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
         self._fingerprints: list[Any] = [None, None, None]
@@ -366,9 +365,8 @@ class Ledger:
     def acquire_activation(self, key: Key, nbytes: int, dtype: str, module: int) -> None:
         """A pack hook saved a tensor on this storage.
 
-        A storage no pile holds yet (most activations) goes straight to the activations pile,
-        accounted inline: this runs for every saved tensor, so it avoids helper calls and
-        allocations. One already counted elsewhere keeps its pile by precedence.
+        A storage no pile holds yet (most activations) goes straight to the activations pile;
+        one already counted elsewhere keeps its pile by precedence.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -378,41 +376,15 @@ class Ledger:
                     entry.module = module
                     self._set_mask(key, entry, entry.mask | 8)
                 return
-            pool = self._pool
-            if pool:
-                entry = pool.pop()
-                entry.nbytes = nbytes
-                entry.dtype = dtype
-            else:
-                entry = _Entry(nbytes, dtype)
+            entry = self._entries[key] = self._new_entry(nbytes, dtype)
             entry.act_refs = 1
             entry.module = module
             entry.mask = 8
             entry.pile = ACTIVATIONS
-            self._entries[key] = entry
-            piles = self.piles
-            size = piles[ACTIVATIONS] + nbytes
-            piles[ACTIVATIONS] = size
-            stat = self._act_dtypes.get(dtype)
-            if stat is None:
-                self._act_dtypes[dtype] = [nbytes, 1]
-            else:
-                stat[0] += nbytes
-                stat[1] += 1
-            live = self._module_live.get(module, 0) + nbytes
-            self._module_live[module] = live
-            if live > self._module_max.get(module, 0):
-                self._module_max[module] = live
-            if size > self.max[ACTIVATIONS]:
-                self.max[ACTIVATIONS] = size
-                self._act_max_pending = True
-            total = piles[0] + piles[1] + piles[2] + size
-            if total > self.peak_total:
-                self.peak_total = total
-                self._peak_pending = True
+            self._account(ACTIVATIONS, entry, nbytes)
 
     def release_activation(self, key: Key) -> None:
-        """A pack wrapper was freed (its graph was released); the common case inline."""
+        """A pack wrapper was freed (its graph was released)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.act_refs == 0:
@@ -424,19 +396,9 @@ class Ledger:
                 self._set_mask(key, entry, entry.mask & ~8)
                 return
             # An activation and nothing else: it leaves every pile.
-            if self._peak_pending or self._act_max_pending:
-                self._settle()
-            nbytes = entry.nbytes
-            self.piles[ACTIVATIONS] -= nbytes
-            dtypes = self._act_dtypes
-            stat = dtypes[entry.dtype]
-            stat[0] -= nbytes
-            stat[1] -= 1
-            if not stat[1]:
-                del dtypes[entry.dtype]
-            self._module_live[entry.module] -= nbytes
             entry.mask = 0
             entry.pile = -1
+            self._account(ACTIVATIONS, entry, -entry.nbytes)
             self._drop_entry(key, entry)
 
     # ----- the one place where bytes move --------------------------------------------------
