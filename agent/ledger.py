@@ -295,19 +295,8 @@ class Ledger:
         it in its cache instead of deriving its storage again.
         """
         with self._lock:
-            members = self._members[pile]
-            if key not in members:
-                entry = self._entries.get(key)
-                if entry is None:  # the usual fresh gradient: no pile holds it yet
-                    entry = self._entries[key] = self._new_entry(nbytes, dtype)
-                    ref = entry.ref = weakref.ref(storage, self._on_freed)
-                    self._ref_keys[id(ref)] = key
-                    members.add(key)
-                    entry.mask = _ALL_BITS[pile]
-                    entry.pile = pile
-                    self._account(pile, entry, nbytes)
-                else:
-                    self._claim((key, nbytes, dtype, storage), pile)
+            if key not in self._members[pile]:
+                self._claim((key, nbytes, dtype, storage), pile)
         if tensor is not None:
             self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
 
@@ -334,15 +323,6 @@ class Ledger:
             key = self._ref_keys.pop(id(ref), None)
             entry = self._entries.get(key) if key is not None else None
             if entry is None or entry.ref is not ref:
-                return
-            pile = entry.pile
-            if 0 <= pile < ACTIVATIONS and entry.mask == _ALL_BITS[pile]:
-                # In one persistent pile only (a gradient freed by zero_grad): leave it directly.
-                self._members[pile].discard(key)
-                entry.mask = 0
-                entry.pile = -1
-                self._account(pile, entry, -entry.nbytes)
-                self._drop_entry(key, entry)
                 return
             for members in self._members:
                 members.discard(key)
