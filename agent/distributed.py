@@ -38,6 +38,8 @@ def local_tensor(tensor: Any) -> Any:
     Health checks and forecasts must work on the local shard: operating on the DTensor itself
     would dispatch a distributed op (a collective, or an implicit replication) inside the job.
     """
+    if type(tensor) is torch.Tensor:  # the common case, without a failing attribute lookup
+        return tensor
     inner = getattr(tensor, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else tensor
 

@@ -78,8 +78,7 @@ def _probe(tensors: list[Any]) -> Any:
     """
     probe = None
     for tensor in tensors:
-        if type(tensor) is not torch.Tensor:
-            tensor = local_tensor(tensor)
+        tensor = local_tensor(tensor)
         if not tensor.numel():
             continue
         total = torch.sum(tensor.detach(), dtype=torch.float32)
@@ -166,8 +165,8 @@ class HealthMonitor:
         device = None
         grads_bad = None
         # A DTensor op here would be a collective in the job: check local shards.
-        grads = [g if type(g) is torch.Tensor else local_tensor(g) for g in grads]
-        grads = [g for g in grads if g.layout is torch.strided and g.is_floating_point()]
+        local = map(local_tensor, grads)
+        grads = [g for g in local if g.layout is torch.strided and g.is_floating_point()]
         for (grad_device, _dtype), members in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=grad_device)
             torch._amp_foreach_non_finite_check_and_unscale_(
