@@ -598,6 +598,13 @@ def test_report_of_a_recording_without_events_has_no_new_keys(builder: Any) -> N
 # ----- the real agent in a job ------------------------------------------------------------------
 
 
+def _job_env(tmp_path: Path) -> dict[str, str]:
+    """This environment without any MEMTUI_ setting, with a private runtime folder."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
+    env["MEMTUI_RUNTIME_DIR"] = str(tmp_path / "rt")
+    return env
+
+
 CPU_JOB = """
 import torch
 model = torch.nn.Linear(8, 4)
@@ -611,8 +618,7 @@ for _ in range(3):
 
 def test_cli_flag_on_a_cpu_job_runs_and_records_one_note(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(CPU_JOB)
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
-    env["MEMTUI_RUNTIME_DIR"] = str(tmp_path / "rt")
+    env = _job_env(tmp_path)
     result = subprocess.run(
         [
             sys.executable,
@@ -704,8 +710,7 @@ def test_agent_records_each_steps_events_and_the_oom_through_the_real_closer(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "job.py").write_text(FAKE_CUDA_JOB)
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
-    env["MEMTUI_RUNTIME_DIR"] = str(tmp_path / "rt")
+    env = _job_env(tmp_path)
     result = subprocess.run(
         [sys.executable, "job.py"],
         cwd=tmp_path,
