@@ -209,7 +209,6 @@ class Agent:
             tracker.registry.lookup(model)
         if optimizer is not None:
             tracker.registry.add_optimizer(optimizer)
-            tracker._primary = optimizer
         tracker._on_new_objects()
 
     def finish(self, exit_code: int | None = 0, error: BaseException | None = None) -> None:
@@ -225,6 +224,12 @@ class Agent:
                 "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
                 "keeps no history)",
             )
+        if tracker is not None:
+            try:
+                tracker.release_held_skip()  # a skipped step whose update() never came
+                tracker.resync()  # exit piles from the objects alive now
+            except Exception as exc:
+                self.report_failure("end-piles", exc)
         try:
             end = self._end_message(exit_code, error)
         except Exception as exc:

@@ -9,12 +9,36 @@ an optimizer it does not know gets no forecast rather than a guess.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from memtui_agent.distributed import local_tensor
+from memtui_agent.units import format_bytes
 
 STEP_BYTES = 4
 """`state["step"]` is a float32 scalar tensor in torch.optim (its own storage)."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Bytes of state an optimizer's first `step()` will allocate.
+
+    `exact` is False where the state depends on the data: LBFGS keeps one pair of flat
+    vectors per iteration that improved the objective, up to its history, so only a bound is
+    known (`bytes` is then the most it can allocate).
+    """
+
+    bytes: int
+    exact: bool = True
+
+    def describe(self) -> str:
+        """`1.00 MiB (1,048,576 bytes)`, with `at most` for a bound."""
+        text = f"{format_bytes(self.bytes)} ({self.bytes:,} bytes)"
+        return text if self.exact else f"at most {text}"
+
+    def matches(self, grown: int) -> bool:
+        """Whether `grown` bytes is what was forecast (within the bound for a bound)."""
+        return grown == self.bytes if self.exact else 0 <= grown <= self.bytes
 
 
 def _full(parameter: Any) -> int:
@@ -61,12 +85,32 @@ def per_parameter_bytes(optimizer: Any, parameter: Any, group: dict[str, Any]) -
     return None
 
 
-def forecast_first_step(optimizer: Any) -> int | None:
+def _lbfgs(optimizer: Any) -> Forecast | None:
+    """LBFGS (one state for all parameters, in torch 2.x's layout): the flat direction `d` and
+    `prev_flat_grad`, and per iteration that updates the history one flat `y` and `s` and two
+    scalars (`ro`, `al`), plus the scalar `H_diag`; at most `min(max_iter - 1, history_size)`
+    such iterations in the first step. Flat vectors have the gradients' dtype."""
+    if len(optimizer.param_groups) != 1:
+        return None
+    group = optimizer.param_groups[0]
+    parameters = group["params"]
+    if not parameters or optimizer.state.get(parameters[0]):
+        return None  # nothing to step, or state already there (a resumed run): no forecast
+    # The flat gradient covers every parameter (zeros where a gradient is missing).
+    size = parameters[0].element_size()
+    flat = sum(p.numel() for p in parameters) * size
+    history = max(0, min(int(group["max_iter"]) - 1, int(group["history_size"])))
+    return Forecast(flat * (2 + 2 * history) + size * (1 + 2 * history), exact=False)
+
+
+def forecast_first_step(optimizer: Any) -> Forecast | None:
     """State bytes the optimizer will hold after its first step, counting only parameters that
     have a gradient now (the ones the step will initialise). None if the type is unknown.
 
     Parameters that already have state (a loaded checkpoint) add nothing.
     """
+    if type(optimizer).__name__ == "LBFGS":
+        return _lbfgs(optimizer)
     total = 0
     seen: set[int] = set()
     for group in optimizer.param_groups:
@@ -80,4 +124,4 @@ def forecast_first_step(optimizer: Any) -> int | None:
             if size is None:
                 return None
             total += size
-    return total
+    return Forecast(total)

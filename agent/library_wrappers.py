@@ -17,6 +17,16 @@ import torch
 
 from memtui_agent import schema
 
+CHECKPOINT_NOTES = {
+    "non-reentrant": "activation checkpointing (use_reentrant=False) in use: inside "
+    "checkpointed regions the checkpoint's own saved-tensor hooks replace memtui's, so "
+    "activations kept or recomputed there are not counted",
+    "reentrant": "activation checkpointing (use_reentrant=True) in use: checkpointed regions "
+    "run their forward without saving activations; backward recomputes them, and memtui counts "
+    "what the recomputation saves while backward holds it",
+}
+"""What each checkpoint variant means for the activations pile (measured on torch 2.13)."""
+
 
 class LibraryWrappers:
     """The wrapper factories; `Tracker._wrap` installs them and restores the originals.
@@ -27,13 +37,12 @@ class LibraryWrappers:
 
     _scaled_loss: tuple[int, Any] | None
     _scale: Any
-    _primary: Any
-    _primary_posts: int
-    _pending_skip: Any
+    _held_skip: tuple[Any, Any] | None
+    optimizers: Any
     _scaled_backward: bool
     _unscaled: bool
     _warned_clip: bool
-    _noted_checkpoint: bool
+    _noted_checkpoint: set[str]
     _in_optimizer: bool
     closed_steps: int
     enabled: dict[str, bool]
@@ -55,8 +64,8 @@ class LibraryWrappers:
 
     def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            self._close_pending_skip(None)  # a skip whose update() never came
-            posts_before = self._primary_posts
+            record = self.optimizers.get(optimizer)
+            steps_before = record.steps if record is not None else 0
             try:
                 # The scale this step's backward used; `update()` changes it in place later,
                 # and the step may close inside `original` (the optimizer's post hook).
@@ -66,15 +75,20 @@ class LibraryWrappers:
                 self._disable("scaler", exc)
             result = original(scaler, optimizer, *args, **kwargs)
             try:
-                primary = self._primary is None or self._primary is optimizer
-                if primary and self._primary_posts == posts_before and self.enabled["steps"]:
-                    if self._primary is None:
-                        self._primary = optimizer
-                        self.registry.add_optimizer(optimizer)
+                record = self.optimizers.get(optimizer)
+                stepped = record is not None and record.steps != steps_before
+                if not stepped and self.enabled["steps"]:
+                    # Skipped: no optimizer hook fired. The step closes now (so the next
+                    # optimizer's frame does not take its window) and is emitted at update(),
+                    # which knows the scale after the skip.
+                    if self.registry.add_optimizer(optimizer):
                         self._on_new_objects()
+                    self._steps_close_at_optimizer()
                     self._in_optimizer = False
-                    # Skipped: close at update(), which knows the scale after the skip.
-                    self._pending_skip = scaler
+                    closed = self.close_step(
+                        skipped=True, record=self.optimizers.count_step(optimizer)
+                    )
+                    self._held_skip = (closed, scaler)
             except Exception as exc:
                 self._disable("steps", exc)
             return result
@@ -84,13 +98,13 @@ class LibraryWrappers:
     def _wrap_scaler_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
-            if self._pending_skip is scaler:
-                after = None
+            held = self._held_skip
+            if held is not None and held[1] is scaler:
                 try:
-                    after = scaler._scale.detach().clone()
+                    held[0].scale_after = scaler._scale.detach().clone()
                 except Exception:
                     pass
-                self._close_pending_skip(after)
+                self.release_held_skip()
             return result
 
         return update
@@ -121,29 +135,20 @@ class LibraryWrappers:
 
     def _wrap_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def checkpoint(*args: Any, **kwargs: Any) -> Any:
-            if not self._noted_checkpoint:
-                self._noted_checkpoint = True
+            # torch 2.x treats a missing use_reentrant as True (with a warning).
+            reentrant = kwargs.get("use_reentrant")
+            variant = "reentrant" if reentrant is None or reentrant else "non-reentrant"
+            if variant not in self._noted_checkpoint:
+                self._noted_checkpoint.add(variant)
                 self._emit(
                     schema.AlertNow(
                         time=time.time(),
                         step=self.closed_steps + 1,
                         alert=schema.Alert(
-                            kind="checkpoint_limit",
-                            message="activation checkpointing in use: inside checkpointed "
-                            "regions the checkpoint's own saved-tensor hooks replace memtui's, "
-                            "so activations kept or recomputed there are not counted",
+                            kind="checkpoint_limit", message=CHECKPOINT_NOTES[variant]
                         ),
                     )
                 )
             return original(*args, **kwargs)
 
         return checkpoint
-
-    def _close_pending_skip(self, scale_after: Any) -> None:
-        if self._pending_skip is None:
-            return
-        self._pending_skip = None
-        try:
-            self.close_step(skipped=True, scale_after=scale_after)
-        except Exception as exc:
-            self._disable("steps", exc)

@@ -9,7 +9,7 @@ confirmed through a weakref, so a freed module whose id is reused is never confu
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from memtui_agent import schema
@@ -27,7 +27,7 @@ class ModuleRegistry:
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
         self.param_names: dict[int, str] = {}
-        self._module_cache: tuple[int, list[Any]] | None = None
+        self._module_cache: tuple[int, list[weakref.ref[Any]]] | None = None
         self._walks = 0
         self.generation = 0
         """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
@@ -93,17 +93,20 @@ class ModuleRegistry:
         catches modules added later (adapters, swapped heads).
         """
         self._walks += 1
-        if (
-            self._module_cache is None
-            or self._module_cache[0] != self.generation
-            or (self._walks % REWALK_EVERY == 0)
-        ):
-            seen: dict[int, Any] = {}
-            for root in self.live_roots():
-                for module in root.modules():
-                    seen.setdefault(id(module), module)
-            self._module_cache = (self.generation, list(seen.values()))
-        return self._module_cache[1]
+        cache = self._module_cache
+        if cache is not None and cache[0] == self.generation and self._walks % REWALK_EVERY:
+            modules = [module for ref in cache[1] if (module := ref()) is not None]
+            if len(modules) == len(cache[1]):
+                return modules
+        # The cache holds weak references only: a module the job drops (a swapped head, a
+        # whole model) is freed at once, exactly as without the agent; a dead one forces a walk.
+        seen: dict[int, Any] = {}
+        for root in self.live_roots():
+            for module in root.modules():
+                seen.setdefault(id(module), module)
+        modules = list(seen.values())
+        self._module_cache = (self.generation, [weakref.ref(module) for module in modules])
+        return modules
 
     def weight_tensors(self, parameters: list[Any]) -> list[Any]:
         """`parameters` (this step's `self.parameters()`) and the buffers of every root."""
@@ -136,24 +139,38 @@ class ModuleRegistry:
         return [grad for p in parameters if (grad := p.grad) is not None]
 
     def optimizer_state_tensors(self) -> list[Any]:
-        """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
-        import torch
+        """Every tensor held in the state of every live optimizer."""
+        return state_tensors(self.live_optimizers())
 
-        tensor = torch.Tensor
-        found: list[Any] = []
-        for optimizer in self.live_optimizers():
-            values = [
-                value
-                for state in list(optimizer.state.values())
-                if isinstance(state, dict)
-                for value in state.values()
-            ]
-            found += [value for value in values if isinstance(value, tensor)]
-            found += [
-                item
-                for value in values
-                if isinstance(value, (list, tuple))
-                for item in value
-                if isinstance(item, tensor)
-            ]
-        return found
+
+def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
+    """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
+    import torch
+
+    tensor = torch.Tensor
+    found: list[Any] = []
+    for optimizer in optimizers:
+        values = [
+            value
+            for state in list(optimizer.state.values())
+            if isinstance(state, dict)
+            for value in state.values()
+        ]
+        found += [value for value in values if isinstance(value, tensor)]
+        found += [
+            item
+            for value in values
+            if isinstance(value, (list, tuple))
+            for item in value
+            if isinstance(item, tensor)
+        ]
+    return found
+
+
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of the unique storages in one optimizer's state (its first step's growth)."""
+    from memtui_agent.ledger import storages_of
+
+    tensors = state_tensors([optimizer])
+    unique = {key: nbytes for t in tensors for key, nbytes, _, _ in storages_of(t)}
+    return sum(unique.values())

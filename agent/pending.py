@@ -81,6 +81,9 @@ class PendingStep:
     distributed: schema.Distributed | None = None
     alloc_events: Drained | None = None
     """`--alloc-events`: the ring entries read at the close, summarised here, off that thread."""
+    closed_by: schema.StepTrigger = schema.StepTrigger.OPTIMIZER
+    optimizer: str | None = None
+    optimizer_step: int | None = None
 
     def finalize(self) -> schema.Step:
         """The `Step` message, with loss and scale resolved to floats."""
@@ -91,7 +94,10 @@ class PendingStep:
         alerts = list(self.alerts)
         if self.skipped:
             after = float(self.scale_after.item()) if self.scale_after is not None else None
+            # The scale after is known when GradScaler.update() ran before the next step closed
+            # (with two optimizers on one scaler, the other's step may close first).
             change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
+            change = change or (f"; at scale {scale:g}" if scale else "")
             alerts.insert(
                 0,
                 schema.Alert(
@@ -119,4 +125,7 @@ class PendingStep:
             dropped=self.dropped,
             distributed=self.distributed,
             alloc_events=self.alloc_events.summary() if self.alloc_events is not None else None,
+            closed_by=self.closed_by,
+            optimizer=self.optimizer,
+            optimizer_step=self.optimizer_step,
         )

@@ -41,6 +41,15 @@ class Phase(str, Enum):
     BETWEEN = "between steps"
 
 
+class StepTrigger(str, Enum):
+    """What closed a step (DESIGN.md, "Steps")."""
+
+    OPTIMIZER = "optimizer"
+    """A top-level `optimizer.step()` returned, or a GradScaler skipped that optimizer."""
+    BACKWARD = "backward"
+    """No optimizer has stepped: each top-level `backward()` is a step."""
+
+
 class Piles(msgspec.Struct, array_like=True, frozen=True):
     """Bytes in each tracked pile, sent as a 4-element array to keep frames small."""
 
@@ -242,6 +251,12 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     dropped: int = 0
     distributed: Distributed | None = None
     alloc_events: AllocEvents | None = None
+    closed_by: StepTrigger = StepTrigger.OPTIMIZER
+    optimizer: str | None = None
+    """The optimizer whose `step()` closed this frame, as `AdamW#1` (class, index in order of
+    first step); None when a backward closed it."""
+    optimizer_step: int | None = None
+    """This optimizer's own step count (1 for its first `step()`)."""
 
 
 class AlertNow(msgspec.Struct, tag="alert", frozen=True):

@@ -1,8 +1,9 @@
 """Closing a step: the piles at close, health checks, forecasts and budgets, as one frame.
 
-Runs on the training thread when the primary optimizer's `step()` returns (or GradScaler skips
-it), so it keeps to counters already maintained by the hooks plus the health module's single
-fused check; everything that needs a host sync of a value is resolved later by the emitter.
+Runs on the training thread when a top-level optimizer `step()` returns (or GradScaler skips it,
+or, in a job with no optimizer, a top-level backward returns), so it keeps to counters already
+maintained by the hooks plus the health module's single fused check; everything that needs a
+host sync of a value is resolved later by the emitter.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from memtui_agent.allocator import (
 from memtui_agent.forecast import forecast_first_step
 from memtui_agent.health import HealthMonitor
 from memtui_agent.ledger import Ledger
-from memtui_agent.modules import ModuleRegistry
+from memtui_agent.modules import ModuleRegistry, state_bytes
+from memtui_agent.optimizer_book import OptimizerRecord
 from memtui_agent.pending import PendingStep
 from memtui_agent.schema import PILES
 from memtui_agent.units import format_bytes
@@ -51,48 +53,54 @@ class StepCloser:
         self._emit = emit
         self.budget = budget
         self.health = HealthMonitor(nan_check)
-        self.forecast: int | None = None
-        self._forecast_for: set[int] = set()
         self._budget_warned = False
         self._previous_peak: schema.Piles | None = None
-        self._state_before: int | None = None
 
-    def first_sight(self, optimizer: Any) -> bool:
-        """Whether this is the optimizer's first `step()` (True once per optimizer)."""
-        if id(optimizer) in self._forecast_for:
-            return False
-        self._forecast_for.add(id(optimizer))
-        return True
-
-    def before_first_step(self, optimizer: Any, step: int, current: schema.Piles) -> None:
+    def before_first_step(
+        self, optimizer: Any, record: OptimizerRecord, step: int, current: schema.Piles
+    ) -> None:
         """First `step()` of an optimizer: forecast its state and warn if it will not fit."""
-        if self._state_before is None:
-            self._state_before = current.optimizer_state
-        forecast = forecast_first_step(optimizer)
-        if forecast is None:
+        record.state_before = state_bytes(optimizer)
+        forecast = record.forecast = forecast_first_step(optimizer)
+        if forecast is None or forecast.bytes <= 0:
             return
-        self.forecast = (self.forecast or 0) + forecast
-        device_short = self._device_shortfall(forecast)
+        who = f"the first {record.name or record.kind}.step()"
+        device_short = self._device_shortfall(forecast.bytes)
         if device_short is not None:
             alert = schema.Alert(kind="over_budget", message=device_short, where="optimizer_state")
             self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
-        if forecast > 0:
+        message = f"{who} will allocate {forecast.describe()} of optimizer state"
+        alert = schema.Alert(kind="first_step_forecast", message=message)
+        self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
+        if self.budget is not None and current.total + forecast.bytes > self.budget:
             message = (
-                f"the first {type(optimizer).__name__}.step() will allocate "
-                f"{format_bytes(forecast)} ({forecast:,} bytes) of optimizer state"
-            )
-            alert = schema.Alert(kind="first_step_forecast", message=message)
-            self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
-        if self.budget is not None and current.total + forecast > self.budget:
-            message = (
-                f"the first {type(optimizer).__name__}.step() will allocate "
-                f"{format_bytes(forecast)} of optimizer state: tracked memory would reach "
-                f"{format_bytes(current.total + forecast)}, over the budget of "
-                f"{format_bytes(self.budget)}"
+                f"{who} will allocate {format_bytes(forecast.bytes)} of optimizer state: "
+                f"tracked memory would reach {format_bytes(current.total + forecast.bytes)}, "
+                f"over the budget of {format_bytes(self.budget)}"
             )
             alert = schema.Alert(kind="over_budget", message=message, where="optimizer_state")
             self._emit(schema.AlertNow(time=time.time(), step=step, alert=alert))
             self._budget_warned = True
+
+    @staticmethod
+    def after_first_step(optimizer: Any, record: OptimizerRecord) -> schema.Alert | None:
+        """What the first `step()` of an optimizer allocated, against its forecast."""
+        record.first_step_done = True
+        grown = state_bytes(optimizer) - record.state_before
+        if grown <= 0:
+            return None
+        message = (
+            f"the first {record.name or record.kind}.step() allocated {format_bytes(grown)} "
+            f"({grown:,} bytes) of optimizer state"
+        )
+        forecast = record.forecast
+        if forecast is not None:
+            if not forecast.matches(grown):
+                verdict = "forecast was"
+            else:
+                verdict = "as forecast" if forecast.exact else "within the forecast,"
+            message += f"; {verdict} {forecast.describe()}"
+        return schema.Alert(kind="first_step_growth", message=message)
 
     def close(
         self,
@@ -135,9 +143,6 @@ class StepCloser:
                 self.registry.name,
             )
         )
-        grown = end.optimizer_state - (self._state_before or 0)
-        if step == 1 and grown > 0:
-            alerts.append(self._first_step_alert(grown))
         budget_alert = self._budget_alert(peak)
         if budget_alert is not None:
             alerts.append(budget_alert)
@@ -177,16 +182,6 @@ class StepCloser:
             f"the first optimizer step will allocate {format_bytes(forecast)} of state but only "
             f"{format_bytes(free + cached)} is free on the device (incl. the allocator's cache)"
         )
-
-    def _first_step_alert(self, grown: int) -> schema.Alert:
-        message = (
-            f"the first optimizer step allocated {format_bytes(grown)} ({grown:,} bytes) "
-            "of optimizer state"
-        )
-        if self.forecast is not None:
-            verdict = "as forecast" if self.forecast == grown else "forecast was"
-            message += f"; {verdict} {format_bytes(self.forecast)} ({self.forecast:,} bytes)"
-        return schema.Alert(kind="first_step_growth", message=message)
 
     def _budget_alert(self, peak: schema.Piles) -> schema.Alert | None:
         """The step's peak over the budget, naming the pile that grew the most (once)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from threading import get_ident
@@ -42,6 +43,13 @@ from memtui_agent.ledger import (
 )
 from memtui_agent.library_wrappers import LibraryWrappers
 from memtui_agent.modules import ModuleRegistry
+from memtui_agent.optimizer_book import (
+    OptimizerBook,
+    OptimizerRecord,
+    caller_frame,
+    live_optimizers,
+)
+from memtui_agent.pending import PendingStep
 from memtui_agent.step_closer import StepCloser
 
 MAX_LOSSES_PER_STEP = 256
@@ -116,24 +124,26 @@ class Tracker(LibraryWrappers):
         self.distributed = DistributedMemory()
         self._fsdp = False
         self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check, reset_peaks)
-        self._pending_skip: Any = None
         self._scaled_backward = False
         self._unscaled = False
         self._warned_clip = False
-        self._noted_checkpoint = False
+        self._noted_checkpoint: set[str] = set()
         self.closed_steps = 0
         self.microbatches = 0
         self.step_started = time.time()
         self._stack: list[int] = []
         self._in_backward = 0
         self._in_optimizer = False
-        self._primary: Any = None
-        self._primary_posts = 0
+        self.optimizers = OptimizerBook()
+        self.trigger: schema.StepTrigger | None = None
+        """What closes steps: None until the first top-level backward or optimizer step."""
+        self._held_skip: tuple[PendingStep, Any] | None = None
         self._losses: list[Any] = []
         self._scaled_loss: tuple[int, Any] | None = None
         self._scale: Any = None
-        self._grad_hooked: dict[int, Any] = {}
-        self._seen_params: set[int] = set()
+        self._grad_hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
+        self._seen_params: dict[int, weakref.ref[Any]] = {}
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
@@ -171,6 +181,7 @@ class Tracker(LibraryWrappers):
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             self._wrap(torch.nn.utils, name, self._wrap_clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self._wrap_checkpoint)
+        self._wrap(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
 
     def _register_module_hooks(self) -> list[Any]:
         module_mod = torch.nn.modules.module
@@ -194,7 +205,7 @@ class Tracker(LibraryWrappers):
             finally:
                 self._module_handles = self._register_module_hooks()
         elif kind == "grads":
-            for handle in self._grad_hooked.values():
+            for _ref, handle in self._grad_hooked.values():
                 handle.remove()
             self._grad_hooked.clear()
             try:
@@ -223,7 +234,7 @@ class Tracker(LibraryWrappers):
             handle.remove()
         self._module_handles = []
         self._handles.clear()
-        for handle in self._grad_hooked.values():
+        for _ref, handle in self._grad_hooked.values():
             handle.remove()
         self._grad_hooked.clear()
         _unpack_samplers.clear()
@@ -327,14 +338,17 @@ class Tracker(LibraryWrappers):
                 origin = tensor
             kind = type(origin)
             if kind is Parameter or (kind is not Tensor and isinstance(origin, Parameter)):
-                if id(origin) not in self._seen_params:
+                seen = self._seen_params.get(id(origin))
+                if seen is None or seen() is not origin:
                     if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
                         # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
                         # (the shard is) nor an activation; autograd keeps it as FSDP expects.
                         self._sample_gathered()
                         return tensor
                     # A parameter no module or optimizer has shown us yet: it is a weight.
-                    self._seen_params.add(id(origin))
+                    self._seen_params[id(origin)] = self._forget_when_freed(
+                        origin, self._seen_params
+                    )
                     self.ledger.add(WEIGHTS, origin)
                 # A parameter or a view of one is a weight, never an activation: autograd keeps
                 # it as it would without hooks (no wrapper, nothing more for the GC to walk).
@@ -359,13 +373,28 @@ class Tracker(LibraryWrappers):
     # ----- gradients ---------------------------------------------------------------------------
 
     def _hook_new_parameters(self) -> None:
+        hooked = self._grad_hooked
         for parameter in self.registry.parameters():
-            if id(parameter) in self._grad_hooked or not parameter.requires_grad:
+            known = hooked.get(id(parameter))
+            if known is not None and known[0]() is parameter:
                 continue
-            if not parameter.is_leaf:
+            if not parameter.requires_grad or not parameter.is_leaf:
                 continue
             handle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
-            self._grad_hooked[id(parameter)] = handle
+            hooked[id(parameter)] = (self._forget_when_freed(parameter, hooked), handle)
+
+    @staticmethod
+    def _forget_when_freed(obj: Any, table: dict[int, Any]) -> weakref.ref[Any]:
+        """A weakref to `obj` that removes `table[id(obj)]` when `obj` dies, so id()-keyed
+        tables neither grow with the job's dead objects nor mistake a new one at the same id."""
+        key = id(obj)
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            entry = table.get(key)
+            if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
+                del table[key]
+
+        return weakref.ref(obj, forget)
 
     def _grad_ready(self, parameter: Any) -> None:
         if not self.enabled["grads"]:
@@ -400,14 +429,39 @@ class Tracker(LibraryWrappers):
                 self._in_optimizer = False
             self._in_backward += 1
             try:
-                return original(tensors, *args, **kwargs)
+                result = original(tensors, *args, **kwargs)
             except BaseException:
                 self._note_error(schema.Phase.BACKWARD.value, None)
                 raise
             finally:
                 self._in_backward -= 1
+            if outermost and self.trigger is not schema.StepTrigger.OPTIMIZER:
+                self._backward_returned()
+            return result
 
         return backward
+
+    def _backward_returned(self) -> None:
+        """A top-level backward returned in a job where no optimizer has stepped yet.
+
+        Whether it ends a step depends on whether an optimizer will step: the first time, the
+        heap is searched once for optimizers (created before the agent, or not yet stepped).
+        With none, each top-level backward closes a step (manual updates, gradient analysis).
+        """
+        if not self.enabled["steps"]:
+            return
+        try:
+            if self.trigger is None:
+                found = live_optimizers()
+                for optimizer in found:
+                    self.registry.add_optimizer(optimizer)
+                self.trigger = (
+                    schema.StepTrigger.OPTIMIZER if found else schema.StepTrigger.BACKWARD
+                )
+            if self.trigger is schema.StepTrigger.BACKWARD:
+                self.close_step(skipped=False)
+        except Exception as exc:
+            self._disable("steps", exc)
 
     def _record_loss(self, tensors: Any) -> None:
         if not self.enabled["loss"]:
@@ -432,16 +486,21 @@ class Tracker(LibraryWrappers):
         if not self.enabled["steps"]:
             return
         try:
-            self._in_optimizer = True
-            self.closer.allocator.phase_ended("backward")
+            top_level = self.optimizers.enter(optimizer, caller_frame(1))
+            if top_level:
+                self._in_optimizer = True
+                self.closer.allocator.phase_ended("backward")
+                self._steps_close_at_optimizer()
             self.registry.add_optimizer(optimizer)
             if self.registry.generation != self._synced_generation:
                 self._on_new_objects()
-            if self.closer.first_sight(optimizer):
+            record = self.optimizers.record(optimizer)
+            if not record.forecasted:
+                record.forecasted = True
                 # State some optimizers create up front (Adagrad) is not the first step's doing.
                 self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
                 self.closer.before_first_step(
-                    optimizer, self.closed_steps + 1, self.ledger.current()
+                    optimizer, record, self.closed_steps + 1, self.ledger.current()
                 )
         except Exception as exc:
             self._disable("steps", exc)
@@ -450,14 +509,42 @@ class Tracker(LibraryWrappers):
         if not self.enabled["steps"]:
             return
         try:
-            self._in_optimizer = False
-            if self._primary is None:
-                self._primary = optimizer
-            if optimizer is self._primary:
-                self._primary_posts += 1
-                self.close_step(skipped=False)
+            record = self.optimizers.get(optimizer)
+            if record is not None and not record.first_step_done:
+                growth = self.closer.after_first_step(optimizer, record)
+                if growth is not None:
+                    self.pending_alerts.append(growth)
+            closed = self.optimizers.leave(optimizer, caller_frame(1))
+            if closed is not None:
+                self._in_optimizer = False
+                self.close_step(skipped=False, record=closed)
         except Exception as exc:
             self._disable("steps", exc)
+
+    def _wrap_optimizer_init(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            original(optimizer, *args, **kwargs)
+            # An optimizer now exists: its step(), not backward, will close steps (an
+            # accumulation window must not be cut at each backward before its first step).
+            if self.enabled["steps"]:
+                try:
+                    self._steps_close_at_optimizer()
+                except Exception as exc:
+                    self._disable("steps", exc)
+
+        return __init__
+
+    def _steps_close_at_optimizer(self) -> None:
+        """An optimizer exists or stepped: from now on steps close there, not at backward."""
+        if self.trigger is schema.StepTrigger.BACKWARD and self.closed_steps:
+            self.pending_alerts.append(
+                schema.Alert(
+                    kind="step_rule",
+                    message=f"an optimizer appeared after {self.closed_steps} steps that were "
+                    "closed by backward(): from here on each optimizer.step() closes a step",
+                )
+            )
+        self.trigger = schema.StepTrigger.OPTIMIZER
 
     def _on_new_objects(self) -> None:
         """A new model tree or optimizer appeared: count its weights and hook its parameters."""
@@ -514,8 +601,16 @@ class Tracker(LibraryWrappers):
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
         return gradients
 
-    def close_step(self, skipped: bool, scale_after: Any = None) -> None:
-        """Turn the current window into a `Step` and start the next one."""
+    def close_step(
+        self, skipped: bool, record: OptimizerRecord | None = None, scale_after: Any = None
+    ) -> PendingStep:
+        """Turn the current window into a step and start the next one.
+
+        `record` is the optimizer whose top-level `step()` (or GradScaler skip) closes it; None
+        when a backward closes it (a job with no optimizer). Returns the closed step, already
+        handed to the emitter, except a skip, which waits for `GradScaler.update()`.
+        """
+        self.release_held_skip()
         if self.registry.generation != self._synced_generation or self.closed_steps % 64 == 0:
             # New objects, or a periodic look for parameters unfrozen since (their gradients
             # are counted by `resync` meanwhile; the hook only makes the timing exact).
@@ -537,7 +632,13 @@ class Tracker(LibraryWrappers):
             gradients=gradients,
         )
         pending.distributed = self._distributed_at_close()
-        self._emit(pending)
+        if record is None:
+            pending.closed_by = schema.StepTrigger.BACKWARD
+        else:
+            pending.optimizer = record.name
+            pending.optimizer_step = record.steps
+        if not skipped:
+            self._emit(pending)
         self._losses = []
         self._scale = None
         self.microbatches = 0
@@ -545,6 +646,13 @@ class Tracker(LibraryWrappers):
         self._unscaled = False
         self.step_started = pending.t_end
         self.ledger.reset_step()
+        return pending
+
+    def release_held_skip(self) -> None:
+        """Emit a skipped step still waiting for its `GradScaler.update()`, as it is."""
+        held, self._held_skip = self._held_skip, None
+        if held is not None:
+            self._emit(held[0])
 
     def tick(self) -> schema.Tick:
         """Live piles for the emitter's once-a-second heartbeat."""

@@ -12,7 +12,7 @@ import msgspec
 from memtui.alloc_rows import events_dict, events_text
 from memtui.recording import Recording
 from memtui.step_rows import distributed_notes
-from memtui_agent.schema import PILES, Alert, Step
+from memtui_agent.schema import PILES, Alert, Step, StepTrigger
 from memtui_agent.units import format_bytes
 
 ALLOCATOR_KEYS = (
@@ -36,6 +36,9 @@ def step_report(step: Step, recording: Recording) -> dict[str, Any]:
 def _step_entry(step: Step, recording: Recording) -> dict[str, Any]:
     return {
         "step": step.step,
+        "optimizer": step.optimizer,
+        "optimizer_step": step.optimizer_step,
+        "closed_by": step.closed_by.value,
         "skipped": step.skipped,
         "microbatches": step.microbatches,
         "end": step.end.as_dict(),
@@ -143,6 +146,8 @@ def build_report(recording: Recording) -> dict[str, Any]:
             "recording": str(recording.path),
         },
         "steps": [step_report(step, recording) for step in recording.steps],
+        "optimizers": optimizer_steps(recording.steps),
+        "step_rule": step_rule(recording.steps),
         "alerts": all_alerts(recording),
         "exit": exit_report(recording),
         "peaks": peak_phases(recording),
@@ -152,6 +157,31 @@ def build_report(recording: Recording) -> dict[str, Any]:
         ],
         "warnings": [recording.warning] if recording.warning else [],
     }
+
+
+def optimizer_steps(steps: list[Step]) -> dict[str, int]:
+    """Steps closed by each optimizer, in order of first step (`{"AdamW#1": 10}`)."""
+    counts: dict[str, int] = {}
+    for step in steps:
+        if step.optimizer is not None:
+            counts[step.optimizer] = counts.get(step.optimizer, 0) + 1
+    return counts
+
+
+def step_rule(steps: list[Step]) -> str | None:
+    """What a step means in this recording, in words (None before any step)."""
+    if not steps:
+        return None
+    by_backward = sum(step.closed_by is StepTrigger.BACKWARD for step in steps)
+    if by_backward == len(steps):
+        return "no optimizer stepped: each step is one top-level backward()"
+    names = optimizer_steps(steps)
+    rule = "each step is one optimizer.step()" + (
+        f" of one of {len(names)} optimizers" if len(names) > 1 else ""
+    )
+    if by_backward:
+        rule += f"; the first {by_backward} were top-level backward() calls, before any did"
+    return rule
 
 
 def peak_phases(recording: Recording) -> dict[str, Any]:
@@ -201,6 +231,11 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         f"steps: {len(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
+    names = report["optimizers"]
+    if len(names) > 1:
+        lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))
+    if report["step_rule"] is not None and (len(names) != 1 or "backward" in report["step_rule"]):
+        lines.append(f"  ({report['step_rule']})")
     if steps:
         peaks = pile_peaks(recording)
         top = max(steps, key=lambda step: step.peak.total)
@@ -214,12 +249,6 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append("pile              highest in run   at peak")
         for pile in PILES:
             lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")
-        first = steps[0]
-        if first.end.optimizer_state:
-            lines.append(
-                f"first optimizer step allocated {size(first.end.optimizer_state)} of "
-                "optimizer state"
-            )
         last = steps[-1]
         lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")

@@ -62,6 +62,9 @@ class Snapshot:
     alloc_recorded: bool = False
     """The job runs with `--alloc-events`: the allocations table is on screen."""
     alloc_rows: tuple[AllocRow, ...] = ()
+    step_owner: str | None = None
+    """Whose step the cursor is on, where that needs saying: the optimizer when several step,
+    or that a backward closed it (a job without an optimizer)."""
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Session:
     end: schema.End | None = None
     last_tick: schema.Tick | None = None
     cursor: int | None = None
+    optimizer_names: set[str] = field(default_factory=set)
     follow: bool = True
     paused: bool = False
     binary: bool = True
@@ -117,6 +121,8 @@ class Session:
             self.version += 1
 
     def _add_step(self, step: schema.Step) -> None:
+        if step.optimizer is not None:
+            self.optimizer_names.add(step.optimizer)
         self.steps.append(step)
         self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)
@@ -289,7 +295,17 @@ class Session:
             distributed_lines=distributed_notes(step, self.binary),
             alloc_recorded=self.alloc_recorded,
             alloc_rows=self._alloc_rows(step),
+            step_owner=self._step_owner(step),
         )
+
+    def _step_owner(self, step: schema.Step | None) -> str | None:
+        if step is None:
+            return None
+        if step.closed_by is schema.StepTrigger.BACKWARD:
+            return "step = one backward() (no optimizer stepped)"
+        if len(self.optimizer_names) > 1 and step.optimizer is not None:
+            return f"{step.optimizer} step {step.optimizer_step}"
+        return None
 
     def _alloc_rows(self, step: schema.Step | None) -> tuple[AllocRow, ...]:
         """The cursor step's allocator events; on the newest step also the step that never

@@ -107,7 +107,7 @@ class PilesPanel(Static):
             )
         total = sum(row.at_peak or 0 for row in snap.piles)
         table.add_row(Text("total at peak", style="bold"), _size(total, snap.binary), "", "")
-        extra = []
+        extra = [snap.step_owner] if snap.step_owner else []
         if snap.loss is not None:
             extra.append(f"loss {snap.loss:.4g}")
         if snap.microbatches:
