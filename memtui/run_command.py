@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class JobSpec:
     display: list[str]
     env: dict[str, str]
     recording: Path | None
+    notes: Path | None = None
+    """Where the command's interpreters leave what they could not say on their own stderr."""
 
 
 def bootstrap_dir() -> Path:
@@ -89,6 +92,7 @@ def build_job(
     """
     env = dict(os.environ)
     env.pop("MEMTUI_AGENT_OWNER", None)
+    through_bootstrap = False
     if module is not None:
         command = [sys.executable, "-m", "memtui_agent.runner", "--module", module, *target]
         display = ["python", "-m", module, *target]
@@ -112,6 +116,7 @@ def build_job(
             existing = env.get("PYTHONPATH")
             bootstrap = str(bootstrap_dir())
             env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
+            through_bootstrap = True
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
@@ -136,7 +141,60 @@ def build_job(
     if budget is not None:
         env["MEMTUI_BUDGET"] = str(budget)
     env["MEMTUI_NAN_CHECK"] = nan_check
-    return JobSpec(command=command, display=display, env=env, recording=recording)
+    notes = None
+    if through_bootstrap:
+        notes = make_notes_file()
+        env[NOTES_VARIABLE] = str(notes)
+    return JobSpec(command=command, display=display, env=env, recording=recording, notes=notes)
+
+
+NOTES_VARIABLE = "MEMTUI_NOTES"
+"""The bootstrap's own name for it is in `memtui_agent/bootstrap/sitecustomize.py`."""
+MAX_NOTES = 5
+
+
+def make_notes_file() -> Path:
+    """A private empty file the bootstrap appends to (mode 0600, a fresh name)."""
+    descriptor, name = tempfile.mkstemp(prefix="memtui-notes-", suffix=".txt")
+    os.close(descriptor)
+    return Path(name)
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as escapes, so no text from a file or a job drives the terminal.
+
+    A local minimal version: the shared helper for every text output replaces it at merge.
+    """
+    return "".join(char if char.isprintable() or char == " " else repr(char)[1:-1] for char in text)
+
+
+def take_notes(job: JobSpec) -> list[str]:
+    """What the command's interpreters noted (e.g. a Python without memtui), once each, as
+    lines for memtui's own stderr; the notes file is removed."""
+    if job.notes is None:
+        return []
+    try:
+        with open(job.notes, encoding="utf-8", errors="replace") as handle:
+            text = handle.read(1 << 20)
+    except OSError:
+        text = ""
+    finally:
+        try:
+            job.notes.unlink()
+        except OSError:
+            pass
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.strip():
+            counts[line] = counts.get(line, 0) + 1
+    lines = [
+        f"memtui: not monitored ({count} process{'es' if count > 1 else ''}): "
+        + escape_controls(note)
+        for note, count in list(counts.items())[:MAX_NOTES]
+    ]
+    if len(counts) > MAX_NOTES:
+        lines.append(f"memtui: ... and {len(counts) - MAX_NOTES} more such notes")
+    return lines
 
 
 def exit_code_of(returncode: int) -> int:
@@ -151,6 +209,7 @@ def run_headless(job: JobSpec) -> int:
     try:
         child = subprocess.Popen(job.command, env=job.env)
     except OSError as exc:
+        take_notes(job)
         print(f"memtui: cannot start {job.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
     forwarded = {}
@@ -172,6 +231,8 @@ def run_headless(job: JobSpec) -> int:
         for signum, previous in forwarded.items():
             signal.signal(signum, previous)
     code = exit_code_of(returncode)
+    for line in take_notes(job):
+        print(line, file=sys.stderr)
     print(summary_line(job, code), file=sys.stderr)
     return code
 

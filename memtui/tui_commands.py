@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from memtui.run_command import JobSpec, summary_line
+from memtui.run_command import JobSpec, summary_line, take_notes
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
 from memtui_agent.runtime_dir import live_sidecars, runtime_dir
 
@@ -57,6 +57,7 @@ def run_tui(job_spec: JobSpec) -> int:
     """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
     problem = _need_terminal("run")
     if problem:
+        take_notes(job_spec)
         print(f"memtui: error: {problem}", file=sys.stderr)
         return 2
     from memtui.job_process import JobProcess
@@ -68,6 +69,7 @@ def run_tui(job_spec: JobSpec) -> int:
     try:
         job = JobProcess(job_spec.command, env, log_path)
     except OSError as exc:
+        take_notes(job_spec)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
 
@@ -94,6 +96,8 @@ def run_tui(job_spec: JobSpec) -> int:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    for line in take_notes(job_spec):
+        print(line, file=sys.stderr)
     print(summary_line(job_spec, code), file=sys.stderr)
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
