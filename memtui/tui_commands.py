@@ -12,9 +12,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from memtui.run_command import JobSpec, summary_line, take_notes
+from memtui.run_command import JobSpec, escape_controls, summary_line, take_notes
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
-from memtui_agent.runtime_dir import live_sidecars, runtime_dir
+from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
 
@@ -38,7 +38,11 @@ class SessionSocketSource(LiveSource):
 
     def run(self, sink: Any, stop: threading.Event) -> str | None:
         while not stop.is_set():
-            for job in live_sidecars():
+            try:
+                jobs = live_sidecars()
+            except RuntimeDirError as exc:
+                return f"{exc}; refusing to use it"
+            for job in jobs:
                 if job.get("session") == self.token:
                     self.socket_path = Path(str(job["socket"]))
                     self.label = str(self.socket_path)
@@ -180,7 +184,8 @@ def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
         command = " ".join(job.get("argv") or [])
         if "ranks" in job:
             command += f"  [{len(job['ranks'])} ranks]"
-        lines.append(f"{job['pid']:>8}  {age:>7}  {command}  ->  {job.get('recording') or '-'}")
+        recording = job.get("recording") or "-"
+        lines.append(escape_controls(f"{job['pid']:>8}  {age:>7}  {command}  ->  {recording}"))
     return "\n".join(lines)
 
 
@@ -207,19 +212,39 @@ def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
 
 
+def trusted_live_jobs() -> list[dict[str, Any]] | None:
+    """The live jobs, grouped; None (after one line on stderr) where the runtime directory is
+    not ours alone. A sidecar skipped as untrustworthy is one warning line each."""
+    problems: list[str] = []
+    try:
+        jobs = group_ranks(live_sidecars(problems=problems))
+    except RuntimeDirError as exc:
+        print(f"memtui: error: {escape_controls(str(exc))}; refusing to use it", file=sys.stderr)
+        return None
+    for problem in problems:
+        print(f"memtui: warning: {escape_controls(problem)}", file=sys.stderr)
+    return jobs
+
+
+def _no_jobs_line() -> str:
+    return f"no live memtui jobs (looked in {escape_controls(str(runtime_dir()))})"
+
+
 def list_live_jobs() -> int:
     """`memtui attach --list`: each live job, then one socket path per rank (what to forward
     with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
-    jobs = group_ranks(live_sidecars())
+    jobs = trusted_live_jobs()
+    if jobs is None:
+        return EXIT_BAD_INPUT
     if not jobs:
-        print(f"memtui: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr)
+        print(f"memtui: {_no_jobs_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for job in jobs:
         print(list_jobs_text([job]))
         for member in job.get("ranks", [job]):
             rank = member.get("rank")
             label = f"rank {rank}" if rank is not None else "socket"
-            print(f"          {label}: {member['socket']}")
+            print(escape_controls(f"          {label}: {member['socket']}"))
     return 0
 
 
@@ -230,7 +255,10 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
-        jobs = group_ranks(live_sidecars())
+        found = trusted_live_jobs()
+        if found is None:
+            return EXIT_BAD_INPUT
+        jobs = found
         if pid is not None:
             jobs = [
                 job
@@ -241,9 +269,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
                 print(f"memtui: error: no live memtui job with pid {pid}", file=sys.stderr)
                 return EXIT_BAD_INPUT
         if not jobs:
-            print(
-                f"memtui: error: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr
-            )
+            print(f"memtui: error: {_no_jobs_line()}", file=sys.stderr)
             return EXIT_BAD_INPUT
         chosen = jobs[0] if len(jobs) == 1 else None
         if chosen is None:
