@@ -121,16 +121,22 @@ def build_job(
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
         distributed = launches_ranks(target, module)
-        if distributed and not output:
+        # A launcher starts ranks; any other command may start several Python processes (in
+        # turn or side by side): each records its own file in a session folder.
+        per_process = distributed or through_bootstrap
+        if per_process and not output:
             recording = recording.with_suffix("")
         if not recording.is_dir() and not recording.parent.exists():
             raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
-        if distributed and not recording.is_dir():
-            # One recording per rank: the session folder must exist before the ranks start.
-            if recording.exists():
+        if per_process and not recording.is_dir():
+            # The session folder must exist before the processes start.
+            if os.path.lexists(recording):
+                who, unit = (
+                    ("a distributed launcher", "rank") if distributed else ("-- COMMAND", "process")
+                )
                 raise UsageError(
-                    f"-o {recording}: is a file; a distributed launcher needs a session folder "
-                    "(one recording per rank)"
+                    f"-o {recording}: is a file; {who} needs a session folder "
+                    f"(one recording per {unit})"
                 )
             recording.mkdir()
         recording = recording.resolve()
@@ -237,36 +243,67 @@ def run_headless(job: JobSpec) -> int:
     return code
 
 
+MAX_SUMMARY_RECORDINGS = 8
+
+
 def summary_line(job: JobSpec, code: int) -> str:
-    """One or two lines for the end of a headless run."""
+    """A few lines for the end of a run: how the job ended and where it was recorded."""
     if job.recording is None:
         return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
     if job.recording.is_dir():
-        from memtui.rank_report import session_files
-
-        count = len(session_files(job.recording))
-        return (
-            f"memtui: job exited with code {code}; {count} recording(s) in {job.recording}  "
-            f"(memtui report {job.recording})"
-        )
+        return _session_summary(job.recording, code)
     if not job.recording.exists():
         return (
             f"memtui: job exited with code {code}; no recording was written (the job never "
             "imported torch, or the agent could not start)"
         )
     try:
-        recording = read_recording(job.recording)
+        status, steps, piles = _outcome(job.recording)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    peaks = pile_peaks(recording)
-    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
-    status = recording.status() if recording.end is None else recording.end.status
     lines = (
-        f"memtui: job {status} (exit code {code}) after {len(recording.steps)} steps; "
-        f"highest piles: {piles}\n"
+        f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"
     )
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
         lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
     return lines
+
+
+def _outcome(path: Path) -> tuple[str, int, str]:
+    """(how it ended, steps, highest piles) of one recording.
+
+    Raises:
+        RecordingError: the recording cannot be read.
+    """
+    recording = read_recording(path)
+    peaks = pile_peaks(recording)
+    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
+    status = recording.status() if recording.end is None else recording.end.status
+    return str(status), len(recording.steps), piles
+
+
+def _session_summary(folder: Path, code: int) -> str:
+    """A session folder: one line per recording (every rank, every Python process), so a
+    process that ran no step is seen beside the one that trained."""
+    from memtui.rank_report import session_files
+
+    files = session_files(folder)
+    lines = [
+        f"memtui: job exited with code {code}; {len(files)} recording(s) in {folder}  "
+        f"(memtui report {folder})"
+    ]
+    if not files:
+        lines[0] += "; none written (no Python process imported torch, or no agent started)"
+    for label, path in files[:MAX_SUMMARY_RECORDINGS]:
+        name = f"rank {label}" if label.isdigit() else label
+        try:
+            status, steps, piles = _outcome(path)
+        except RecordingError as exc:
+            lines.append(f"memtui:   {name}: unreadable: {exc}")
+            continue
+        lines.append(f"memtui:   {name}: {status} after {steps} steps; highest piles: {piles}")
+    if len(files) > MAX_SUMMARY_RECORDINGS:
+        lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")
+    return "\n".join(lines)

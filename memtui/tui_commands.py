@@ -12,7 +12,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from memtui.run_command import JobSpec, escape_controls, summary_line, take_notes
+from memtui.run_command import (
+    JobSpec,
+    escape_controls,
+    launches_ranks,
+    summary_line,
+    take_notes,
+)
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
@@ -57,6 +63,32 @@ class SessionSocketSource(LiveSource):
         return None
 
 
+class FirstRecordingTail(TailSource):
+    """The first recording to appear in a `-- COMMAND` session folder, followed as it grows.
+
+    The command's other Python processes record beside it; `report` and `replay` on the
+    folder show them all.
+    """
+
+    def __init__(self, folder: Path, job_exited: Any) -> None:
+        super().__init__(folder / "proc-0.memtui", job_exited)
+        self.folder = folder
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        from memtui.rank_report import session_files
+
+        while not stop.is_set():
+            files = session_files(self.folder)
+            if files:
+                self.path = files[0][1]
+                self.label = str(self.path)
+                return TailSource.run(self, sink, stop)
+            if self._job_exited():
+                return "the job ended before its agent started (did it import torch?)"
+            stop.wait(self._poll)
+        return None
+
+
 def run_tui(job_spec: JobSpec) -> int:
     """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
     problem = _need_terminal("run")
@@ -82,7 +114,11 @@ def run_tui(job_spec: JobSpec) -> int:
 
     source: Any
     ranks = None
-    if job_spec.recording is not None and job_spec.recording.is_dir():
+    folder = job_spec.recording
+    if folder is not None and folder.is_dir() and not launches_ranks(job_spec.display, None):
+        # `-- COMMAND`: one recording per Python process; the screen follows the first.
+        source = FirstRecordingTail(folder, exited)
+    elif folder is not None and folder.is_dir():
         # A session folder: follow each rank's recording as the ranks write them.
         ranks = {
             str(rank): TailSource(job_spec.recording / f"rank-{rank}.memtui", exited)
@@ -130,11 +166,11 @@ def session_sources(folder: Path) -> dict[str, Any]:
     Raises:
         SourceError: the folder holds no rank recordings, or one of them is unreadable.
     """
-    from memtui.rank_report import session_files
+    from memtui.rank_report import NO_RECORDINGS, session_files
 
     files = session_files(folder)
     if not files:
-        raise SourceError(f"{folder}: is a directory with no rank-N.memtui recordings")
+        raise SourceError(f"{folder}: {NO_RECORDINGS}")
     sources = {}
     for label, file in files:
         source = ReplaySource(file)
