@@ -19,7 +19,7 @@ from typing import Any
 
 from memtui_agent import schema
 from memtui_agent.failures import first_line, is_oom, requested_bytes
-from memtui_agent.runtime_dir import ensure_private_dir, write_sidecar
+from memtui_agent.runtime_dir import Sidecar, ensure_private_dir, write_sidecar
 from memtui_agent.units import format_bytes
 
 
@@ -124,17 +124,17 @@ class Agent:
                 self.sidecar = write_sidecar(
                     self.socket_path.parent,
                     str(self.pid),
-                    {
-                        "pid": self.pid,
-                        "argv": self.argv,
-                        "started": hello.started,
-                        "started_unix": started,
-                        "socket": str(self.socket_path),
-                        "recording": hello.recording,
-                        "rank": hello.rank,
-                        "process_create_time": hello.process_create_time,
-                        "session": os.environ.get("MEMTUI_SESSION"),
-                    },
+                    Sidecar(
+                        pid=self.pid,
+                        argv=self.argv,
+                        started=hello.started,
+                        started_unix=started,
+                        socket=str(self.socket_path),
+                        recording=hello.recording,
+                        rank=hello.rank if hello.rank is not None and hello.rank >= 0 else None,
+                        process_create_time=hello.process_create_time,
+                        session=os.environ.get("MEMTUI_SESSION"),
+                    ),
                 )
             except OSError as exc:
                 self.report_failure("sidecar", exc)

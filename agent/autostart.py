@@ -141,10 +141,12 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
     """A session folder (an existing directory) gets one recording per process.
 
     A multi-rank job (`WORLD_SIZE` > 1) always records into a session folder, made here if the
-    path is new.
+    path is new; so does every `memtui run -- COMMAND` (`memtui run` makes the folder), whose
+    command may start any number of Python processes, one after another or side by side.
 
-    Ranks are named by their global rank (`rank-3.memtui`), other processes by pid, so every
-    process of a multi-process job writes its own file and none overwrites another's.
+    Ranks are named by their global rank (`rank-3.memtui`), other processes by a process index
+    (`proc-0.memtui`, `proc-1.memtui`, in the order their agents start), so every process of a
+    multi-process job writes its own file and none overwrites another's.
     """
     rank = environ.get("RANK")
     if not rank and environ.get("NODE_RANK", "0") == "0":
@@ -158,8 +160,33 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
         os.makedirs(record, exist_ok=True)
     if not record or not os.path.isdir(record):
         return record
-    name = f"rank-{int(rank)}.memtui" if rank and rank.isdigit() else f"pid-{os.getpid()}.memtui"
-    return os.path.join(record, name)
+    if rank and rank.isdigit():
+        return os.path.join(record, f"rank-{int(rank)}.memtui")
+    return os.path.join(record, f"proc-{claim_process_index(record)}.memtui")
+
+
+PROCESS_INDEX_FILE = ".process-index"
+
+
+def claim_process_index(folder: str) -> int:
+    """The next process index of a session folder, claimed once, by whichever process asks.
+
+    The counter lives in a small file beside the recordings, read and advanced under an
+    exclusive `flock`, so siblings starting at the same moment never get the same index; an
+    index is never reused, not even after its process ended (a pid would be, by the system).
+    """
+    import fcntl
+
+    path = os.path.join(folder, PROCESS_INDEX_FILE)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
+        index = int(text) if text.isdigit() else 0
+        os.pwrite(descriptor, str(index + 1).encode("ascii"), 0)  # never fewer digits
+    finally:
+        os.close(descriptor)  # releases the lock
+    return index
 
 
 def arm_from_environment(install_exit_handlers: bool) -> bool:

@@ -2,20 +2,42 @@
 
 Both halves use it: the agent creates sockets and sidecars here, `memtui attach` lists them. The
 directory is created 0700 and verified (owned by us, not a symlink, no group/other access)
-before use, because anyone who could write here could impersonate a job.
+before use, by the agent and by the viewer alike, because anyone who could write here could
+impersonate a job: point `attach` at a socket of their choosing, or put escape sequences on the
+viewer's terminal. Each sidecar is checked the same way (a regular file of ours, private, small)
+and decoded into the `Sidecar` schema; one that fails is skipped and said in one line.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 SIDECAR_SUFFIX = ".json"
 SOCKET_SUFFIX = ".sock"
+MAX_SIDECAR_BYTES = 64 * 1024
+"""A sidecar is a few hundred bytes; a bound keeps a planted huge file from costing memory."""
+
+Pid = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
+class Sidecar(msgspec.Struct, forbid_unknown_fields=False):
+    """A live job's discovery record: what `memtui attach` lists and where it connects."""
+
+    pid: Pid
+    socket: str
+    argv: list[str] = []
+    started: str | None = None
+    started_unix: float | None = None
+    recording: str | None = None
+    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    process_create_time: float | None = None
+    session: str | None = None
 
 
 class RuntimeDirError(OSError):
@@ -45,25 +67,71 @@ def ensure_private_dir(path: Path | None = None) -> Path:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise RuntimeDirError(f"{path} is not a plain directory")
-    if info.st_uid != os.getuid():
-        raise RuntimeDirError(f"{path} is owned by uid {info.st_uid}, not by you")
-    if info.st_mode & 0o077:
-        raise RuntimeDirError(f"{path} is accessible to other users (mode {info.st_mode:o})")
+    check_private_dir(path)
     return path
 
 
-def write_sidecar(directory: Path, name: str, content: dict[str, Any]) -> Path:
+def check_private_dir(path: Path) -> None:
+    """Refuse a runtime directory that is not ours alone (see `ensure_private_dir`)."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"{path} is not a plain directory")
+    _check_private(path, info)
+
+
+def _check_private(path: Path, info: os.stat_result) -> None:
+    if info.st_uid != os.getuid():
+        raise RuntimeDirError(f"{path} is owned by uid {info.st_uid}, not by you")
+    if info.st_mode & 0o077:
+        mode = stat.S_IMODE(info.st_mode)
+        raise RuntimeDirError(f"{path} is accessible to other users (mode {mode:o})")
+
+
+def write_sidecar(directory: Path, name: str, content: Sidecar) -> Path:
     """Atomically publish a job's discovery record (write to a temp file, then rename)."""
     final = directory / f"{name}{SIDECAR_SUFFIX}"
     temporary = directory / f".{name}{SIDECAR_SUFFIX}.tmp"
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(content, handle)
+    try:
+        os.unlink(temporary)  # a leftover of a killed job with a reused pid
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    descriptor = os.open(temporary, flags, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(msgspec.json.encode(content))
     os.replace(temporary, final)
     return final
+
+
+def read_sidecar(path: Path, directory: Path) -> Sidecar:
+    """One sidecar, trusted only if it is a small private regular file of ours that decodes
+    into `Sidecar` and names a socket inside `directory`.
+
+    Raises:
+        RuntimeDirError: anything else, in one line.
+    """
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise RuntimeDirError(f"{path}: cannot open ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise RuntimeDirError(f"{path}: not a regular file")
+        _check_private(path, info)
+        data = os.read(descriptor, MAX_SIDECAR_BYTES + 1)
+    finally:
+        os.close(descriptor)
+    if len(data) > MAX_SIDECAR_BYTES:
+        raise RuntimeDirError(f"{path}: larger than {MAX_SIDECAR_BYTES} bytes")
+    try:
+        sidecar = msgspec.json.decode(data, type=Sidecar)
+    except msgspec.DecodeError as exc:
+        raise RuntimeDirError(f"{path}: not a memtui sidecar ({exc})") from None
+    socket_path = Path(sidecar.socket)
+    if socket_path.parent != directory or not socket_path.name.endswith(SOCKET_SUFFIX):
+        raise RuntimeDirError(f"{path}: names a socket outside {directory}")
+    return sidecar
 
 
 def pid_alive(pid: int, create_time: float | None = None) -> bool:
@@ -90,11 +158,21 @@ def pid_alive(pid: int, create_time: float | None = None) -> bool:
         return True
 
 
-def live_sidecars(directory: Path | None = None) -> list[dict[str, Any]]:
-    """Every live job's sidecar; stale ones (dead pid) and their sockets are removed."""
+def live_sidecars(
+    directory: Path | None = None, problems: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every live job's sidecar; stale ones (dead pid) and their sockets are removed.
+
+    Args:
+        problems: receives one line per sidecar skipped as untrustworthy or malformed.
+
+    Raises:
+        RuntimeDirError: the directory exists but is not ours alone; nothing in it is read.
+    """
     directory = directory or runtime_dir()
-    if not directory.is_dir():
+    if not os.path.lexists(directory):
         return []
+    check_private_dir(directory)
     jobs = []
     for orphan in directory.glob(f"*{SOCKET_SUFFIX}"):
         # A socket whose job died before writing (or after removing) its sidecar.
@@ -107,14 +185,15 @@ def live_sidecars(directory: Path | None = None) -> list[dict[str, Any]]:
                 pass
     for path in sorted(directory.glob(f"*{SIDECAR_SUFFIX}")):
         try:
-            content = json.loads(path.read_text())
-            pid = int(content["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+            sidecar = read_sidecar(path, directory)
+        except RuntimeDirError as exc:
+            if problems is not None:
+                problems.append(f"skipped {exc}")
             continue
-        if pid_alive(pid, content.get("process_create_time")):
-            jobs.append(content)
+        if pid_alive(sidecar.pid, sidecar.process_create_time):
+            jobs.append(msgspec.structs.asdict(sidecar))
             continue
-        for stale in (path, Path(str(content.get("socket", "")))):
+        for stale in (path, Path(sidecar.socket)):
             if stale.name and stale.parent == directory:
                 try:
                     stale.unlink()

@@ -18,21 +18,25 @@ from memtui.step_rows import distributed_notes
 from memtui_agent.schema import PILES
 from memtui_agent.units import format_bytes
 
-_RANK_FILE = re.compile(r"^(rank-(\d+)|pid-(\d+))\.memtui$")
+_RANK_FILE = re.compile(r"^(?:rank-(\d+)|(proc|pid)-(\d+))\.memtui$")
+"""`rank-N` (a rank), `proc-N` (the Nth process of a `-- COMMAND`), `pid-N` (older folders)."""
+NO_RECORDINGS = "is a directory with no rank-N.memtui or proc-N.memtui recordings"
 
 
 def session_files(folder: Path) -> list[tuple[str, Path]]:
-    """(rank label, path) for every recording in a session folder, ranks in numeric order."""
+    """(label, path) for every recording in a session folder: ranks in numeric order ("0",
+    "1", ...), then processes in the order they started ("proc-0", "proc-1", ...)."""
     found = []
     for path in folder.iterdir():
         match = _RANK_FILE.match(path.name)
-        if match:
-            label = match.group(2) if match.group(2) is not None else f"pid-{match.group(3)}"
-            found.append((label, path))
-    return sorted(
-        found,
-        key=lambda item: (not item[0].isdigit(), int(item[0]) if item[0].isdigit() else item[0]),
-    )
+        if match is None:
+            continue
+        if match.group(1) is not None:
+            found.append(((0, "", int(match.group(1))), match.group(1), path))
+        else:
+            kind, number = match.group(2), int(match.group(3))
+            found.append(((1, kind, number), f"{kind}-{number}", path))
+    return [(label, path) for _, label, path in sorted(found)]
 
 
 def read_session(folder: Path) -> tuple[dict[str, Recording], list[str]]:
@@ -43,7 +47,7 @@ def read_session(folder: Path) -> tuple[dict[str, Recording], list[str]]:
     """
     files = session_files(folder)
     if not files:
-        raise RecordingError(f"{folder}: is a directory with no rank-N.memtui recordings")
+        raise RecordingError(f"{folder}: {NO_RECORDINGS}")
     recordings: dict[str, Recording] = {}
     warnings = []
     for label, path in files:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class JobSpec:
     display: list[str]
     env: dict[str, str]
     recording: Path | None
+    notes: Path | None = None
+    """Where the command's interpreters leave what they could not say on their own stderr."""
 
 
 def bootstrap_dir() -> Path:
@@ -89,6 +92,7 @@ def build_job(
     """
     env = dict(os.environ)
     env.pop("MEMTUI_AGENT_OWNER", None)
+    through_bootstrap = False
     if module is not None:
         command = [sys.executable, "-m", "memtui_agent.runner", "--module", module, *target]
         display = ["python", "-m", module, *target]
@@ -112,20 +116,27 @@ def build_job(
             existing = env.get("PYTHONPATH")
             bootstrap = str(bootstrap_dir())
             env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
+            through_bootstrap = True
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
         distributed = launches_ranks(target, module)
-        if distributed and not output:
+        # A launcher starts ranks; any other command may start several Python processes (in
+        # turn or side by side): each records its own file in a session folder.
+        per_process = distributed or through_bootstrap
+        if per_process and not output:
             recording = recording.with_suffix("")
         if not recording.is_dir() and not recording.parent.exists():
             raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
-        if distributed and not recording.is_dir():
-            # One recording per rank: the session folder must exist before the ranks start.
-            if recording.exists():
+        if per_process and not recording.is_dir():
+            # The session folder must exist before the processes start.
+            if os.path.lexists(recording):
+                who, unit = (
+                    ("a distributed launcher", "rank") if distributed else ("-- COMMAND", "process")
+                )
                 raise UsageError(
-                    f"-o {recording}: is a file; a distributed launcher needs a session folder "
-                    "(one recording per rank)"
+                    f"-o {recording}: is a file; {who} needs a session folder "
+                    f"(one recording per {unit})"
                 )
             recording.mkdir()
         recording = recording.resolve()
@@ -136,7 +147,60 @@ def build_job(
     if budget is not None:
         env["MEMTUI_BUDGET"] = str(budget)
     env["MEMTUI_NAN_CHECK"] = nan_check
-    return JobSpec(command=command, display=display, env=env, recording=recording)
+    notes = None
+    if through_bootstrap:
+        notes = make_notes_file()
+        env[NOTES_VARIABLE] = str(notes)
+    return JobSpec(command=command, display=display, env=env, recording=recording, notes=notes)
+
+
+NOTES_VARIABLE = "MEMTUI_NOTES"
+"""The bootstrap's own name for it is in `memtui_agent/bootstrap/sitecustomize.py`."""
+MAX_NOTES = 5
+
+
+def make_notes_file() -> Path:
+    """A private empty file the bootstrap appends to (mode 0600, a fresh name)."""
+    descriptor, name = tempfile.mkstemp(prefix="memtui-notes-", suffix=".txt")
+    os.close(descriptor)
+    return Path(name)
+
+
+def escape_controls(text: str) -> str:
+    """Control characters as escapes, so no text from a file or a job drives the terminal.
+
+    A local minimal version: the shared helper for every text output replaces it at merge.
+    """
+    return "".join(char if char.isprintable() or char == " " else repr(char)[1:-1] for char in text)
+
+
+def take_notes(job: JobSpec) -> list[str]:
+    """What the command's interpreters noted (e.g. a Python without memtui), once each, as
+    lines for memtui's own stderr; the notes file is removed."""
+    if job.notes is None:
+        return []
+    try:
+        with open(job.notes, encoding="utf-8", errors="replace") as handle:
+            text = handle.read(1 << 20)
+    except OSError:
+        text = ""
+    finally:
+        try:
+            job.notes.unlink()
+        except OSError:
+            pass
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.strip():
+            counts[line] = counts.get(line, 0) + 1
+    lines = [
+        f"memtui: not monitored ({count} process{'es' if count > 1 else ''}): "
+        + escape_controls(note)
+        for note, count in list(counts.items())[:MAX_NOTES]
+    ]
+    if len(counts) > MAX_NOTES:
+        lines.append(f"memtui: ... and {len(counts) - MAX_NOTES} more such notes")
+    return lines
 
 
 def exit_code_of(returncode: int) -> int:
@@ -151,6 +215,7 @@ def run_headless(job: JobSpec) -> int:
     try:
         child = subprocess.Popen(job.command, env=job.env)
     except OSError as exc:
+        take_notes(job)
         print(f"memtui: cannot start {job.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
     forwarded = {}
@@ -172,40 +237,73 @@ def run_headless(job: JobSpec) -> int:
         for signum, previous in forwarded.items():
             signal.signal(signum, previous)
     code = exit_code_of(returncode)
+    for line in take_notes(job):
+        print(line, file=sys.stderr)
     print(summary_line(job, code), file=sys.stderr)
     return code
 
 
+MAX_SUMMARY_RECORDINGS = 8
+
+
 def summary_line(job: JobSpec, code: int) -> str:
-    """One or two lines for the end of a headless run."""
+    """A few lines for the end of a run: how the job ended and where it was recorded."""
     if job.recording is None:
         return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
     if job.recording.is_dir():
-        from memtui.rank_report import session_files
-
-        count = len(session_files(job.recording))
-        return (
-            f"memtui: job exited with code {code}; {count} recording(s) in {job.recording}  "
-            f"(memtui report {job.recording})"
-        )
+        return _session_summary(job.recording, code)
     if not job.recording.exists():
         return (
             f"memtui: job exited with code {code}; no recording was written (the job never "
             "imported torch, or the agent could not start)"
         )
     try:
-        recording = read_recording(job.recording)
+        status, steps, piles = _outcome(job.recording)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    peaks = pile_peaks(recording)
-    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
-    status = recording.status() if recording.end is None else recording.end.status
     lines = (
-        f"memtui: job {status} (exit code {code}) after {len(recording.steps)} steps; "
-        f"highest piles: {piles}\n"
+        f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"
     )
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
         lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
     return lines
+
+
+def _outcome(path: Path) -> tuple[str, int, str]:
+    """(how it ended, steps, highest piles) of one recording.
+
+    Raises:
+        RecordingError: the recording cannot be read.
+    """
+    recording = read_recording(path)
+    peaks = pile_peaks(recording)
+    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
+    status = recording.status() if recording.end is None else recording.end.status
+    return str(status), len(recording.steps), piles
+
+
+def _session_summary(folder: Path, code: int) -> str:
+    """A session folder: one line per recording (every rank, every Python process), so a
+    process that ran no step is seen beside the one that trained."""
+    from memtui.rank_report import session_files
+
+    files = session_files(folder)
+    lines = [
+        f"memtui: job exited with code {code}; {len(files)} recording(s) in {folder}  "
+        f"(memtui report {folder})"
+    ]
+    if not files:
+        lines[0] += "; none written (no Python process imported torch, or no agent started)"
+    for label, path in files[:MAX_SUMMARY_RECORDINGS]:
+        name = f"rank {label}" if label.isdigit() else label
+        try:
+            status, steps, piles = _outcome(path)
+        except RecordingError as exc:
+            lines.append(f"memtui:   {name}: unreadable: {exc}")
+            continue
+        lines.append(f"memtui:   {name}: {status} after {steps} steps; highest piles: {piles}")
+    if len(files) > MAX_SUMMARY_RECORDINGS:
+        lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")
+    return "\n".join(lines)

@@ -12,9 +12,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from memtui.run_command import JobSpec, summary_line
+from memtui.run_command import (
+    JobSpec,
+    escape_controls,
+    launches_ranks,
+    summary_line,
+    take_notes,
+)
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
-from memtui_agent.runtime_dir import live_sidecars, runtime_dir
+from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
 
@@ -38,7 +44,11 @@ class SessionSocketSource(LiveSource):
 
     def run(self, sink: Any, stop: threading.Event) -> str | None:
         while not stop.is_set():
-            for job in live_sidecars():
+            try:
+                jobs = live_sidecars()
+            except RuntimeDirError as exc:
+                return f"{exc}; refusing to use it"
+            for job in jobs:
                 if job.get("session") == self.token:
                     self.socket_path = Path(str(job["socket"]))
                     self.label = str(self.socket_path)
@@ -53,10 +63,37 @@ class SessionSocketSource(LiveSource):
         return None
 
 
+class FirstRecordingTail(TailSource):
+    """The first recording to appear in a `-- COMMAND` session folder, followed as it grows.
+
+    The command's other Python processes record beside it; `report` and `replay` on the
+    folder show them all.
+    """
+
+    def __init__(self, folder: Path, job_exited: Any) -> None:
+        super().__init__(folder / "proc-0.memtui", job_exited)
+        self.folder = folder
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        from memtui.rank_report import session_files
+
+        while not stop.is_set():
+            files = session_files(self.folder)
+            if files:
+                self.path = files[0][1]
+                self.label = str(self.path)
+                return TailSource.run(self, sink, stop)
+            if self._job_exited():
+                return "the job ended before its agent started (did it import torch?)"
+            stop.wait(self._poll)
+        return None
+
+
 def run_tui(job_spec: JobSpec) -> int:
     """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
     problem = _need_terminal("run")
     if problem:
+        take_notes(job_spec)
         print(f"memtui: error: {problem}", file=sys.stderr)
         return 2
     from memtui.job_process import JobProcess
@@ -68,6 +105,7 @@ def run_tui(job_spec: JobSpec) -> int:
     try:
         job = JobProcess(job_spec.command, env, log_path)
     except OSError as exc:
+        take_notes(job_spec)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
 
@@ -76,7 +114,11 @@ def run_tui(job_spec: JobSpec) -> int:
 
     source: Any
     ranks = None
-    if job_spec.recording is not None and job_spec.recording.is_dir():
+    folder = job_spec.recording
+    if folder is not None and folder.is_dir() and not launches_ranks(job_spec.display, None):
+        # `-- COMMAND`: one recording per Python process; the screen follows the first.
+        source = FirstRecordingTail(folder, exited)
+    elif folder is not None and folder.is_dir():
         # A session folder: follow each rank's recording as the ranks write them.
         ranks = {
             str(rank): TailSource(job_spec.recording / f"rank-{rank}.memtui", exited)
@@ -94,6 +136,8 @@ def run_tui(job_spec: JobSpec) -> int:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    for line in take_notes(job_spec):
+        print(line, file=sys.stderr)
     print(summary_line(job_spec, code), file=sys.stderr)
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
@@ -122,11 +166,11 @@ def session_sources(folder: Path) -> dict[str, Any]:
     Raises:
         SourceError: the folder holds no rank recordings, or one of them is unreadable.
     """
-    from memtui.rank_report import session_files
+    from memtui.rank_report import NO_RECORDINGS, session_files
 
     files = session_files(folder)
     if not files:
-        raise SourceError(f"{folder}: is a directory with no rank-N.memtui recordings")
+        raise SourceError(f"{folder}: {NO_RECORDINGS}")
     sources = {}
     for label, file in files:
         source = ReplaySource(file)
@@ -176,7 +220,8 @@ def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
         command = " ".join(job.get("argv") or [])
         if "ranks" in job:
             command += f"  [{len(job['ranks'])} ranks]"
-        lines.append(f"{job['pid']:>8}  {age:>7}  {command}  ->  {job.get('recording') or '-'}")
+        recording = job.get("recording") or "-"
+        lines.append(escape_controls(f"{job['pid']:>8}  {age:>7}  {command}  ->  {recording}"))
     return "\n".join(lines)
 
 
@@ -203,19 +248,39 @@ def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
 
 
+def trusted_live_jobs() -> list[dict[str, Any]] | None:
+    """The live jobs, grouped; None (after one line on stderr) where the runtime directory is
+    not ours alone. A sidecar skipped as untrustworthy is one warning line each."""
+    problems: list[str] = []
+    try:
+        jobs = group_ranks(live_sidecars(problems=problems))
+    except RuntimeDirError as exc:
+        print(f"memtui: error: {escape_controls(str(exc))}; refusing to use it", file=sys.stderr)
+        return None
+    for problem in problems:
+        print(f"memtui: warning: {escape_controls(problem)}", file=sys.stderr)
+    return jobs
+
+
+def _no_jobs_line() -> str:
+    return f"no live memtui jobs (looked in {escape_controls(str(runtime_dir()))})"
+
+
 def list_live_jobs() -> int:
     """`memtui attach --list`: each live job, then one socket path per rank (what to forward
     with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
-    jobs = group_ranks(live_sidecars())
+    jobs = trusted_live_jobs()
+    if jobs is None:
+        return EXIT_BAD_INPUT
     if not jobs:
-        print(f"memtui: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr)
+        print(f"memtui: {_no_jobs_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for job in jobs:
         print(list_jobs_text([job]))
         for member in job.get("ranks", [job]):
             rank = member.get("rank")
             label = f"rank {rank}" if rank is not None else "socket"
-            print(f"          {label}: {member['socket']}")
+            print(escape_controls(f"          {label}: {member['socket']}"))
     return 0
 
 
@@ -226,7 +291,10 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
-        jobs = group_ranks(live_sidecars())
+        found = trusted_live_jobs()
+        if found is None:
+            return EXIT_BAD_INPUT
+        jobs = found
         if pid is not None:
             jobs = [
                 job
@@ -237,9 +305,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
                 print(f"memtui: error: no live memtui job with pid {pid}", file=sys.stderr)
                 return EXIT_BAD_INPUT
         if not jobs:
-            print(
-                f"memtui: error: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr
-            )
+            print(f"memtui: error: {_no_jobs_line()}", file=sys.stderr)
             return EXIT_BAD_INPUT
         chosen = jobs[0] if len(jobs) == 1 else None
         if chosen is None:

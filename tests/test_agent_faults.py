@@ -75,12 +75,14 @@ def test_stale_sidecar_is_ignored_and_removed(tmp_path: Path) -> None:
     stale_socket = directory / f"{dead.pid}.sock"
     stale_socket.write_text("")
     runtime_dir.write_sidecar(
-        directory, str(dead.pid), {"pid": dead.pid, "socket": str(stale_socket)}
+        directory, str(dead.pid), runtime_dir.Sidecar(pid=dead.pid, socket=str(stale_socket))
     )
     runtime_dir.write_sidecar(
         directory,
         str(os.getpid()),
-        {"pid": os.getpid(), "socket": str(directory / "me.sock"), "started_unix": time.time()},
+        runtime_dir.Sidecar(
+            pid=os.getpid(), socket=str(directory / "me.sock"), started_unix=time.time()
+        ),
     )
     live = runtime_dir.live_sidecars(directory)
     assert [job["pid"] for job in live] == [os.getpid()]

@@ -475,7 +475,10 @@ def test_command_mode(ws: Workspace) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == expected_stdout(2)
-    _, report = ws.report("r.memtui")
+    # A command may start several Python processes: r.memtui is their session folder.
+    assert sorted(p.name for p in (ws.cwd / "r.memtui").glob("*.memtui")) == ["proc-0.memtui"]
+    _, session = ws.report("r.memtui")
+    report = session["ranks"]["proc-0"]
     check_contract(report)
     assert [step["step"] for step in report["steps"]] == [1, 2]
     assert report["exit"]["status"] == "ok"
@@ -490,8 +493,48 @@ def test_command_mode_records_nonzero_exit(ws: Workspace) -> None:
         "run", "--headless", "-o", "r.memtui", "--", sys.executable, "train.py", "--steps", "3"
     )
     assert run.returncode == 3, run.stderr
-    _, report = ws.report("r.memtui")
-    assert report["exit"]["status"] != "ok", report["exit"]
+    _, session = ws.report("r.memtui")
+    assert session["ranks"]["proc-0"]["exit"]["status"] != "ok", session
+
+
+@pytest.mark.parametrize(
+    ("shell", "steps"),
+    [
+        ('"{python}" train.py --steps 2; "{python}" -c "import torch"', {"proc-0": 2, "proc-1": 0}),
+        ('"{python}" train.py --steps 2 & "{python}" train.py --steps 3; wait', None),
+    ],
+    ids=["in-turn", "side-by-side"],
+)
+def test_command_mode_keeps_every_python_process(
+    ws: Workspace, shell: str, steps: dict[str, int] | None
+) -> None:
+    """Sibling interpreters of one command each keep their own recording (issue 14, D2): the
+    second one no longer truncates the first's, and report and the summary show them all."""
+    ws.write("train.py", train_source())
+    script = shell.format(python=sys.executable)
+    run = ws.memtui("run", "--headless", "-o", "r.memtui", "--", "bash", "-c", script)
+    assert run.returncode == 0, run.stderr
+    result, session = ws.report("r.memtui")
+    assert result.returncode == 0, result.stderr
+    counts = {label: len(report["steps"]) for label, report in session["ranks"].items()}
+    if steps is not None:
+        assert counts == steps
+        assert "proc-0: ok after 2 steps" in run.stderr, run.stderr
+        assert "proc-1: ok after 0 steps" in run.stderr, run.stderr
+    else:
+        assert sorted(counts) == ["proc-0", "proc-1"] and sorted(counts.values()) == [2, 3]
+    for report in session["ranks"].values():
+        check_contract(report)
+        assert report["exit"]["status"] == "ok"
+    text = ws.memtui("report", "r.memtui")
+    assert text.returncode == 0 and "proc-1" in text.stdout, text
+
+
+def test_command_mode_refuses_an_existing_file_as_its_folder(ws: Workspace) -> None:
+    (ws.cwd / "r.memtui").write_text("an older recording\n")
+    line = assert_one_line_error(ws.memtui("run", "--headless", "-o", "r.memtui", "--", "true"))
+    assert "session folder" in line
+    assert (ws.cwd / "r.memtui").read_text() == "an older recording\n"
 
 
 # ----- 9, 10: bad input --------------------------------------------------------------------------

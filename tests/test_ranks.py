@@ -208,3 +208,17 @@ def test_table_columns_grow_when_live_values_widen() -> None:
             assert table.ordered_columns[1].content_width >= len("1023.99 MiB")
 
     asyncio.run(scenario())
+
+
+def test_processes_in_a_session_folder_get_their_own_index(tmp_path: Path) -> None:
+    """Non-rank processes of one session folder (a `-- COMMAND`'s interpreters) are numbered in
+    the order their agents start; an index is never handed out twice (issue 14, D2)."""
+    from memtui.rank_report import session_files
+
+    paths = [record_path_for_rank(str(tmp_path), {}) for _ in range(3)]
+    assert paths == [str(tmp_path / f"proc-{index}.memtui") for index in range(3)]
+    for path in paths:
+        Path(path).write_bytes(b"")
+    (tmp_path / "rank-1.memtui").write_bytes(b"")
+    labels = [label for label, _ in session_files(tmp_path)]
+    assert labels == ["1", "proc-0", "proc-1", "proc-2"]
