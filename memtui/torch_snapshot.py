@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from memtui.input_files import InputFileError, open_input
 from memtui_agent import schema
 from memtui_agent.units import format_bytes
 
@@ -102,17 +103,18 @@ class _PlainUnpickler(pickle.Unpickler):
 def looks_like_snapshot(path: str | os.PathLike[str]) -> bool:
     """True when the file starts like a pickle (a recording starts with memtui's magic)."""
     try:
-        with open(path, "rb") as handle:
+        with open_input(path) as handle:
             return handle.read(1) == PICKLE_PROTO
-    except OSError:
+    except (InputFileError, OSError):
         return False
 
 
 def _read(path: Path) -> Any:
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: no such file") from None
+        with open_input(path) as handle:
+            data = handle.read()
+    except InputFileError as exc:
+        raise SnapshotError(str(exc)) from None
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not data.startswith(PICKLE_PROTO):

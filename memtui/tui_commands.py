@@ -14,6 +14,7 @@ from typing import Any
 
 from memtui.run_command import JobSpec, summary_line
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.terminal_text import terminal_safe
 from memtui_agent.runtime_dir import live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
@@ -148,7 +149,7 @@ def replay(path: str) -> int:
             source = replay_source(Path(path))
             source.check()
     except SourceError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _open_app("replay", source, ranks=ranks, warning=source.warning)
 
@@ -161,8 +162,7 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    run_app(MemtuiApp(source, **options))
-    return 0
+    return run_app(MemtuiApp(source, **options))
 
 
 def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
@@ -211,11 +211,11 @@ def list_live_jobs() -> int:
         print(f"memtui: no live memtui jobs (looked in {runtime_dir()})", file=sys.stderr)
         return EXIT_BAD_INPUT
     for job in jobs:
-        print(list_jobs_text([job]))
+        print(terminal_safe(list_jobs_text([job])))
         for member in job.get("ranks", [job]):
             rank = member.get("rank")
             label = f"rank {rank}" if rank is not None else "socket"
-            print(f"          {label}: {member['socket']}")
+            print(f"          {label}: {terminal_safe(member['socket'])}")
     return 0
 
 
@@ -245,7 +245,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
         if chosen is None:
             problem = _need_terminal("attach")
             if problem:
-                print(list_jobs_text(jobs))
+                print(terminal_safe(list_jobs_text(jobs), keep_newlines=True))
                 print("memtui: several jobs: give a PID", file=sys.stderr)
                 return 2
             chosen = _choose_job(jobs)
@@ -265,7 +265,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
         for member in (ranks or {"": source}).values():
             member.check()
     except SourceError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _open_app("attach", source, ranks=ranks)
 
