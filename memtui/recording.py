@@ -37,6 +37,8 @@ class Recording:
     early_alerts: list[schema.AlertNow] = field(default_factory=list)
     end: schema.End | None = None
     warning: str | None = None
+    names_dropped: int = 0
+    """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
@@ -62,8 +64,11 @@ def apply(recording: Recording, message: schema.Message) -> None:
     elif isinstance(message, schema.Tick):
         recording.last_tick = message
     elif isinstance(message, schema.Names):
-        for offset, name in enumerate(message.names):
+        # Bounded over the whole recording too: ten full Names frames must not cost ten times.
+        room = max(0, schema.MAX_NAMES - len(recording.module_names))
+        for offset, name in enumerate(message.names[:room]):
             recording.module_names[message.first_id + offset] = name
+        recording.names_dropped += max(0, len(message.names) - room)
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
     elif isinstance(message, schema.End):
@@ -128,6 +133,9 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
             raise RecordingError(f"{path}: empty file, not a recording")
         raise RecordingError(f"{path}: truncated before its header was complete")
     recording.warning = warning or damage_warning(decoder)
+    if recording.names_dropped:
+        dropped = f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
+        recording.warning = f"{recording.warning}; {dropped}" if recording.warning else dropped
     return recording
 
 
