@@ -13,11 +13,21 @@ ignore bumps `FORMAT_VERSION`, which readers check before decoding anything else
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
 
 import msgspec
 
 FORMAT_VERSION = 1
 """Version of the framing and of the message set below."""
+
+MAX_ITEMS = 4096
+"""The most entries a reader accepts in one list or map of a message (alerts, dtypes, top
+modules, allocation events, argv). msgspec checks a declared length before it builds anything,
+so a 15 MiB frame of tiny items is refused instead of costing gigabytes of Python objects. The
+agent's own lists are far smaller (10 top modules, 10 allocation lines, a few alerts)."""
+MAX_NAMES = 1 << 20
+"""The most names one `Names` frame may carry (a writer splits larger sets over frames)."""
+_BOUNDED = msgspec.Meta(max_length=MAX_ITEMS)
 
 PILES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
 """The tracked piles, in display order. `other` is derived from the allocator, never tracked."""
@@ -95,7 +105,7 @@ class Allocator(msgspec.Struct, frozen=True, omit_defaults=True):
     peak_reserved: int | None = None
     inactive_split: int | None = None
     peak_exact: bool | None = None
-    phase_peaks: dict[str, int] | None = None
+    phase_peaks: Annotated[dict[str, int], _BOUNDED] | None = None
     allocations: int | None = None
     frees: int | None = None
     alloc_bytes: int | None = None
@@ -157,8 +167,8 @@ class AllocEvents(msgspec.Struct, frozen=True, omit_defaults=True):
     counters); `overflowed`: the ring wrapped, so the step's earliest events are missing.
     """
 
-    largest: list[AllocEvent] = []
-    segments: list[AllocEvent] = []
+    largest: Annotated[list[AllocEvent], _BOUNDED] = []
+    segments: Annotated[list[AllocEvent], _BOUNDED] = []
     allocations: int = 0
     alloc_bytes: int = 0
     segment_allocs: int = 0
@@ -175,7 +185,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
     format_version: int
     agent_version: str
     pid: int
-    argv: list[str]
+    argv: Annotated[list[str], _BOUNDED]
     started: str
     started_unix: float
     torch: str = ""
@@ -196,7 +206,7 @@ class Names(msgspec.Struct, tag="names", frozen=True):
 
     kind: str
     first_id: int
-    names: list[str]
+    names: Annotated[list[str], msgspec.Meta(max_length=MAX_NAMES)]
 
 
 class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -241,13 +251,13 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     peak: Piles
     microbatches: int = 0
     skipped: bool = False
-    dtypes: dict[str, dict[str, DtypeStat]] = {}
+    dtypes: Annotated[dict[str, Annotated[dict[str, DtypeStat], _BOUNDED]], _BOUNDED] = {}
     allocator: Allocator = Allocator()
     host: Host = Host()
     loss: float | None = None
     scale: float | None = None
-    alerts: list[Alert] = []
-    top_activations: list[ModuleBytes] = []
+    alerts: Annotated[list[Alert], _BOUNDED] = []
+    top_activations: Annotated[list[ModuleBytes], _BOUNDED] = []
     dropped: int = 0
     distributed: Distributed | None = None
     alloc_events: AllocEvents | None = None
@@ -304,7 +314,7 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     phase: str | None = None
     oom: bool = False
     piles: Piles | None = None
-    alerts: list[Alert] = []
+    alerts: Annotated[list[Alert], _BOUNDED] = []
     requested: int | None = None
     alloc_events: AllocEvents | None = None
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from memtui.terminal_text import terminal_safe
+
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 1
 EXIT_PARTIAL = 3
@@ -190,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             target, args.module, args.output, args.no_record, args.budget, args.nan_check
         )
     except UsageError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.reset_peaks:
         job.env["MEMTUI_RESET_PEAKS"] = "1"
@@ -219,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             extra = ["--steps", "60", "--sleep", "0.15", *extra]
         job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, None)
     except UsageError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.headless:
         return run_headless(job)
@@ -261,14 +263,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         recording = read_recording(args.path)
     except RecordingError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps(build_report(recording), indent=2))
     else:
-        print(render_text(recording, binary=not args.decimal))
+        print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
     if recording.warning:
-        print(f"memtui: warning: {args.path}: {recording.warning}", file=sys.stderr)
+        warning = terminal_safe(f"{args.path}: {recording.warning}")
+        print(f"memtui: warning: {warning}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0
 
@@ -281,14 +284,14 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
     try:
         recordings, warnings = read_session(folder)
     except RecordingError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if as_json:
         print(json.dumps(build_session_report(recordings), indent=2))
     else:
-        print(render_session_text(recordings, binary))
+        print(terminal_safe(render_session_text(recordings, binary), keep_newlines=True))
     for warning in warnings:
-        print(f"memtui: warning: {warning}", file=sys.stderr)
+        print(f"memtui: warning: {terminal_safe(warning)}", file=sys.stderr)
     return EXIT_PARTIAL if warnings else 0
 
 
@@ -313,7 +316,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             params = parse_count(args.params)
         result = estimate(params, trainable, args.scheme, args.gpus, args.zero)
     except (ValueError, ModelCountError) as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
     print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.recording import Recording, RecordingError, read_recording
+from memtui.terminal_text import terminal_safe
 from memtui_agent.schema import PILES, Alert, Step
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
@@ -180,7 +181,7 @@ def run_export(path: str, fmt: str, output: str | None) -> int:
     try:
         recording = read_recording(path)
     except RecordingError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     text = render(recording, fmt)
     if output == "-":
@@ -197,6 +198,6 @@ def run_export(path: str, fmt: str, output: str | None) -> int:
             return EXIT_BAD_INPUT
         print(f"memtui: wrote {target} ({len(recording.steps)} steps)", file=sys.stderr)
     if recording.warning:
-        print(f"memtui: warning: {path}: {recording.warning}", file=sys.stderr)
+        print(f"memtui: warning: {terminal_safe(f'{path}: {recording.warning}')}", file=sys.stderr)
         return EXIT_PARTIAL
     return 0

@@ -8,9 +8,11 @@ the damage, with a warning: nothing already recorded is lost.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtui.input_files import InputFileError, open_input
 from memtui.step_rows import module_label
 from memtui_agent import schema, wire
 from memtui_agent.runtime_dir import pid_alive
@@ -35,6 +37,8 @@ class Recording:
     early_alerts: list[schema.AlertNow] = field(default_factory=list)
     end: schema.End | None = None
     warning: str | None = None
+    names_dropped: int = 0
+    """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
@@ -60,8 +64,11 @@ def apply(recording: Recording, message: schema.Message) -> None:
     elif isinstance(message, schema.Tick):
         recording.last_tick = message
     elif isinstance(message, schema.Names):
-        for offset, name in enumerate(message.names):
+        # Bounded over the whole recording too: ten full Names frames must not cost ten times.
+        room = max(0, schema.MAX_NAMES - len(recording.module_names))
+        for offset, name in enumerate(message.names[:room]):
             recording.module_names[message.first_id + offset] = name
+        recording.names_dropped += max(0, len(message.names) - room)
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
     elif isinstance(message, schema.End):
@@ -75,11 +82,12 @@ def read_head(path: str | os.PathLike[str]) -> schema.Hello:
         RecordingError: as `read_recording` does for a file that is not a usable recording.
     """
     path = Path(path)
-    _check_file(path)
     decoder = wire.FrameDecoder()
     try:
-        with open(path, "rb") as handle:
+        with open_input(path) as handle:
             head = handle.read(CHUNK)
+    except InputFileError as exc:
+        raise RecordingError(str(exc)) from None
     except OSError as exc:
         raise RecordingError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not head:
@@ -94,49 +102,77 @@ def read_head(path: str | os.PathLike[str]) -> schema.Hello:
     raise RecordingError(f"{path}: truncated before its header was complete")
 
 
-def _check_file(path: Path) -> None:
-    if not path.exists():
-        raise RecordingError(f"{path}: no such file")
-    if path.is_dir():
-        raise RecordingError(f"{path}: is a directory, not a recording")
-
-
 def read_recording(path: str | os.PathLike[str]) -> Recording:
     """Decode a recording file.
 
+    A damaged frame in the middle is skipped (the decoder finds the next valid frame) and the
+    warning says how many bytes were lost, so one bad sector hides one step, not the rest.
+
     Raises:
-        RecordingError: missing, a directory, unreadable, empty, not a recording, a version this
-            memtui does not read, or damaged before its hello.
+        RecordingError: missing, a directory or not a regular file, unreadable, empty, not a
+            recording, a version this memtui does not read, or damaged before its hello.
     """
     path = Path(path)
-    _check_file(path)
-    decoder = wire.FrameDecoder()
+    decoder = wire.FrameDecoder(resync=True)
     recording: Recording | None = None
     warning = None
     try:
-        with open(path, "rb") as handle:
+        with open_input(path) as handle:
             while chunk := handle.read(CHUNK):
-                try:
-                    for message in decoder.feed(chunk):
-                        recording = _take(recording, path, message)
-                except wire.WireError as exc:
-                    if recording is None:
-                        raise RecordingError(f"{path}: {exc}") from None
-                    warning = f"{exc}; showing the {decoder.frames} frames before it"
+                recording, warning = _feed(recording, path, decoder, decoder.feed(chunk))
+                if warning:
                     break
+            else:
+                recording, warning = _feed(recording, path, decoder, decoder.finish())
+    except InputFileError as exc:
+        raise RecordingError(str(exc)) from None
     except OSError as exc:
         raise RecordingError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if recording is None:
         if decoder.bytes_consumed == 0 and decoder.pending == 0:
             raise RecordingError(f"{path}: empty file, not a recording")
         raise RecordingError(f"{path}: truncated before its header was complete")
-    if warning is None and decoder.pending:
-        warning = (
+    recording.warning = warning or damage_warning(decoder)
+    if recording.names_dropped:
+        dropped = f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
+        recording.warning = f"{recording.warning}; {dropped}" if recording.warning else dropped
+    return recording
+
+
+def damage_warning(decoder: wire.FrameDecoder) -> str | None:
+    """What a resynchronising decoder skipped and what it left unread, in one line."""
+    parts = []
+    if decoder.damaged:
+        regions = (
+            "1 damaged region" if decoder.damaged == 1 else f"{decoder.damaged} damaged regions"
+        )
+        parts.append(
+            f"{decoder.first_damage}; skipped {decoder.skipped_bytes} bytes ({regions}) and "
+            "showed every valid frame around them"
+        )
+    if decoder.pending:
+        parts.append(
             f"the last {decoder.pending} bytes are a partial frame (the writer stopped "
             "mid-frame); everything before them is shown"
         )
-    recording.warning = warning
-    return recording
+    return "; ".join(parts) or None
+
+
+def _feed(
+    recording: Recording | None,
+    path: Path,
+    decoder: wire.FrameDecoder,
+    messages: Iterator[schema.Message],
+) -> tuple[Recording | None, str | None]:
+    """Fold decoded messages in; a warning when the decoder had to stop early."""
+    try:
+        for message in messages:
+            recording = _take(recording, path, message)
+    except wire.WireError as exc:
+        if recording is None:
+            raise RecordingError(f"{path}: {exc}") from None
+        return recording, f"{exc}; showing the {decoder.frames} frames before it"
+    return recording, None
 
 
 def _take(recording: Recording | None, path: Path, message: schema.Message) -> Recording:

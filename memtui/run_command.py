@@ -23,6 +23,7 @@ from pathlib import Path
 
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
+from memtui.terminal_text import terminal_safe
 from memtui_agent.units import format_bytes
 
 
@@ -166,14 +167,6 @@ def make_notes_file() -> Path:
     return Path(name)
 
 
-def escape_controls(text: str) -> str:
-    """Control characters as escapes, so no text from a file or a job drives the terminal.
-
-    A local minimal version: the shared helper for every text output replaces it at merge.
-    """
-    return "".join(char if char.isprintable() or char == " " else repr(char)[1:-1] for char in text)
-
-
 def take_notes(job: JobSpec) -> list[str]:
     """What the command's interpreters noted (e.g. a Python without memtui), once each, as
     lines for memtui's own stderr; the notes file is removed."""
@@ -195,7 +188,7 @@ def take_notes(job: JobSpec) -> list[str]:
             counts[line] = counts.get(line, 0) + 1
     lines = [
         f"memtui: not monitored ({count} process{'es' if count > 1 else ''}): "
-        + escape_controls(note)
+        + terminal_safe(note)
         for note, count in list(counts.items())[:MAX_NOTES]
     ]
     if len(counts) > MAX_NOTES:

@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any
 
+from memtui.terminal_text import terminal_safe
 from memtui.torch_snapshot import DeviceSummary, SnapshotError, SnapshotSummary, load_snapshot
 from memtui_agent.units import format_bytes
 
@@ -93,10 +94,10 @@ def report_snapshot(path: str | os.PathLike[str], as_json: bool, binary: bool = 
     try:
         summary = load_snapshot(path)
     except SnapshotError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if as_json:
         print(json.dumps(build_snapshot_report(summary), indent=2, default=str))
     else:
-        print(render_snapshot_text(summary, binary))
+        print(terminal_safe(render_snapshot_text(summary, binary), keep_newlines=True))
     return 0

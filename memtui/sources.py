@@ -49,21 +49,26 @@ class ReplaySource:
 
     def run(self, sink: Sink, stop: threading.Event) -> str | None:
         """Decode the file into `sink`; returns what went wrong on the way (None: clean)."""
-        decoder = wire.FrameDecoder()
-        with open(self.path, "rb") as handle:
+        from memtui.input_files import InputFileError, open_input
+        from memtui.recording import damage_warning
+
+        decoder = wire.FrameDecoder(resync=True)
+        try:
+            handle = open_input(self.path)
+        except InputFileError as exc:
+            return str(exc)
+        with handle:
             while not stop.is_set():
                 chunk = handle.read(CHUNK)
-                if not chunk:
-                    break
                 try:
-                    batch = list(decoder.feed(chunk))
+                    batch = list(decoder.feed(chunk) if chunk else decoder.finish())
                 except wire.WireError as exc:
                     return f"{exc}; showing the {decoder.frames} frames before it"
                 if batch:
                     sink(batch)
-        if decoder.pending:
-            return f"the last {decoder.pending} bytes are a partial frame (the writer stopped)"
-        return None
+                if not chunk:
+                    break
+        return damage_warning(decoder)
 
 
 class LiveSource:

@@ -21,14 +21,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from memtui.input_files import InputFileError, open_input
 from memtui_agent import schema
 from memtui_agent.units import format_bytes
 
 PICKLE_PROTO = b"\x80"
 """Every pickle protocol torch writes (2 and up) opens with this opcode."""
 TOP_ALLOCATIONS = 10
-SAFE_GLOBALS = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray")}
-"""Containers that protocols 2-3 can only spell as a global; nothing that runs code."""
+SAFE_GLOBALS = {("builtins", "set"), ("builtins", "frozenset")}
+"""Containers that protocols 2-3 can only spell as a global; nothing that runs code. Not
+`bytearray`: `bytearray(3_000_000_000)` is a 32-byte pickle that allocates 3 GB."""
+MAX_DEPTH = 32
+"""A snapshot nests about eight deep (segments, blocks, frames); anything deeper is not one,
+and a bound here keeps every later walk (and `json.dumps`) far from Python's recursion limit."""
+MIN_WORK = 2_000_000
+WORK_PER_BYTE = 16
+"""The snapshot's data, counted as a tree (a list reached twice counts twice), may hold at most
+this many items per byte of file (or `MIN_WORK`): the summary walks that tree, so a small pickle
+of reused references cannot cost minutes and gigabytes."""
+INT_RANGE = (-(1 << 63), 1 << 64)
+"""Sizes, addresses, line numbers and times all fit in 64 bits; 10**400 is not a size."""
 NOT_SNAPSHOT = "not a PyTorch memory snapshot"
 
 
@@ -102,27 +114,124 @@ class _PlainUnpickler(pickle.Unpickler):
 def looks_like_snapshot(path: str | os.PathLike[str]) -> bool:
     """True when the file starts like a pickle (a recording starts with memtui's magic)."""
     try:
-        with open(path, "rb") as handle:
+        with open_input(path) as handle:
             return handle.read(1) == PICKLE_PROTO
-    except OSError:
+    except (InputFileError, OSError):
         return False
+
+
+_ARG_BYTES = {
+    **dict.fromkeys(b"JjrR\x84", 4),
+    **dict.fromkeys(b"Khq\x82\x80", 1),
+    **dict.fromkeys(b"M\x83", 2),
+    **dict.fromkeys(b"G\x95", 8),
+}
+_ARG_BYTES.pop(ord("R"))
+_LENGTH_PREFIX = {
+    **dict.fromkeys(b"\x8aUC\x8c", 1),
+    **dict.fromkeys(b"\x8bTBX", 4),
+    **dict.fromkeys(b"\x8e\x96\x8d", 8),
+}
+_LINES = {**dict.fromkeys(b"ILSVFgpP", 1), **dict.fromkeys(b"ci", 2)}
+_MEMO_PUTS = {ord("p"), ord("q"), ord("r")}
+_MEMOIZE = 0x94
+
+
+def _check_memo(data: bytes) -> None:
+    """Refuse memo indexes that skip ahead before the C unpickler sees them.
+
+    The C unpickler sizes its memo table by the largest index put, so `LONG_BINPUT 400000000`
+    (a 12-byte pickle) allocates 6 GB. Pickle writes memo indexes in order, so an index beyond
+    the number of entries put so far is never legitimate. This walks opcodes only, jumping over
+    string arguments by their length.
+    """
+    position, puts, end = 0, 0, len(data)
+    while position < end:
+        code = data[position]
+        position += 1
+        if code == ord("."):
+            return
+        if code == _MEMOIZE:
+            puts += 1
+        elif code in _ARG_BYTES:
+            if code in _MEMO_PUTS:
+                width = _ARG_BYTES[code]
+                index = int.from_bytes(data[position : position + width], "little")
+                _check_memo_index(index, puts)
+                puts += 1
+            position += _ARG_BYTES[code]
+        elif code in _LENGTH_PREFIX:
+            width = _LENGTH_PREFIX[code]
+            position += width + int.from_bytes(data[position : position + width], "little")
+        elif code in _LINES:
+            for _ in range(_LINES[code]):
+                newline = data.find(b"\n", position)
+                if newline < 0:
+                    return  # truncated: the unpickler reports it
+                if code in _MEMO_PUTS:
+                    _check_memo_index(int(data[position:newline] or b"-1"), puts)
+                    puts += 1
+                position = newline + 1
+
+
+def _check_memo_index(index: int, puts: int) -> None:
+    if not 0 <= index <= puts:
+        raise SnapshotError(f"{NOT_SNAPSHOT} (pickle memo index {index} skips ahead)")
+
+
+def _check_tree(data: Any, budget: int) -> None:
+    """Walk the unpickled data without recursion: refuse what is too deep, self-referencing,
+    too large as a tree, or holds an integer no snapshot field can hold.
+
+    Raises:
+        SnapshotError: with the reason, for one line.
+    """
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    seen = 0
+    while stack:
+        item, depth = stack.pop()
+        seen += 1
+        if seen > budget:
+            raise SnapshotError(
+                f"{NOT_SNAPSHOT} (its data repeats references into more than {budget:,} items)"
+            )
+        if isinstance(item, bool) or item is None or isinstance(item, (str, bytes, float)):
+            continue
+        if isinstance(item, int):
+            if not INT_RANGE[0] <= item < INT_RANGE[1]:
+                raise SnapshotError(f"{NOT_SNAPSHOT} (an integer outside 64 bits)")
+            continue
+        if depth >= MAX_DEPTH:
+            raise SnapshotError(
+                f"{NOT_SNAPSHOT} (nested more than {MAX_DEPTH} deep, or refers to itself)"
+            )
+        if isinstance(item, dict):
+            stack.extend((value, depth + 1) for pair in item.items() for value in pair)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((value, depth + 1) for value in item)
+        else:
+            raise SnapshotError(f"{NOT_SNAPSHOT} (holds a {type(item).__name__})")
 
 
 def _read(path: Path) -> Any:
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: no such file") from None
+        with open_input(path) as handle:
+            data = handle.read()
+    except InputFileError as exc:
+        raise SnapshotError(str(exc)) from None
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not data.startswith(PICKLE_PROTO):
         raise SnapshotError(f"{path}: {NOT_SNAPSHOT} (not a pickle of protocol 2 or later)")
     try:
-        return _PlainUnpickler(io.BytesIO(data)).load()
+        _check_memo(data)
+        loaded = _PlainUnpickler(io.BytesIO(data)).load()
+        _check_tree(loaded, max(MIN_WORK, WORK_PER_BYTE * len(data)))
     except SnapshotError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
     except Exception as exc:  # a damaged pickle can raise almost anything
         raise SnapshotError(f"{path}: {NOT_SNAPSHOT} (damaged pickle: {exc})") from None
+    return loaded
 
 
 def _segments_and_traces(data: Any) -> tuple[str, list[Any], list[Any], dict[str, Any] | None]:
@@ -241,7 +350,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
         )
     except SnapshotError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
-    except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:  # a wrong field
         raise SnapshotError(f"{path}: {NOT_SNAPSHOT} (malformed: {exc})") from None
     return SnapshotSummary(path, layout, devices, settings, path.stat().st_mtime)
 

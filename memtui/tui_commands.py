@@ -14,12 +14,12 @@ from typing import Any
 
 from memtui.run_command import (
     JobSpec,
-    escape_controls,
     launches_ranks,
     summary_line,
     take_notes,
 )
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.terminal_text import terminal_safe
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
 EXIT_BAD_INPUT = 1
@@ -192,7 +192,7 @@ def replay(path: str) -> int:
             source = replay_source(Path(path))
             source.check()
     except SourceError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _open_app("replay", source, ranks=ranks, warning=source.warning)
 
@@ -205,8 +205,7 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    run_app(MemtuiApp(source, **options))
-    return 0
+    return run_app(MemtuiApp(source, **options))
 
 
 def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
@@ -221,7 +220,7 @@ def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
         if "ranks" in job:
             command += f"  [{len(job['ranks'])} ranks]"
         recording = job.get("recording") or "-"
-        lines.append(escape_controls(f"{job['pid']:>8}  {age:>7}  {command}  ->  {recording}"))
+        lines.append(terminal_safe(f"{job['pid']:>8}  {age:>7}  {command}  ->  {recording}"))
     return "\n".join(lines)
 
 
@@ -255,15 +254,15 @@ def trusted_live_jobs() -> list[dict[str, Any]] | None:
     try:
         jobs = group_ranks(live_sidecars(problems=problems))
     except RuntimeDirError as exc:
-        print(f"memtui: error: {escape_controls(str(exc))}; refusing to use it", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(str(exc))}; refusing to use it", file=sys.stderr)
         return None
     for problem in problems:
-        print(f"memtui: warning: {escape_controls(problem)}", file=sys.stderr)
+        print(f"memtui: warning: {terminal_safe(problem)}", file=sys.stderr)
     return jobs
 
 
 def _no_jobs_line() -> str:
-    return f"no live memtui jobs (looked in {escape_controls(str(runtime_dir()))})"
+    return f"no live memtui jobs (looked in {terminal_safe(str(runtime_dir()))})"
 
 
 def list_live_jobs() -> int:
@@ -276,11 +275,11 @@ def list_live_jobs() -> int:
         print(f"memtui: {_no_jobs_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for job in jobs:
-        print(list_jobs_text([job]))
+        print(terminal_safe(list_jobs_text([job])))
         for member in job.get("ranks", [job]):
             rank = member.get("rank")
             label = f"rank {rank}" if rank is not None else "socket"
-            print(escape_controls(f"          {label}: {member['socket']}"))
+            print(f"          {label}: {terminal_safe(member['socket'])}")
     return 0
 
 
@@ -311,7 +310,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
         if chosen is None:
             problem = _need_terminal("attach")
             if problem:
-                print(list_jobs_text(jobs))
+                print(terminal_safe(list_jobs_text(jobs), keep_newlines=True))
                 print("memtui: several jobs: give a PID", file=sys.stderr)
                 return 2
             chosen = _choose_job(jobs)
@@ -331,7 +330,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
         for member in (ranks or {"": source}).values():
             member.check()
     except SourceError as exc:
-        print(f"memtui: error: {exc}", file=sys.stderr)
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return _open_app("attach", source, ranks=ranks)
 

@@ -12,6 +12,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from memtui.session import Snapshot
+from memtui.terminal_text import plain
 from memtui.tui.widgets import PanelTable, sync_rows
 from memtui_agent.units import format_bytes
 
@@ -44,9 +45,9 @@ def _row(index: int, row: Any, binary: bool) -> tuple[str, tuple[Any, ...]]:
     return (
         f"{index}:{row.kind}",
         (
-            Text(row.kind, style=style),
+            plain(row.kind, style=style),
             Text(size, justify="right"),
             Text(count, justify="right"),
-            row.where,
+            plain(row.where),
         ),
     )

@@ -352,8 +352,13 @@ class MemtuiApp(App[int]):
 
 
 def run_app(app: MemtuiApp) -> int:
-    """Run the app in the terminal; its exit code (the job's in run mode)."""
+    """Run the app in the terminal; its exit code (the job's in run mode).
+
+    A crash inside the app (Textual prints its traceback) is exit code 1, never a silent 0.
+    """
     result = app.run()
+    if app.return_code:
+        return app.return_code
     return int(result) if result is not None else 0
 
 

@@ -12,6 +12,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from memtui.rank_rows import RankRow
+from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.widgets import PanelTable, sync_rows
 from memtui_agent.schema import PILES
 from memtui_agent.units import format_bytes
@@ -44,10 +45,13 @@ class RanksTable(PanelTable):
 
     def _row(self, row: RankRow) -> tuple[str, tuple[Any, ...]]:
         marker = "▶ " if row.label == self.selected else "  "
-        cells: list[Any] = [Text(marker + row.label), Text(str(row.step or "-"), justify="right")]
+        cells: list[Any] = [
+            Text(marker + terminal_safe(row.label)),
+            Text(str(row.step or "-"), justify="right"),
+        ]
         for pile, value in zip(PILES, row.piles, strict=True):
             shown = format_bytes(value, self.binary) if value is not None else "-"
             style = HEAVIEST_STYLE if pile in row.heaviest else ""
             cells.append(Text(shown, style=style, justify="right"))
-        cells.append(Text(row.state, style="dim"))
+        cells.append(plain(row.state, style="dim"))
         return row.label, tuple(cells)

@@ -11,6 +11,8 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
+from memtui.terminal_text import plain
+
 HELP_TEXT = """\
 [b]memtui keys[/b]
 
@@ -84,11 +86,13 @@ class AttachScreen(ModalScreen[dict[str, Any] | None]):
         for job in self.jobs:
             age = max(0.0, self.now - float(job.get("started_unix") or self.now))
             table.add_row(
-                str(job["pid"]),
-                (" ".join(job.get("argv") or [])[:60])
-                + (f" [{len(job['ranks'])} ranks]" if "ranks" in job else ""),
+                plain(job["pid"]),
+                plain(
+                    (" ".join(job.get("argv") or [])[:60])
+                    + (f" [{len(job['ranks'])} ranks]" if "ranks" in job else "")
+                ),
                 format_age(age),
-                str(job.get("recording") or "(not recording)"),
+                plain(job.get("recording") or "(not recording)"),
                 key=str(job["pid"]),
             )
         table.focus()

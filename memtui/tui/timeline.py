@@ -187,7 +187,8 @@ def _with_levels(
         return cells
     marked = list(cells)
     for level, char in zip(levels, (LEVEL_ALLOCATED, LEVEL_RESERVED), strict=True):
-        row = height - 1 - min(height - 1, int(level / scale * height))
+        # A negative counter (a damaged or hostile recording) sits on the bottom row.
+        row = height - 1 - max(0, min(height - 1, int(level / scale * height)))
         if marked[row][0] == BLOCKS[0] and marked[row][2] is None:
             marked[row] = (char, LEVEL_COLOUR, None)
     return marked

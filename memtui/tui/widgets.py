@@ -16,6 +16,7 @@ from textual.widgets import DataTable, Static
 
 from memtui.session import Snapshot
 from memtui.step_rows import describe_rate
+from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.timeline import PILE_COLOURS
 from memtui_agent.units import format_bytes
 
@@ -54,9 +55,9 @@ class JobHeader(Static):
         if not snap.state.startswith("replay"):  # replay's state already says which step
             step = f"step {snap.step} of {snap.steps_total}" if snap.step is not None else None
             parts.insert(0, step or "no steps yet")
-        first.append("  " + " · ".join(parts))
-        second = Text(snap.job or "(waiting for the job)", style="bold")
-        second.append(f"  {snap.source}", style="dim")
+        first.append("  " + terminal_safe(" · ".join(parts)))
+        second = plain(snap.job or "(waiting for the job)", style="bold")
+        second.append(f"  {terminal_safe(snap.source)}", style="dim")
         first.truncate(width, overflow="ellipsis")
         second.truncate(width, overflow="ellipsis")
         return Text("\n").join([first, second])
@@ -116,7 +117,7 @@ class PilesPanel(Static):
             extra.append("SKIPPED by GradScaler")
         from rich.console import Group
 
-        lines = [Text(line, style="dim") for line in snap.distributed_lines]
+        lines = [plain(line, style="dim") for line in snap.distributed_lines]
         return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
 
 
@@ -151,9 +152,7 @@ class GapPanel(Static):
             return table
         from rich.console import Group
 
-        return Group(
-            table, *(Text(line, style="dim", no_wrap=True) for line in snap.allocator_lines)
-        )
+        return Group(table, *(plain(line, style="dim") for line in snap.allocator_lines))
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
@@ -203,7 +202,7 @@ class DtypeTable(PanelTable):
                     f"{pile}/{dtype}",
                     (
                         Text("■ ", style=PILE_COLOURS[pile]) + Text(PILE_LABELS[pile]),
-                        dtype,
+                        plain(dtype),
                         Text(_size(size, snap.binary), justify="right"),
                         Text(str(count), justify="right"),
                     ),
@@ -229,7 +228,7 @@ class TopActivations(PanelTable):
         sync_rows(
             self,
             (
-                (name, (name, Text(_size(size, snap.binary), justify="right")))
+                (name, (plain(name), Text(_size(size, snap.binary), justify="right")))
                 for name, size in snap.top_activations
             ),
         )
@@ -255,9 +254,9 @@ class AlertsTable(PanelTable):
                     f"{index}",
                     (
                         Text(str(alert.step), justify="right"),
-                        Text(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
-                        alert.message,
-                        alert.where or "",
+                        plain(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
+                        plain(alert.message),
+                        plain(alert.where or ""),
                     ),
                 )
                 for index, alert in enumerate(snap.alerts)
@@ -287,4 +286,4 @@ class NotesLine(Static):
         snap = self.snapshot
         if snap is None or not snap.notes:
             return Text("")
-        return Text(" · ".join(snap.notes))
+        return plain(" · ".join(snap.notes))
