@@ -1,7 +1,10 @@
-"""A closed step waiting for the values that must not be read on the training thread.
+"""A closed step, turned into its `Step` frame on the training thread as the step closes.
 
-The loss and the GradScaler scale are device tensors: turning them into floats syncs the device,
-so the emitter thread does it. Process RSS (about 20 us through psutil) is read there too.
+The frame is written before control returns to the job (see emitter.py), so everything in it is
+read here: process RSS (about 20 us through psutil), NVML on GPU jobs, and the loss and scale when
+they are host values. A loss or scale in GPU memory is not read here (that would wait for the
+device): it is copied to the host behind an event (`late_values.LateValues`) and reaches the
+recording with a later frame.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import msgspec
 
 from memtui_agent import schema
 from memtui_agent.alloc_trace import Drained
+from memtui_agent.late_values import LateValues, device_values, host_float
 
 _process: Any = None
 
@@ -82,25 +86,27 @@ class PendingStep:
     alloc_events: Drained | None = None
     """`--alloc-events`: the ring entries read at the close, summarised here, off that thread."""
 
-    def finalize(self) -> schema.Step:
-        """The `Step` message, with loss and scale resolved to floats."""
-        loss = None
-        if self.losses:
-            loss = float(sum(float(value.item()) for value in self.losses))
-        scale = float(self.scale.item()) if self.scale is not None else None
+    def finalize(
+        self, late: list[schema.StepLate] | None = None
+    ) -> tuple[schema.Step, LateValues | None]:
+        """The `Step` message now, plus the device values still on their way to the host.
+
+        Args:
+            late: values of earlier steps that reached the host since, carried by this frame.
+        """
+        pending = None
+        loss = scale = after = None
+        if device_values(self.losses, self.scale, self.scale_after):
+            pending = LateValues(self.step, self.losses, self.scale)
+        else:
+            if self.losses:
+                loss = float(sum(host_float(value) or 0.0 for value in self.losses))
+            scale = host_float(self.scale)
+            after = host_float(self.scale_after)
         alerts = list(self.alerts)
         if self.skipped:
-            after = float(self.scale_after.item()) if self.scale_after is not None else None
-            change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
-            alerts.insert(
-                0,
-                schema.Alert(
-                    kind="skipped_step",
-                    message="GradScaler skipped the optimizer update (non-finite gradients)"
-                    + change,
-                ),
-            )
-        return schema.Step(
+            alerts.insert(0, skipped_alert(scale, after))
+        step = schema.Step(
             step=self.step,
             t_start=self.t_start,
             t_end=self.t_end,
@@ -119,4 +125,15 @@ class PendingStep:
             dropped=self.dropped,
             distributed=self.distributed,
             alloc_events=self.alloc_events.summary() if self.alloc_events is not None else None,
+            late=late or [],
         )
+        return step, pending
+
+
+def skipped_alert(scale: float | None, after: float | None) -> schema.Alert:
+    """`skipped_step`, with the scale change when both scales are known at close (host values)."""
+    change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
+    return schema.Alert(
+        kind="skipped_step",
+        message="GradScaler skipped the optimizer update (non-finite gradients)" + change,
+    )

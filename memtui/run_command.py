@@ -22,6 +22,7 @@ from pathlib import Path
 
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
+from memtui_agent.safe_open import refusal
 from memtui_agent.units import format_bytes
 
 
@@ -115,6 +116,7 @@ def build_job(
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
+        _refuse_unsafe(recording)
         distributed = launches_ranks(target, module)
         if distributed and not output:
             recording = recording.with_suffix("")
@@ -137,6 +139,22 @@ def build_job(
         env["MEMTUI_BUDGET"] = str(budget)
     env["MEMTUI_NAN_CHECK"] = nan_check
     return JobSpec(command=command, display=display, env=env, recording=recording)
+
+
+def _refuse_unsafe(recording: Path) -> None:
+    """Refuse, before the job starts, a recording or `.log` name the agent would not create.
+
+    The agent creates both with O_EXCL|O_NOFOLLOW (memtui_agent.safe_open); saying so here is
+    one clear line instead of a job that runs unrecorded.
+    """
+    if recording.is_symlink():
+        raise UsageError(refusal(recording) or f"{recording}: is a symbolic link")
+    if recording.is_dir():
+        return
+    for path in (recording, recording.with_name(recording.name + ".log")):
+        reason = refusal(path)
+        if reason is not None:
+            raise UsageError(reason)
 
 
 def exit_code_of(returncode: int) -> int:
@@ -176,6 +194,25 @@ def run_headless(job: JobSpec) -> int:
     return code
 
 
+FULL_BELOW = 1024 * 1024
+"""Free bytes under which a folder counts as full (a frame or two would not fit)."""
+
+
+def incomplete_reason(recording: Path) -> str:
+    """Why a job that exited by itself left no final frame: a full disk, or the agent stopped.
+
+    The agent cannot record that its own recording failed, so the folder's free space is the
+    evidence: a full disk is the common cause (the agent says which on the job's stderr).
+    """
+    try:
+        info = os.statvfs(recording.parent)
+    except OSError:
+        return "no final frame (see the job's stderr)"
+    if info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0:
+        return "disk full"
+    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+
+
 def summary_line(job: JobSpec, code: int) -> str:
     """One or two lines for the end of a headless run."""
     if job.recording is None:
@@ -200,6 +237,8 @@ def summary_line(job: JobSpec, code: int) -> str:
     peaks = pile_peaks(recording)
     piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
     status = recording.status() if recording.end is None else recording.end.status
+    if recording.end is None and code < 128:  # the job exited by itself: nobody killed it
+        status = f"exited, recording incomplete: {incomplete_reason(job.recording)}"
     lines = (
         f"memtui: job {status} (exit code {code}) after {len(recording.steps)} steps; "
         f"highest piles: {piles}\n"
