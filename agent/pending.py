@@ -9,6 +9,7 @@ recording with a later frame.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +32,24 @@ def process_rss() -> int:
     return int(_process.memory_info().rss)
 
 
+SYSTEM_MEMORY_SECONDS = 1.0
+_system: tuple[float, Any] = (float("-inf"), None)
+
+
 def host_now() -> schema.Host:
-    """Process RSS and the machine's memory."""
+    """Process RSS (every step) and the machine's memory (at most once a second).
+
+    Runs on the training thread as the step closes. `psutil.virtual_memory()` costs about
+    95 us (it parses /proc/meminfo) against 28 us for RSS, and the machine's figure moves
+    slowly, so it is re-read only once a second.
+    """
+    global _system
     import psutil
 
-    system = psutil.virtual_memory()
+    now = time.monotonic()
+    if now - _system[0] >= SYSTEM_MEMORY_SECONDS:
+        _system = (now, psutil.virtual_memory())
+    system = _system[1]
     return schema.Host(rss=process_rss(), system_total=system.total, system_used=system.used)
 
 

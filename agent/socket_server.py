@@ -33,12 +33,12 @@ class _Viewer:
 
     __slots__ = ("head", "joined", "partial", "seq", "sock")
 
-    def __init__(self, sock: socket.socket, head: list[bytes], seq: int) -> None:
+    def __init__(self, sock: socket.socket, head: list[bytes], seq: int, joined: int) -> None:
         self.sock = sock
         self.head = head
         """Hello and name tables at connect time (shared `bytes`, not copies)."""
         self.seq = seq
-        self.joined = seq
+        self.joined = joined
         """Names frames in the log before this are already in `head`."""
         self.partial: memoryview | None = None
         """The unsent rest of the frame last started (keeps that frame alive, nothing else)."""
@@ -126,7 +126,7 @@ class SocketServer:
                 )
                 continue
             head = [self._opening, *self._names]
-            self._viewers.append(_Viewer(sock, head, self._first_seq))
+            self._viewers.append(_Viewer(sock, head, self._first_seq, self._next_seq))
         self._viewers = [viewer for viewer in self._viewers if self._flush(viewer)]
 
     def _flush(self, viewer: _Viewer) -> bool:

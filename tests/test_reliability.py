@@ -194,7 +194,7 @@ if sys.argv[1] == "agent":
     # Writes past 1 KiB fail (EFBIG) as they would on a full disk; the job writes no files.
     import resource, signal
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIMIT_INFINITY))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
     with memtui_agent.monitor(record="rec.memtui"):
         train()
 else:
@@ -330,8 +330,8 @@ def _linear(inputs: int, outputs: int) -> tuple[tuple[int, int], tuple[int]]:
 
 def test_disk_full_turns_recording_off_and_leaves_the_job_alone(batch: dict[str, Finished]) -> None:
     """A failing recording (writes past a 1 KiB size limit, as on a full disk) must not change or
-    stop the job: exit 0, the
-    job's own output identical to a run without memtui, one memtui line on stderr."""
+    stop the job: exit 0, the job's own output identical to a run without memtui, one memtui
+    line on stderr."""
     job, plain = batch["disk_full"], batch["disk_full_plain"]
     assert plain.code == 0, plain.stderr
     assert job.code == 0, job.stderr
