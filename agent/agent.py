@@ -47,6 +47,8 @@ class Agent:
         self.snapshot_on_oom = snapshot_on_oom
         self.alloc_events = alloc_events
         self._reported: set[str] = set()
+        self._early: list[schema.AgentError] = []
+        """Failures reported before the emitter existed (a refused runtime dir, say)."""
         self._finished = False
         self._forked_child = False
         self.socket_path: Path | None = None
@@ -107,6 +109,9 @@ class Agent:
                 path = self.record.with_name(self.record.name + ".oom-snapshot.pickle")
                 self.tracker.closer.gpu_events.snapshot_path = str(path)
             self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
+            early, self._early = self._early, []
+            for error in early:
+                self.emitter.put(error)
             self.tracker.install()
             if self.alloc_events:
                 self._arm_alloc_events()
@@ -181,10 +186,17 @@ class Agent:
             )
         except Exception:
             pass
-        if self.emitter is not None and component not in ("recording", "emitter"):
-            self.emitter.put(
-                schema.AgentError(time=time.time(), component=component, message=message)
-            )
+        self._stream(schema.AgentError(time=time.time(), component=component, message=message))
+
+    def _stream(self, error: schema.AgentError) -> None:
+        """Into the recording and to viewers; kept for the emitter if it does not exist yet.
+
+        A failed recording still reaches viewers (the emitter skips a closed file).
+        """
+        if self.emitter is not None:
+            self.emitter.put(error)
+        elif not self._finished:
+            self._early.append(error)
 
     def note(self, component: str, message: str) -> None:
         """Say once, on stderr and in the stream, that an option has no effect in this job."""
@@ -195,10 +207,7 @@ class Agent:
             print(f"memtui: {message}", file=sys.stderr)
         except Exception:
             pass
-        if self.emitter is not None:
-            self.emitter.put(
-                schema.AgentError(time=time.time(), component=component, message=message)
-            )
+        self._stream(schema.AgentError(time=time.time(), component=component, message=message))
 
     # ----- user-facing ------------------------------------------------------------------------
 

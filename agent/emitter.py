@@ -1,11 +1,13 @@
-"""The one thread that encodes, records and serves frames, so the training thread never waits.
+"""Frames out of the job: recorded on the caller's thread, served to viewers by one thread.
 
-The training thread only appends to a bounded deque and sets an event (about a microsecond).
-This thread turns pending items into messages (resolving loss tensors with `.item()` here, so a
-GPU sync never lands on the training thread), appends each frame to the recording with a single
-`os.write` (a process killed with SIGKILL leaves every completed frame in the file), and hands it
-to the socket server. A failing disk or socket turns that output off and is reported once; the
-job goes on.
+A step is in the recording before control returns to the job: `put` encodes the frame and
+appends it to the file with one `os.write` on the thread that closed the step, so a process
+killed with SIGKILL right after `optimizer.step()` leaves that step in the file. Everything a
+frame holds is known at that moment without waiting for the device (see pending.py); a loss or
+scale still in GPU memory follows in a later frame (`late_values.LateValues`). What stays off
+the training thread is the socket: `put` only appends the encoded bytes to a bounded queue, and
+the emitter thread hands them to the socket server and sends the once-a-second tick. A failing
+disk or socket turns that output off and is reported once; the job goes on.
 """
 
 from __future__ import annotations
@@ -18,18 +20,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from memtui_agent import schema, wire
+from memtui_agent.late_values import LateValues
+from memtui_agent.safe_open import create_private
 from memtui_agent.socket_server import SocketServer
 
 QUEUE_LIMIT = 10_000
 TICK_SECONDS = 1.0
+MAX_LATE = schema.LATE_SEARCH
+"""Steps whose device values may be in flight at once; older ones are given up (and counted)."""
 
 
 class Pending(Protocol):
-    """Work whose final form needs values that are expensive to read on the training thread."""
+    """A closed step whose frame is built at `put` (pending.PendingStep)."""
 
-    def finalize(self) -> schema.Message:
-        """Build the message (may sync a device or read process memory)."""
+    def finalize(
+        self, late: list[schema.StepLate] | None = None
+    ) -> tuple[schema.Step, LateValues | None]:
+        """The frame now, and the device values still on their way to the host."""
         ...
 
 
@@ -37,7 +47,7 @@ Item = schema.Message | Pending
 
 
 class Emitter:
-    """Bounded hand-off from the training thread to the recording and the socket."""
+    """Synchronous recording, asynchronous serving."""
 
     def __init__(
         self,
@@ -47,13 +57,18 @@ class Emitter:
         on_error: Callable[[str, BaseException], None],
         tick: Callable[[], schema.Tick | None] | None = None,
     ) -> None:
-        self._queue: deque[Item] = deque()
+        self._outbox: deque[tuple[bytes, bool]] = deque()
+        self._late: deque[LateValues] = deque()
+        self._file_lock = threading.Lock()
+        """Frames come from the training thread, the tick thread and error reports."""
         self._wake = threading.Event()
         self._stopping = False
         self._on_error = on_error
         self._tick = tick
         self._last_frame = time.monotonic()
         self.dropped = 0
+        """Frames the socket queue had no room for (the recording never drops one)."""
+        self.late_lost = 0
         self.frames_written = 0
         self.bytes_written = 0
         self._server = server
@@ -61,10 +76,10 @@ class Emitter:
         opening = wire.preamble() + wire.encode(hello)
         if recording is not None:
             try:
-                self._fd = os.open(recording, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fd = create_private(recording)
                 self._write(opening)
             except OSError as exc:
-                self._fd = None
+                self._close_file()
                 on_error("recording", exc)
         if server is not None:
             server.set_opening(opening)
@@ -72,67 +87,83 @@ class Emitter:
         self._thread.start()
 
     def put(self, item: Item) -> None:
-        """Enqueue without blocking; past the bound the item is dropped and counted."""
-        if len(self._queue) >= QUEUE_LIMIT:
-            self.dropped += 1
+        """Record `item` before returning, queue it for viewers; never raises into the job."""
+        try:
+            message = self._message(item)
+            frames = wire.encode_frames(message)
+        except Exception as exc:
+            self._on_error("frame", exc)
             return
-        self._queue.append(item)
-        self._wake.set()
+        self._send(frames, isinstance(message, schema.Names))
 
     def close(self, timeout: float = 5.0) -> None:
-        """Drain what is queued (bounded by `timeout`), then close the file and the socket."""
+        """Serve what is queued (bounded by `timeout`), then close the socket and the file."""
         self._stopping = True
         self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        with self._file_lock:
+            self._close_file()
 
     @property
     def recording_open(self) -> bool:
         """Whether frames still reach the recording file."""
         return self._fd is not None
 
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(0.1)
-            self._wake.clear()
+    # ----- the caller's thread ------------------------------------------------------------------
+
+    def _message(self, item: Item) -> schema.Message:
+        if isinstance(item, schema.End):
+            return msgspec.structs.replace(item, late=self._late_values(wait=True))
+        if isinstance(item, schema.Message):
+            return item
+        step, pending = item.finalize(self._late_values(wait=False))
+        if pending is not None:
+            self._late.append(pending)
+            if len(self._late) > MAX_LATE:  # the device is that far behind: give the oldest up
+                self._late.popleft()
+                self.late_lost += 1
+        return step
+
+    def _late_values(self, wait: bool) -> list[schema.StepLate]:
+        """Values of earlier steps that have reached the host (all of them when `wait`)."""
+        ready = []
+        while self._late:
+            pending = self._late[0]
             try:
-                self._drain()
-                if self._server is not None:
-                    self._server.poll()
-                if not self._stopping:
-                    self._maybe_tick()
-            except Exception as exc:  # never let the thread die silently mid-run
-                self._on_error("emitter", exc)
-            if self._stopping and not self._queue:
-                break
-        self._shutdown()
+                if wait:
+                    pending.wait()  # the job is ending: one wait here is harmless
+                elif not pending.ready():
+                    break
+                ready.append(pending.values())
+            except Exception as exc:  # a device error: those values are lost, not the frame
+                self.late_lost += 1
+                self._on_error("late-values", exc)
+            self._late.popleft()
+        return ready
 
-    def _drain(self) -> None:
-        while self._queue:
-            item = self._queue.popleft()
-            message = item if isinstance(item, schema.Message) else item.finalize()
-            self._send(message)
-
-    def _send(self, message: schema.Message) -> None:
-        data = wire.encode(message)
-        self._last_frame = time.monotonic()
+    def _send(self, frames: list[bytes], is_names: bool = False) -> None:
         if self._fd is not None:
-            try:
-                self._write(data)
-            except OSError as exc:
-                self._close_file()
-                self._on_error("recording", exc)
-        if self._server is not None:
-            self._server.publish(data, is_names=isinstance(message, schema.Names))
-
-    def _maybe_tick(self) -> None:
-        if self._tick is None or time.monotonic() - self._last_frame < TICK_SECONDS:
+            error = None
+            with self._file_lock:
+                try:
+                    for frame in frames:
+                        if self._fd is not None:
+                            self._write(frame)
+                except OSError as exc:
+                    self._close_file()
+                    error = exc
+            if error is not None:
+                self._on_error("recording", error)
+        self._last_frame = time.monotonic()
+        if self._server is None:
             return
-        message = self._tick()
-        if message is None:
-            self._last_frame = time.monotonic()
-        else:
-            self._send(message)
+        for frame in frames:
+            if len(self._outbox) >= QUEUE_LIMIT:
+                self.dropped += 1
+                continue
+            self._outbox.append((frame, is_names))
+        self._wake.set()
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
@@ -151,10 +182,40 @@ class Emitter:
                 pass
             self._fd = None
 
-    def _shutdown(self) -> None:
-        self._close_file()
+    # ----- the emitter thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            try:
+                self._serve()
+                if not self._stopping:
+                    self._maybe_tick()
+            except Exception as exc:  # never let the thread die silently mid-run
+                self._on_error("emitter", exc)
+            if self._stopping and not self._outbox:
+                break
         if self._server is not None:
             try:
                 self._server.close()
             except OSError:
                 pass
+
+    def _serve(self) -> None:
+        server = self._server
+        if server is None:
+            return
+        while self._outbox:
+            frame, is_names = self._outbox.popleft()
+            server.publish(frame, is_names=is_names)
+        server.poll()
+
+    def _maybe_tick(self) -> None:
+        if self._tick is None or time.monotonic() - self._last_frame < TICK_SECONDS:
+            return
+        message = self._tick()
+        if message is None:
+            self._last_frame = time.monotonic()
+        else:
+            self._send(wire.encode_frames(message))

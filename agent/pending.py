@@ -1,11 +1,15 @@
-"""A closed step waiting for the values that must not be read on the training thread.
+"""A closed step, turned into its `Step` frame on the training thread as the step closes.
 
-The loss and the GradScaler scale are device tensors: turning them into floats syncs the device,
-so the emitter thread does it. Process RSS (about 20 us through psutil) is read there too.
+The frame is written before control returns to the job (see emitter.py), so everything in it is
+read here: process RSS (about 20 us through psutil), NVML on GPU jobs, and the loss and scale when
+they are host values. A loss or scale in GPU memory is not read here (that would wait for the
+device): it is copied to the host behind an event (`late_values.LateValues`) and reaches the
+recording with a later frame.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +17,7 @@ import msgspec
 
 from memtui_agent import schema
 from memtui_agent.alloc_trace import Drained
+from memtui_agent.late_values import LateValues, device_values, host_float
 
 _process: Any = None
 
@@ -27,11 +32,24 @@ def process_rss() -> int:
     return int(_process.memory_info().rss)
 
 
+SYSTEM_MEMORY_SECONDS = 1.0
+_system: tuple[float, Any] = (float("-inf"), None)
+
+
 def host_now() -> schema.Host:
-    """Process RSS and the machine's memory."""
+    """Process RSS (every step) and the machine's memory (at most once a second).
+
+    Runs on the training thread as the step closes. `psutil.virtual_memory()` costs about
+    95 us (it parses /proc/meminfo) against 28 us for RSS, and the machine's figure moves
+    slowly, so it is re-read only once a second.
+    """
+    global _system
     import psutil
 
-    system = psutil.virtual_memory()
+    now = time.monotonic()
+    if now - _system[0] >= SYSTEM_MEMORY_SECONDS:
+        _system = (now, psutil.virtual_memory())
+    system = _system[1]
     return schema.Host(rss=process_rss(), system_total=system.total, system_used=system.used)
 
 
@@ -85,28 +103,27 @@ class PendingStep:
     optimizer: str | None = None
     optimizer_step: int | None = None
 
-    def finalize(self) -> schema.Step:
-        """The `Step` message, with loss and scale resolved to floats."""
-        loss = None
-        if self.losses:
-            loss = float(sum(float(value.item()) for value in self.losses))
-        scale = float(self.scale.item()) if self.scale is not None else None
+    def finalize(
+        self, late: list[schema.StepLate] | None = None
+    ) -> tuple[schema.Step, LateValues | None]:
+        """The `Step` message now, plus the device values still on their way to the host.
+
+        Args:
+            late: values of earlier steps that reached the host since, carried by this frame.
+        """
+        pending = None
+        loss = scale = after = None
+        if device_values(self.losses, self.scale, self.scale_after):
+            pending = LateValues(self.step, self.losses, self.scale)
+        else:
+            if self.losses:
+                loss = float(sum(host_float(value) or 0.0 for value in self.losses))
+            scale = host_float(self.scale)
+            after = host_float(self.scale_after)
         alerts = list(self.alerts)
         if self.skipped:
-            after = float(self.scale_after.item()) if self.scale_after is not None else None
-            # The scale after is known when GradScaler.update() ran before the next step closed
-            # (with two optimizers on one scaler, the other's step may close first).
-            change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
-            change = change or (f"; at scale {scale:g}" if scale else "")
-            alerts.insert(
-                0,
-                schema.Alert(
-                    kind="skipped_step",
-                    message="GradScaler skipped the optimizer update (non-finite gradients)"
-                    + change,
-                ),
-            )
-        return schema.Step(
+            alerts.insert(0, skipped_alert(scale, after))
+        step = schema.Step(
             step=self.step,
             t_start=self.t_start,
             t_end=self.t_end,
@@ -128,4 +145,18 @@ class PendingStep:
             closed_by=self.closed_by,
             optimizer=self.optimizer,
             optimizer_step=self.optimizer_step,
+            late=late or [],
         )
+        return step, pending
+
+
+def skipped_alert(scale: float | None, after: float | None) -> schema.Alert:
+    """`skipped_step`, with the scale change when both scales are known at close (host values)."""
+    # The scale after is known when GradScaler.update() ran before the step was written (with
+    # two optimizers on one scaler, the other's step may close first).
+    change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
+    change = change or (f"; at scale {scale:g}" if scale else "")
+    return schema.Alert(
+        kind="skipped_step",
+        message="GradScaler skipped the optimizer update (non-finite gradients)" + change,
+    )

@@ -234,6 +234,22 @@ class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.untracked_buckets() + (self.fsdp_gathered_max or 0)
 
 
+class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Values of an earlier step that were still on the GPU when its frame was written.
+
+    A step's frame is written as its `optimizer.step()` returns, before control goes back to
+    the job, so a kill right after a step never loses it. A loss or GradScaler scale held in
+    device memory cannot be read then without waiting for the device; it is copied to the host
+    behind an event instead, and carried by a later frame (`Step.late`, `End.late`) once there.
+    Readers fold it into the step it names with `apply_late`. On a CPU job there is none.
+    """
+
+    step: int
+    loss: float | None = None
+    scale: float | None = None
+    alerts: list[Alert] = []
+
+
 class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     """One closed optimizer step (or one GradScaler-skipped update).
 
@@ -267,6 +283,35 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     first step); None when a backward closed it."""
     optimizer_step: int | None = None
     """This optimizer's own step count (1 for its first `step()`)."""
+    late: list[StepLate] = []
+    """Device values of earlier steps that reached the host since (see `StepLate`)."""
+
+
+LATE_SEARCH = 64
+"""How far back a late value may point: the agent never keeps more steps pending."""
+
+
+def apply_late(steps: list[Step], late: list[StepLate]) -> list[tuple[int, Alert]]:
+    """Fold late device values into the steps they name, in place (one fold for every reader).
+
+    Returns the alerts that arrived late, with their step, for readers that index alerts. A
+    value for a step the reader no longer holds (trimmed history) is ignored.
+    """
+    added: list[tuple[int, Alert]] = []
+    for values in late:
+        for index in range(len(steps) - 1, max(-1, len(steps) - 1 - LATE_SEARCH), -1):
+            step = steps[index]
+            if step.step != values.step:
+                continue
+            steps[index] = msgspec.structs.replace(
+                step,
+                loss=values.loss if values.loss is not None else step.loss,
+                scale=values.scale if values.scale is not None else step.scale,
+                alerts=[*step.alerts, *values.alerts],
+            )
+            added.extend((values.step, alert) for alert in values.alerts)
+            break
+    return added
 
 
 class AlertNow(msgspec.Struct, tag="alert", frozen=True):
@@ -288,6 +333,11 @@ class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
     phase: str = Phase.BETWEEN.value
     step: int = 0
     host: Host = Host()
+
+
+VIEWER_CLOSED = "viewer"
+"""`AgentError.component` of the last frame a job sends a viewer it refuses (too many viewers)
+or drops (too far behind); the message is the one line the viewer shows."""
 
 
 class AgentError(msgspec.Struct, tag="agent_error", frozen=True):
@@ -317,6 +367,8 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     alerts: Annotated[list[Alert], _BOUNDED] = []
     requested: int | None = None
     alloc_events: AllocEvents | None = None
+    late: list[StepLate] = []
+    """Device values of the last steps, read as the job ended (see `StepLate`)."""
 
 
 Message = Hello | Names | Step | Tick | AgentError | End | AlertNow

@@ -26,8 +26,18 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(schema.Message)
 
 
+NAMES_CHUNK_BYTES = min(1024 * 1024, MAX_FRAME_BYTES // 4)
+"""Names are split into frames of about this many bytes of text, far under the reader's cap."""
+MAX_NAME_CHARS = 4096
+"""A longer name (no real module path comes near) is cut, so one name always fits a chunk."""
+
+
 class WireError(ValueError):
     """The bytes are not a valid memtui stream. The message is one sentence for the user."""
+
+
+class FrameTooLarge(ValueError):
+    """A message would encode past `MAX_FRAME_BYTES`, which every reader refuses."""
 
 
 def preamble(version: int = schema.FORMAT_VERSION) -> bytes:
@@ -36,8 +46,20 @@ def preamble(version: int = schema.FORMAT_VERSION) -> bytes:
 
 
 def encode(message: schema.Message) -> bytes:
-    """One framed message, ready to append to a file or send on a socket."""
+    """One framed message, ready to append to a file or send on a socket.
+
+    This is the one place every frame of the writer goes through, so the writer can never
+    produce a frame its own reader rejects.
+
+    Raises:
+        FrameTooLarge: the payload is over `MAX_FRAME_BYTES`.
+    """
     payload = _encoder.encode(message)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameTooLarge(
+            f"a {type(message).__name__} frame of {len(payload):,} bytes is over the "
+            f"{MAX_FRAME_BYTES:,}-byte frame cap; not written"
+        )
     return FRAME_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -48,6 +70,37 @@ header: a resynchronising reader looks there first instead of checking a CRC at 
 RESYNC_WORK_PER_BYTE = 8
 """A resynchronising reader checksums at most this many bytes per byte received (plus one
 frame cap), so crafted data full of plausible frame starts costs bounded time."""
+
+
+def encode_frames(message: schema.Message) -> list[bytes]:
+    """The frames for one message: a `Names` table is split into chunks, the rest is one frame.
+
+    Raises:
+        FrameTooLarge: a message other than `Names` is over the cap.
+    """
+    if isinstance(message, schema.Names):
+        return [encode(chunk) for chunk in split_names(message)]
+    return [encode(message)]
+
+
+def split_names(message: schema.Names) -> list[schema.Names]:
+    """`message` as consecutive tables of at most `NAMES_CHUNK_BYTES` of text each (ids kept)."""
+    chunks: list[schema.Names] = []
+    names: list[str] = []
+    size = 0
+    first_id = message.first_id
+    for name in message.names:
+        if len(name) > MAX_NAME_CHARS:
+            name = name[: MAX_NAME_CHARS - 1] + "\N{HORIZONTAL ELLIPSIS}"
+        cost = len(name.encode("utf-8", "surrogatepass")) + 5  # msgpack str header <= 5 bytes
+        if names and size + cost > NAMES_CHUNK_BYTES:
+            chunks.append(schema.Names(kind=message.kind, first_id=first_id, names=names))
+            first_id += len(names)
+            names, size = [], 0
+        names.append(name)
+        size += cost
+    chunks.append(schema.Names(kind=message.kind, first_id=first_id, names=names))
+    return chunks
 
 
 class FrameDecoder:

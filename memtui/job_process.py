@@ -16,6 +16,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from memtui_agent.safe_open import create_private
+
 MAX_LINES = 5000
 
 
@@ -26,7 +28,12 @@ class JobProcess:
         self.lines: deque[str] = deque(maxlen=MAX_LINES)
         self._lock = threading.Lock()
         self.log_path = log_path
-        self._log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+        self._log = None
+        if log_path is not None:
+            try:  # never through a planted link (see memtui_agent.safe_open)
+                self._log = os.fdopen(create_private(log_path), "wb")
+            except OSError as exc:
+                self.lines.append(f"memtui: job output not saved: {exc}")
         self.process = subprocess.Popen(
             command,
             env=env,

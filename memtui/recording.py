@@ -58,6 +58,7 @@ class Recording:
 def apply(recording: Recording, message: schema.Message) -> None:
     """Fold one message into a recording (also used for live streams)."""
     if isinstance(message, schema.Step):
+        schema.apply_late(recording.steps, message.late)
         recording.steps.append(message)
     elif isinstance(message, schema.AlertNow):
         recording.early_alerts.append(message)
@@ -72,6 +73,7 @@ def apply(recording: Recording, message: schema.Message) -> None:
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
     elif isinstance(message, schema.End):
+        schema.apply_late(recording.steps, message.late)
         recording.end = message
 
 

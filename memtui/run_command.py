@@ -24,6 +24,7 @@ from pathlib import Path
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
 from memtui.terminal_text import terminal_safe
+from memtui_agent.safe_open import refusal
 from memtui_agent.units import format_bytes
 
 
@@ -121,6 +122,7 @@ def build_job(
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
+        _refuse_unsafe(recording)
         distributed = launches_ranks(target, module)
         # A launcher starts ranks; any other command may start several Python processes (in
         # turn or side by side): each records its own file in a session folder.
@@ -196,6 +198,22 @@ def take_notes(job: JobSpec) -> list[str]:
     return lines
 
 
+def _refuse_unsafe(recording: Path) -> None:
+    """Refuse, before the job starts, a recording or `.log` name the agent would not create.
+
+    The agent creates both with O_EXCL|O_NOFOLLOW (memtui_agent.safe_open); saying so here is
+    one clear line instead of a job that runs unrecorded.
+    """
+    if recording.is_symlink():
+        raise UsageError(refusal(recording) or f"{recording}: is a symbolic link")
+    if recording.is_dir():
+        return
+    for path in (recording, recording.with_name(recording.name + ".log")):
+        reason = refusal(path)
+        if reason is not None:
+            raise UsageError(reason)
+
+
 def exit_code_of(returncode: int) -> int:
     """A child killed by signal N exits the shell way: 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -237,6 +255,24 @@ def run_headless(job: JobSpec) -> int:
 
 
 MAX_SUMMARY_RECORDINGS = 8
+"""Recordings listed one per line at the end of a run of a session folder."""
+FULL_BELOW = 1024 * 1024
+"""Free bytes under which a folder counts as full (a frame or two would not fit)."""
+
+
+def incomplete_reason(recording: Path) -> str:
+    """Why a job that exited by itself left no final frame: a full disk, or the agent stopped.
+
+    The agent cannot record that its own recording failed, so the folder's free space is the
+    evidence: a full disk is the common cause (the agent says which on the job's stderr).
+    """
+    try:
+        info = os.statvfs(recording.parent)
+    except OSError:
+        return "no final frame (see the job's stderr)"
+    if info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0:
+        return "disk full"
+    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
 
 
 def summary_line(job: JobSpec, code: int) -> str:
@@ -251,7 +287,7 @@ def summary_line(job: JobSpec, code: int) -> str:
             "imported torch, or the agent could not start)"
         )
     try:
-        status, steps, piles = _outcome(job.recording)
+        status, steps, piles = _outcome(job.recording, code)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
     lines = (
@@ -264,8 +300,8 @@ def summary_line(job: JobSpec, code: int) -> str:
     return lines
 
 
-def _outcome(path: Path) -> tuple[str, int, str]:
-    """(how it ended, steps, highest piles) of one recording.
+def _outcome(path: Path, code: int | None) -> tuple[str, int, str]:
+    """(how it ended, steps, highest piles) of one recording of a job that exited with `code`.
 
     Raises:
         RecordingError: the recording cannot be read.
@@ -274,6 +310,8 @@ def _outcome(path: Path) -> tuple[str, int, str]:
     peaks = pile_peaks(recording)
     piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
     status = recording.status() if recording.end is None else recording.end.status
+    if recording.end is None and code is not None and code < 128:  # exited by itself
+        status = f"exited, recording incomplete: {incomplete_reason(path)}"
     return str(status), len(recording.steps), piles
 
 
@@ -292,7 +330,7 @@ def _session_summary(folder: Path, code: int) -> str:
     for label, path in files[:MAX_SUMMARY_RECORDINGS]:
         name = f"rank {label}" if label.isdigit() else label
         try:
-            status, steps, piles = _outcome(path)
+            status, steps, piles = _outcome(path, None)  # each process's own code is unknown
         except RecordingError as exc:
             lines.append(f"memtui:   {name}: unreadable: {exc}")
             continue

@@ -113,6 +113,7 @@ class Session:
             elif isinstance(message, schema.AgentError):
                 self.agent_errors.append(message)
             elif isinstance(message, schema.End):
+                self._add_late(message.late)
                 self.end = message
                 self.alloc_recorded |= message.alloc_events is not None
                 for alert in message.alerts:
@@ -120,9 +121,15 @@ class Session:
         if messages:
             self.version += 1
 
+    def _add_late(self, late: list[schema.StepLate]) -> None:
+        """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
+        for number, alert in schema.apply_late(self.steps, late):
+            self._add_alert(number, alert)
+
     def _add_step(self, step: schema.Step) -> None:
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
+        self._add_late(step.late)
         self.steps.append(step)
         self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)

@@ -123,6 +123,15 @@ class LiveSource:
                     batch = list(decoder.feed(data))
                 except wire.WireError as exc:
                     return f"bad frame from the job: {exc}"
+                for index, message in enumerate(batch):
+                    # The job's last word to a viewer it refuses or drops: the line to show.
+                    if (
+                        isinstance(message, schema.AgentError)
+                        and message.component == schema.VIEWER_CLOSED
+                    ):
+                        if index:
+                            sink(batch[:index])
+                        return f"the job closed this connection: {message.message}"
                 if batch:
                     sink(batch)
         finally:

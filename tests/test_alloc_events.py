@@ -439,7 +439,7 @@ def test_the_pending_step_summarises_on_finalize() -> None:
         allocator=schema.Allocator(),
         alloc_events=drained,
     )
-    step = pending.finalize()
+    step, _late = pending.finalize()
     assert step.alloc_events is not None
     assert step.alloc_events.largest == [schema.AllocEvent(9 * MIB, 1, "model.py:42 forward")]
 
