@@ -103,11 +103,14 @@ def _lbfgs(optimizer: Any) -> Forecast | None:
     return Forecast(flat * (2 + 2 * history) + size * (1 + 2 * history), exact=False)
 
 
-def forecast_first_step(optimizer: Any) -> Forecast | None:
+def forecast_first_step(optimizer: Any, closure: bool = False) -> Forecast | None:
     """State bytes the optimizer will hold after its first step, counting only parameters that
     have a gradient now (the ones the step will initialise). None if the type is unknown.
 
-    Parameters that already have state (a loaded checkpoint) add nothing.
+    With a `closure` (Lightning, LBFGS) the gradients appear inside `step()`, after this runs:
+    every parameter that requires a gradient is counted, the parameters the closure's backward
+    reaches in a usual training step. Parameters that already have state (a loaded checkpoint)
+    add nothing.
     """
     if type(optimizer).__name__ == "LBFGS":
         return _lbfgs(optimizer)
@@ -115,7 +118,9 @@ def forecast_first_step(optimizer: Any) -> Forecast | None:
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            if id(parameter) in seen or parameter.grad is None:
+            if id(parameter) in seen:
+                continue
+            if parameter.grad is None and not (closure and parameter.requires_grad):
                 continue
             seen.add(id(parameter))
             if optimizer.state.get(parameter):

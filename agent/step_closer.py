@@ -57,11 +57,16 @@ class StepCloser:
         self._previous_peak: schema.Piles | None = None
 
     def before_first_step(
-        self, optimizer: Any, record: OptimizerRecord, step: int, current: schema.Piles
+        self,
+        optimizer: Any,
+        record: OptimizerRecord,
+        step: int,
+        current: schema.Piles,
+        closure: bool,
     ) -> None:
         """First `step()` of an optimizer: forecast its state and warn if it will not fit."""
         record.state_before = state_bytes(optimizer)
-        forecast = record.forecast = forecast_first_step(optimizer)
+        forecast = record.forecast = forecast_first_step(optimizer, closure)
         if forecast is None or forecast.bytes <= 0:
             return
         who = f"the first {record.name or record.kind}.step()"

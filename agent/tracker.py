@@ -499,8 +499,10 @@ class Tracker(LibraryWrappers):
                 record.forecasted = True
                 # State some optimizers create up front (Adagrad) is not the first step's doing.
                 self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+                # `args` is (optimizer, closure?): torch's step wrapper passes self first.
+                closure = (len(args) > 1 and args[1] is not None) or bool(kwargs.get("closure"))
                 self.closer.before_first_step(
-                    optimizer, record, self.closed_steps + 1, self.ledger.current()
+                    optimizer, record, self.closed_steps + 1, self.ledger.current(), closure
                 )
         except Exception as exc:
             self._disable("steps", exc)

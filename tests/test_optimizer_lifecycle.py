@@ -259,6 +259,11 @@ with maybe_monitor():
         del wrapper.inner.step
     small(torch.randn(2, 4)).sum().backward()
     flaky.step()
+    # Lightning's way: forward and backward run in a closure inside step(), so no parameter
+    # has a gradient when the step begins; the forecast still counts the ones it will have.
+    head = torch.nn.Linear(6, 3)
+    by_closure = torch.optim.Adam(head.parameters())
+    by_closure.step(lambda: head(torch.randn(2, 6)).sum().backward())
     truth(done=True)
 """
 )
@@ -270,7 +275,9 @@ def test_lbfgs_bound_nested_steps_and_a_step_that_raised(tmp_path: Path, run_pyt
     steps = report["steps"]
     # 2 LBFGS steps (their closure's backwards are microbatches), 3 wrapper steps whose inner
     # AdamW step is nested, the raising step closes nothing, then Flaky's own step.
-    assert [s["optimizer"] for s in steps] == ["LBFGS#1"] * 2 + ["Wrapper#2"] * 3 + ["Flaky#3"]
+    assert [s["optimizer"] for s in steps] == (
+        ["LBFGS#1"] * 2 + ["Wrapper#2"] * 3 + ["Flaky#3", "Adam#4"]
+    )
     assert steps[0]["microbatches"] >= 2
     grown = truths[0]["state"]
     growth = [a for a in report["alerts"] if a["kind"] == "first_step_growth"]
@@ -283,6 +290,9 @@ def test_lbfgs_bound_nested_steps_and_a_step_that_raised(tmp_path: Path, run_pyt
     adamw = [a for a in growth if "AdamW" in a["message"]]
     assert len(adamw) == 1 and adamw[0]["step"] == 3 and "as forecast" in adamw[0]["message"]
     assert steps[2]["end"]["optimizer_state"] == 2 * (4 * 4 + 4) * 4 + 2 * 4
+    closure = [a for a in growth if a["step"] == 7]
+    assert len(closure) == 1 and "as forecast" in closure[0]["message"]
+    assert f"({2 * (6 * 3 + 3) * 4 + 2 * 4:,} bytes)" in closure[0]["message"]
 
 
 CHECKPOINTS = """
