@@ -36,6 +36,7 @@ class Agent:
         reset_peaks: bool = False,
         snapshot_on_oom: bool = False,
         alloc_events: bool = False,
+        activations: str = "auto",
     ) -> None:
         self.pid = os.getpid()
         self.record = record.resolve() if record is not None else None
@@ -46,6 +47,7 @@ class Agent:
         self.reset_peaks = reset_peaks
         self.snapshot_on_oom = snapshot_on_oom
         self.alloc_events = alloc_events
+        self.activations = schema.ActivationMode(activations)
         self._reported: set[str] = set()
         self._early: list[schema.AgentError] = []
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
@@ -104,6 +106,7 @@ class Agent:
                 self.budget,
                 self.nan_check,
                 self.reset_peaks,
+                self.activations,
             )
             if self.snapshot_on_oom and self.record is not None:
                 path = self.record.with_name(self.record.name + ".oom-snapshot.pickle")

@@ -40,6 +40,7 @@ def start(
     reset_peaks: bool = False,
     snapshot_on_oom: bool = False,
     alloc_events: bool = False,
+    activations: str = "auto",
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
 
@@ -58,6 +59,8 @@ def start(
         alloc_events: CUDA: record the allocator's history (bounded, Python stacks) and put
             each step's largest allocations with their source lines, segment growth and OOM
             event into its frame. A CPU job gets one note that this has no effect.
+        activations: "auto" (measure steps that can differ, carry the figures of a measured
+            step to the steps that repeat it), "every" (every step) or "off".
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -78,6 +81,7 @@ def start(
                 reset_peaks=reset_peaks,
                 snapshot_on_oom=snapshot_on_oom,
                 alloc_events=alloc_events,
+                activations=activations,
             )
             agent.start()
         except Exception as exc:
@@ -138,9 +142,12 @@ def monitor(
     socket: bool = True,
     budget: int | None = None,
     nan_check: str = "default",
+    activations: str = "auto",
 ) -> Iterator[Any]:
     """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
-    agent = start(record, socket=socket, budget=budget, nan_check=nan_check)
+    agent = start(
+        record, socket=socket, budget=budget, nan_check=nan_check, activations=activations
+    )
     try:
         yield agent
     except BaseException as exc:

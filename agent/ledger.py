@@ -20,6 +20,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Iterable
@@ -50,6 +51,25 @@ def storage_key(device: int, pointer: int) -> Key:
 
 
 _dtype_names: dict[Any, str] = {}
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
+    """Total bytes and dtype inventory of `(nbytes, dtype)` pairs, one per unique storage."""
+    inventory: dict[Any, list[int]] = {}
+    for size, dtype in storages:
+        stat = inventory.get(dtype)
+        if stat is None:
+            stat = inventory[dtype] = [0, 0]
+        stat[0] += size
+        stat[1] += 1
+    total = sum(stat[0] for stat in inventory.values())
+    named = {
+        dtype_name(dtype): DtypeStat(size, count) for dtype, (size, count) in inventory.items()
+    }
+    return total, named
 
 
 def dtype_name(dtype: Any) -> str:
@@ -277,6 +297,62 @@ class Ledger:
                     self._claim(info, pile)
             if fingerprint is not None and 0 not in fingerprint[1]:
                 self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
+
+    def summarize(self, pile: int, tensors: list[Any]) -> tuple[int, dict[str, DtypeStat]] | None:
+        """Bytes and dtype inventory of `tensors`' unique storages, as `sync` would count them
+        for `pile`, without making them members (no entry, no weakref, no free callback).
+
+        For gradients between measured steps (`--activations auto`): a fresh `.grad` per
+        parameter each step would otherwise cost a claim and a free callback per tensor. None
+        when this cannot be exact cheaply (a tensor that is not plain and strided, a storage
+        another pile holds, or a tensor of another kind): the caller then syncs.
+        """
+        plain = torch.Tensor
+        if not tensors:
+            return 0, {}
+        if set(map(type, tensors)) != {plain} or set(map(_LAYOUT, tensors)) != {torch.strided}:
+            return None
+        devices = list(map(plain.get_device, tensors))
+        dtypes = list(map(_DTYPE, tensors))
+        pointers = list(map(plain.data_ptr, tensors))
+        fresh = not any(map(plain._is_view, tensors)) and not any(
+            map(plain.storage_offset, tensors)
+        )
+        if fresh and len(set(pointers)) == len(pointers) and 0 not in pointers:
+            # Tensors that are not views and start their storage: each owns a storage of its
+            # own size (what autograd allocates for a gradient), so nothing needs reading.
+            sizes = list(map(_NBYTES, tensors))
+            places = set(devices)
+            if len(places) == 1:  # one device: keys and totals in C, no loop per tensor
+                tag = places.pop() + 1
+                keys = set(map(tag.__or__, map((8).__rlshift__, pointers)))
+            else:
+                keys = {(p << 8) | (d + 1) for p, d in zip(pointers, devices, strict=True)}
+            kinds = set(dtypes)
+            if len(kinds) == 1:
+                total = sum(sizes)
+                summary = (total, {dtype_name(kinds.pop()): DtypeStat(total, len(sizes))})
+            else:
+                summary = _inventory(zip(sizes, dtypes, strict=True))
+        else:
+            storages = list(map(plain.untyped_storage, tensors))
+            unique = {
+                (pointer << 8) | (device + 1): (size, dtype)
+                for pointer, size, device, dtype in zip(
+                    map(torch.UntypedStorage.data_ptr, storages),
+                    map(torch.UntypedStorage.nbytes, storages),
+                    devices,
+                    dtypes,
+                    strict=False,
+                )
+                if pointer and size
+            }
+            keys, summary = set(unique), _inventory(unique.values())
+        with self._lock:
+            for other in range(len(self._members)):
+                if other != pile and not self._members[other].isdisjoint(keys):
+                    return None
+        return summary
 
     def add(self, pile: int, tensor: Any) -> None:
         """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 from memtui_agent import schema
 
 REWALK_EVERY = 64
+
+
+def _parameter_values(module: Any) -> Any:
+    return module._parameters.values()
+
+
+def _buffer_values(module: Any) -> Any:
+    return module._buffers.values()
 
 
 class ModuleRegistry:
@@ -110,28 +119,23 @@ class ModuleRegistry:
 
     def weight_tensors(self, parameters: list[Any]) -> list[Any]:
         """`parameters` (this step's `self.parameters()`) and the buffers of every root."""
-        buffers = [
-            t for module in self.modules() for t in module._buffers.values() if t is not None
-        ]
-        return parameters + buffers
+        buffers = list(chain.from_iterable(map(_buffer_values, self.modules())))
+        return parameters + [t for t in buffers if t is not None]
 
     def parameters(self) -> list[Any]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
 
         Read afresh from each module's `_parameters` (a parameter replaced since is seen at
-        once); list comprehensions rather than generators, as this runs at every step close.
+        once). It runs at every step close, so the walk is done by C iterators (`map`,
+        `chain`), not a Python loop per parameter.
         """
-        found = {
-            id(t): t
-            for module in self.modules()
-            for t in module._parameters.values()
-            if t is not None
-        }
+        found = list(chain.from_iterable(map(_parameter_values, self.modules())))
         for optimizer in self.live_optimizers():
             for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    found.setdefault(id(parameter), parameter)
-        return list(found.values())
+                found += group["params"]
+        unique = dict(zip(map(id, found), found, strict=False))
+        unique.pop(id(None), None)
+        return list(unique.values())
 
     @staticmethod
     def gradients(parameters: list[Any]) -> list[Any]:
@@ -150,17 +154,13 @@ def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
     tensor = torch.Tensor
     found: list[Any] = []
     for optimizer in optimizers:
-        values = [
-            value
-            for state in list(optimizer.state.values())
-            if isinstance(state, dict)
-            for value in state.values()
-        ]
+        states = [state for state in list(optimizer.state.values()) if type(state) is dict]
+        values = list(chain.from_iterable(map(dict.values, states)))
         found += [value for value in values if isinstance(value, tensor)]
         found += [
             item
             for value in values
-            if isinstance(value, (list, tuple))
+            if type(value) is list or type(value) is tuple
             for item in value
             if isinstance(item, tensor)
         ]

@@ -102,6 +102,8 @@ class PendingStep:
     closed_by: schema.StepTrigger = schema.StepTrigger.OPTIMIZER
     optimizer: str | None = None
     optimizer_step: int | None = None
+    activations_measured: bool = True
+    activations_from: int | None = None
 
     def finalize(
         self, late: list[schema.StepLate] | None = None
@@ -145,6 +147,8 @@ class PendingStep:
             closed_by=self.closed_by,
             optimizer=self.optimizer,
             optimizer_step=self.optimizer_step,
+            activations_measured=self.activations_measured,
+            activations_from=self.activations_from,
             late=late or [],
         )
         return step, pending

@@ -60,6 +60,17 @@ class StepTrigger(str, Enum):
     """No optimizer has stepped: each top-level `backward()` is a step."""
 
 
+class ActivationMode(str, Enum):
+    """When the agent measures activations (README, "Activations: measured or carried")."""
+
+    AUTO = "auto"
+    """Measure steps that can differ from a measured one; the others carry its figures."""
+    EVERY = "every"
+    """Every hook on every step."""
+    OFF = "off"
+    """No activation counting at all."""
+
+
 class Piles(msgspec.Struct, array_like=True, frozen=True):
     """Bytes in each tracked pile, sent as a 4-element array to keep frames small."""
 
@@ -283,6 +294,11 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     first step); None when a backward closed it."""
     optimizer_step: int | None = None
     """This optimizer's own step count (1 for its first `step()`)."""
+    activations_measured: bool = True
+    """Whether the saved-tensor hooks counted this step's activations."""
+    activations_from: int | None = None
+    """The measured step whose activation figures this one repeats and carries; None with
+    `activations_measured` False means they are not known (measured in part, or off)."""
     late: list[StepLate] = []
     """Device values of earlier steps that reached the host since (see `StepLate`)."""
 

@@ -54,7 +54,7 @@ class StepCloser:
         self.budget = budget
         self.health = HealthMonitor(nan_check)
         self._budget_warned = False
-        self._previous_peak: schema.Piles | None = None
+        self.previous_peak: schema.Piles | None = None
 
     def before_first_step(
         self,
@@ -151,7 +151,7 @@ class StepCloser:
         budget_alert = self._budget_alert(peak)
         if budget_alert is not None:
             alerts.append(budget_alert)
-        self._previous_peak = peak
+        self.previous_peak = peak
         return PendingStep(
             step=step,
             t_start=t_start,
@@ -193,7 +193,7 @@ class StepCloser:
         if self.budget is None or peak.total <= self.budget or self._budget_warned:
             return None
         self._budget_warned = True
-        before = self._previous_peak or schema.Piles()
+        before = self.previous_peak or schema.Piles()
         growth = {pile: getattr(peak, pile) - getattr(before, pile) for pile in PILES}
         grew = max(growth, key=lambda pile: growth[pile])
         message = (

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from threading import get_ident
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
@@ -30,8 +31,10 @@ from torch.optim.optimizer import (
 )
 
 from memtui_agent import schema
+from memtui_agent.activation_policy import FIRST_STEPS, ActivationPolicy, Figures, call_signature
 from memtui_agent.distributed import DistributedMemory
 from memtui_agent.failures import ErrorContext
+from memtui_agent.hook_arming import HookArming, forget_when_freed
 from memtui_agent.ledger import (
     GRADIENTS,
     NO_MODULE,
@@ -53,6 +56,18 @@ from memtui_agent.pending import PendingStep
 from memtui_agent.step_closer import StepCloser
 
 MAX_LOSSES_PER_STEP = 256
+ALERTS_TO_MEASURE = frozenset(
+    {
+        "nonfinite_loss",
+        "nonfinite_activation",
+        "nonfinite_gradient",
+        "skipped_step",
+        "over_budget",
+        "fragmentation",
+    }
+)
+"""Alerts after which the next steps are measured (`auto`): whatever happens next is seen
+with every hook on."""
 
 
 class _Saved:
@@ -116,6 +131,7 @@ class Tracker(LibraryWrappers):
         budget: int | None = None,
         nan_check: str = "default",
         reset_peaks: bool = False,
+        activations: schema.ActivationMode = schema.ActivationMode.AUTO,
     ) -> None:
         self.ledger = ledger
         self._emit = emit
@@ -141,13 +157,21 @@ class Tracker(LibraryWrappers):
         self._losses: list[Any] = []
         self._scaled_loss: tuple[int, Any] | None = None
         self._scale: Any = None
-        self._grad_hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
-        """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
         self._seen_params: dict[int, weakref.ref[Any]] = {}
         self._handles: list[Any] = []
-        self._module_handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
-        self._hooks_pushed = False
+        self.arming = HookArming(
+            self._module_pre, self._module_post, self._pack, _unpack, self._grad_ready
+        )
+        self.policy = ActivationPolicy(activations)
+        self._root_hooked: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
+        """id(root module) -> (weakref, its pre/post hook handles)."""
+        self.gradient_summary: tuple[int, dict[str, schema.DtypeStat]] | None = None
+        """The gradients pile at the last unarmed close (bytes, dtype inventory), counted
+        outside the ledger; None when the ledger holds the gradients."""
+        self._root_depth = 0
+        """Root calls in progress on the training thread (a root called inside another counts
+        as nested, not as a new top-level call)."""
         self.owner_thread = get_ident()
         self._synced_generation = 0
         self.enabled = {
@@ -158,6 +182,7 @@ class Tracker(LibraryWrappers):
             "loss": True,
             "scaler": True,
             "distributed": True,
+            "activations": True,
         }
         self.error_context: ErrorContext | None = None
         self.pending_alerts: list[schema.Alert] = []
@@ -165,13 +190,18 @@ class Tracker(LibraryWrappers):
     # ----- install / remove -----------------------------------------------------------------
 
     def install(self) -> None:
-        """Register every global hook; call on the thread that runs the forward."""
+        """Register every global hook; call on the thread that runs the forward.
+
+        The first step is measured whatever the mode says (the models are found there); `off`
+        arms only the module hooks that find them.
+        """
         self.owner_thread = get_ident()
-        self._module_handles = self._register_module_hooks()
+        self.arming.arm_modules()
+        if self.policy.mode is not schema.ActivationMode.OFF:
+            self.arming.push_pack()
+            self.policy.first_armed()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
-        self._hooks_pushed = True
         self._wrap(torch.autograd, "backward", self._wrap_backward)
         scaler_cls = torch.amp.grad_scaler.GradScaler
         self._wrap(scaler_cls, "step", self._wrap_scaler_step)
@@ -183,13 +213,6 @@ class Tracker(LibraryWrappers):
         self._wrap(torch.utils.checkpoint, "checkpoint", self._wrap_checkpoint)
         self._wrap(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
 
-    def _register_module_hooks(self) -> list[Any]:
-        module_mod = torch.nn.modules.module
-        return [
-            module_mod.register_module_forward_pre_hook(self._module_pre),
-            module_mod.register_module_forward_hook(self._module_post, always_call=True),
-        ]
-
     @contextmanager
     def without(self, kind: str) -> Iterator[None]:
         """Run with one kind of hook taken out ("modules", "grads", "pack" or "all").
@@ -197,27 +220,25 @@ class Tracker(LibraryWrappers):
         For measuring what each kind costs inside real training steps, in one process
         (`benchmarks/ablation.py`); call it between steps, on the thread that runs them.
         """
+        arming = self.arming
         if kind == "modules":
-            for handle in self._module_handles:
-                handle.remove()
+            arming.disarm_modules()
             try:
                 yield
             finally:
-                self._module_handles = self._register_module_hooks()
+                arming.arm_modules()
         elif kind == "grads":
-            for _ref, handle in self._grad_hooked.values():
-                handle.remove()
-            self._grad_hooked.clear()
+            arming.unhook_grads()
             try:
                 yield
             finally:
                 self._hook_new_parameters()
         elif kind == "pack":
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            arming.pop_pack()
             try:
                 yield
             finally:
-                torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
+                arming.push_pack()
         elif kind == "all":
             self.remove()
             try:
@@ -229,24 +250,22 @@ class Tracker(LibraryWrappers):
             raise ValueError(f"no hook kind {kind!r}")
 
     def remove(self) -> None:
-        """Undo `install()` and drop per-parameter hooks."""
-        for handle in self._module_handles + self._handles:
+        """Undo `install()`: global, per-root and per-parameter hooks, wrapped functions."""
+        for handle in self._handles:
             handle.remove()
-        self._module_handles = []
         self._handles.clear()
-        for _ref, handle in self._grad_hooked.values():
-            handle.remove()
-        self._grad_hooked.clear()
+        for _ref, handles in list(self._root_hooked.values()):
+            for handle in handles:
+                handle.remove()
+        self._root_hooked.clear()
         _unpack_samplers.clear()
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore.clear()
-        if self._hooks_pushed:
-            try:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            except RuntimeError:
-                pass
-            self._hooks_pushed = False
+        try:
+            self.arming.disarm()
+        except RuntimeError:
+            pass
 
     def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name)
@@ -268,7 +287,7 @@ class Tracker(LibraryWrappers):
             return schema.Phase.OPTIMIZER.value
         if self._in_backward:
             return schema.Phase.BACKWARD.value
-        if self._stack:
+        if self._stack or self._root_depth:
             return schema.Phase.FORWARD.value
         return schema.Phase.BETWEEN.value
 
@@ -325,6 +344,108 @@ class Tracker(LibraryWrappers):
         except Exception as exc:
             self._disable("modules", exc)
 
+    # ----- root calls: the input signature, and arming a step that must be measured ----------
+
+    def _hook_roots(self) -> None:
+        """A forward pre/post hook on each root module: one call per top-level forward, which
+        stays installed when the costly hooks are off (their signature decides arming)."""
+        hooked = self._root_hooked
+        for root in self.registry.live_roots():
+            known = hooked.get(id(root))
+            if known is not None and known[0]() is root:
+                continue
+            handles = [
+                root.register_forward_pre_hook(self._root_pre, with_kwargs=True),
+                root.register_forward_hook(self._root_post, always_call=True),
+            ]
+            hooked[id(root)] = (forget_when_freed(root, hooked), handles)
+
+    def _root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if is_compiling() or get_ident() != self.owner_thread:
+            return
+        self._root_depth += 1
+        if self._root_depth > 1:
+            return  # a root called inside another root's forward
+        try:
+            self._in_optimizer = False
+            step = self.closed_steps + 1
+            must = self._must_measure(step)
+            if self.policy.root_call(call_signature(module, args, kwargs), step, must):
+                self._arm_now(module)
+        except Exception as exc:
+            self._disable("activations", exc)
+
+    def _root_post(self, module: Any, args: Any, output: Any) -> None:
+        if is_compiling() or get_ident() != self.owner_thread:
+            return
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth:
+            return
+        try:
+            if sys.exc_info()[1] is not None and not self.arming.modules_armed:
+                # Unarmed, the module hooks that say where a forward failed are off.
+                where = self.registry.name(self.registry.lookup(module))
+                self._note_error(schema.Phase.FORWARD.value, where)
+            self.arming.pop_pack(scoped_only=True)
+        except Exception as exc:
+            self._disable("activations", exc)
+
+    def _must_measure(self, step: int) -> bool:
+        """Reasons to measure a step whatever its signature (DESIGN.md, issue 15)."""
+        closer = self.closer
+        if self._fsdp or closer.health.watching_modules(step):
+            return True  # FSDP's gathered parameters and NaN probes need the module hooks
+        budget = closer.budget
+        peak = closer.previous_peak
+        return budget is not None and peak is not None and peak.total * 10 >= budget * 9
+
+    def _arm_now(self, root: Any) -> None:
+        """Arm the costly hooks from inside a root's pre-hook: the root's own global pre-hook
+        has already been skipped, so it goes on the module stack here."""
+        self.arming.arm(self.registry.parameters())
+        if self.enabled["modules"]:
+            self._stack.append(self.registry.lookup(root))
+
+    def _close_activations(self, pending: PendingStep) -> None:
+        """Label the closing step's activations (measured, carried or unknown), carry a repeat's
+        figures into its frame, and disarm for the next step (`auto`)."""
+        figures = Figures(
+            step=pending.step,
+            end_activations=pending.end.activations,
+            high=pending.high,
+            peak=pending.peak,
+            dtypes=pending.dtypes.get("activations", {}),
+            top=tuple(pending.top),
+        )
+        verdict = self.policy.close(pending.step, figures)
+        pending.activations_measured = verdict.measured
+        carried = verdict.carried
+        if carried is not None:
+            pending.activations_from = carried.step
+            pending.end = msgspec.structs.replace(pending.end, activations=carried.end_activations)
+            pending.high = carried.high
+            pending.peak = carried.peak
+            pending.dtypes = {**pending.dtypes, "activations": carried.dtypes}
+            pending.top = list(carried.top)
+        if verdict.alert is not None:
+            pending.alerts.append(verdict.alert)
+        if any(alert.kind in ALERTS_TO_MEASURE for alert in pending.alerts):
+            self.policy.measure_next(FIRST_STEPS)
+        mode = self.policy.mode
+        if mode is schema.ActivationMode.OFF or (
+            mode is schema.ActivationMode.AUTO and self.policy.saw_calls
+        ):
+            self.arming.disarm()
+            self._stack.clear()
+            self.ledger.sync(GRADIENTS, [])  # counted by `summarize` until the next arming
+        elif mode is schema.ActivationMode.AUTO:
+            # No root module was called (a job of plain tensors): nothing to decide on, so the
+            # next step is measured from its start.
+            self.arming.arm(self.registry.parameters())
+        self.policy.begin(pending.end)
+        if mode is not schema.ActivationMode.OFF and self.arming.armed:
+            self.policy.first_armed()
+
     # ----- saved tensors -----------------------------------------------------------------------
 
     def _pack(self, tensor: Any) -> Any:
@@ -346,9 +467,7 @@ class Tracker(LibraryWrappers):
                         self._sample_gathered()
                         return tensor
                     # A parameter no module or optimizer has shown us yet: it is a weight.
-                    self._seen_params[id(origin)] = self._forget_when_freed(
-                        origin, self._seen_params
-                    )
+                    self._seen_params[id(origin)] = forget_when_freed(origin, self._seen_params)
                     self.ledger.add(WEIGHTS, origin)
                 # A parameter or a view of one is a weight, never an activation: autograd keeps
                 # it as it would without hooks (no wrapper, nothing more for the GC to walk).
@@ -373,28 +492,8 @@ class Tracker(LibraryWrappers):
     # ----- gradients ---------------------------------------------------------------------------
 
     def _hook_new_parameters(self) -> None:
-        hooked = self._grad_hooked
-        for parameter in self.registry.parameters():
-            known = hooked.get(id(parameter))
-            if known is not None and known[0]() is parameter:
-                continue
-            if not parameter.requires_grad or not parameter.is_leaf:
-                continue
-            handle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
-            hooked[id(parameter)] = (self._forget_when_freed(parameter, hooked), handle)
-
-    @staticmethod
-    def _forget_when_freed(obj: Any, table: dict[int, Any]) -> weakref.ref[Any]:
-        """A weakref to `obj` that removes `table[id(obj)]` when `obj` dies, so id()-keyed
-        tables neither grow with the job's dead objects nor mistake a new one at the same id."""
-        key = id(obj)
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            entry = table.get(key)
-            if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
-                del table[key]
-
-        return weakref.ref(obj, forget)
+        if self.arming.armed and self.policy.mode is not schema.ActivationMode.OFF:
+            self.arming.hook_grads(self.registry.parameters())
 
     def _grad_ready(self, parameter: Any) -> None:
         if not self.enabled["grads"]:
@@ -497,6 +596,7 @@ class Tracker(LibraryWrappers):
             record = self.optimizers.record(optimizer)
             if not record.forecasted:
                 record.forecasted = True
+                self.policy.measure_next(FIRST_STEPS - 1)  # this step is already under way
                 # State some optimizers create up front (Adagrad) is not the first step's doing.
                 self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
                 # `args` is (optimizer, closure?): torch's step wrapper passes self first.
@@ -530,6 +630,7 @@ class Tracker(LibraryWrappers):
             # accumulation window must not be cut at each backward before its first step).
             if self.enabled["steps"]:
                 try:
+                    self.policy.measure_next(FIRST_STEPS)
                     self._steps_close_at_optimizer()
                 except Exception as exc:
                     self._disable("steps", exc)
@@ -551,6 +652,7 @@ class Tracker(LibraryWrappers):
     def _on_new_objects(self) -> None:
         """A new model tree or optimizer appeared: count its weights and hook its parameters."""
         self._synced_generation = self.registry.generation
+        self._hook_roots()
         self._hook_new_parameters()
         self._discover_wrappers()
         self.resync()
@@ -599,8 +701,16 @@ class Tracker(LibraryWrappers):
         parameters = self.registry.parameters()
         gradients = self.registry.gradients(parameters)
         self.ledger.sync(WEIGHTS, self.registry.weight_tensors(parameters))
-        self.ledger.sync(GRADIENTS, gradients)
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+        summary = None
+        if not self.arming.armed:
+            # Unarmed (`auto`, between measured steps): the step's fresh gradients are
+            # counted without joining the ledger; joining costs a claim and a free callback
+            # per gradient per step, most of an unmeasured step's cost.
+            summary = self.ledger.summarize(GRADIENTS, gradients)
+        self.gradient_summary = summary
+        if summary is None:
+            self.ledger.sync(GRADIENTS, gradients)
         return gradients
 
     def close_step(
@@ -634,6 +744,11 @@ class Tracker(LibraryWrappers):
             gradients=gradients,
         )
         pending.distributed = self._distributed_at_close()
+        summary = self.gradient_summary
+        if summary is not None:
+            pending.end = msgspec.structs.replace(pending.end, gradients=summary[0])
+            pending.dtypes = {**pending.dtypes, "gradients": summary[1]}
+        self._close_activations(pending)
         if record is None:
             pending.closed_by = schema.StepTrigger.BACKWARD
         else:
@@ -658,9 +773,13 @@ class Tracker(LibraryWrappers):
 
     def tick(self) -> schema.Tick:
         """Live piles for the emitter's once-a-second heartbeat."""
+        piles = self.ledger.current()
+        summary = self.gradient_summary
+        if summary is not None and not self.arming.armed:
+            piles = msgspec.structs.replace(piles, gradients=summary[0])
         return schema.Tick(
             time=time.time(),
-            piles=self.ledger.current(),
+            piles=piles,
             phase=self.phase(),
             step=self.closed_steps,
         )

@@ -131,6 +131,37 @@ class Job:
         return loss.detach()
 
 
+class BertJob(Job):
+    """A small Hugging Face BERT (6 layers, hidden 64, batch 8x32): the per-module Python
+    cost of a real library's model, where each module call is cheap."""
+
+    def step(self) -> torch.Tensor:
+        """One step through the model's own loss (labels passed in)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=self.inputs, labels=self.targets).loss
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
+def bert_job() -> Job:
+    """`BertJob`, built from a config (nothing downloaded); needs `transformers`."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=64,
+    )
+    model = BertForSequenceClassification(config)
+    inputs = torch.randint(0, 1000, (8, 32))
+    targets = torch.randint(0, 2, (8,))
+    return BertJob(model, torch.optim.AdamW(model.parameters()), inputs, targets, False)
+
+
 def build_job(name: str, quick: bool) -> Job:
     """The named job ("gpt", "stack", "stack100" or "tiny"), seeded so every process is equal.
 
@@ -139,6 +170,8 @@ def build_job(name: str, quick: bool) -> Job:
     10,000 steps in seconds.
     """
     torch.manual_seed(0)
+    if name == "bert":
+        return bert_job()
     if name == "gpt":
         size = GPT_QUICK if quick else GPT_FULL
         model: nn.Module = GPTLike(size)

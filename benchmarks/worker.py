@@ -12,7 +12,8 @@ tool's launcher (TraceML's) prints its own report around it. Configurations:
                 hooks, global module pre/post hooks, optimizer pre/post hooks, a post-accumulate
                 grad hook per parameter. What any tool that observes these events pays before
                 doing any work; the agent cannot cost less than this.
-    default     memtui agent, defaults (recording to --record, no socket)
+    default     memtui agent, defaults (activations auto; recording to --record, no socket)
+    every       memtui agent measuring activations on every step (--activations every)
     full        memtui agent with nan_check="full"
     off         memtui agent with nan_check="off"
     profiler    torch.profiler.profile(activities=[CPU], profile_memory=True) around the loop
@@ -35,7 +36,13 @@ from typing import Any
 
 from procs import MARKER
 
-MEMTUI_CONFIGS = {"default": "default", "full": "full", "off": "off"}
+MEMTUI_CONFIGS = {
+    "default": ("default", "auto"),
+    "every": ("default", "every"),
+    "full": ("full", "auto"),
+    "off": ("off", "auto"),
+}
+"""memtui configurations: (nan_check, activations)."""
 CONFIGS = ["none", "floor", *MEMTUI_CONFIGS, "profiler", "memtracker", "traceml"]
 
 
@@ -150,7 +157,8 @@ def _outer(config: str, job: Any) -> Iterator[Callable[[], Any]]:
 def main() -> int:
     """Parse the arguments, run the job, print the result line."""
     parser = argparse.ArgumentParser(description="one benchmark process (see module docstring)")
-    parser.add_argument("--job", required=True, choices=["gpt", "stack", "stack100", "tiny"])
+    jobs = ["gpt", "stack", "stack100", "tiny", "bert"]
+    parser.add_argument("--job", required=True, choices=jobs)
     parser.add_argument("--config", required=True, choices=CONFIGS)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--quick", action="store_true", help="tiny model sizes")
@@ -167,8 +175,9 @@ def main() -> int:
         import memtui_agent
 
         # Started before the model exists, as `memtui run` does when the job imports torch.
+        nan_check, activations = MEMTUI_CONFIGS[args.config]
         agent = memtui_agent.start(
-            record=args.record, socket=False, nan_check=MEMTUI_CONFIGS[args.config]
+            record=args.record, socket=False, nan_check=nan_check, activations=activations
         )
         if agent is None:
             raise SystemExit("memtui agent did not start")

@@ -1,0 +1,200 @@
+"""When to measure activations, and the exact figures a step that repeats a measured one carries.
+
+Counting every saved tensor costs a Python call per saved tensor, per gradient and per module
+call (benchmarks/ablation.py). In `auto` mode the full hook set is armed only for steps whose
+activations can differ from one already measured: the first steps of an optimizer, a new input
+signature, a recent alert or armed NaN probes, a budget nearly reached, and an audit step every
+`audit_every` steps. Any other step repeats a measured one: same calls to the same root modules
+with the same input shapes, dtypes, devices and modes, from the same persistent piles. Its
+activation figures are carried from that step, which is exact for every job whose activations
+depend on shapes only. An audit that finds a repeat measuring differently (MoE routing,
+data-dependent masks) switches the job to measuring every step and says why.
+
+The policy is plain bookkeeping; `Tracker` arms and disarms the hooks it asks for.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from memtui_agent import schema
+
+FIRST_STEPS = 3
+"""Steps measured after an optimizer appears (its state and the graph settle in them)."""
+AUDIT_EVERY = 100
+KEEP_REFERENCES = 64
+"""Measured signatures remembered (a job that cycles through more measures the rest)."""
+MAX_SIGNATURE_ITEMS = 64
+"""Values looked at per root call; a call with more gets an opaque (never repeating) signature."""
+
+Signature = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Everything a step says about its activations (what a repeating step carries)."""
+
+    step: int
+    end_activations: int
+    high: schema.Piles
+    peak: schema.Piles
+    dtypes: dict[str, schema.DtypeStat]
+    top: tuple[schema.ModuleBytes, ...]
+
+    def same_as(self, other: Figures) -> bool:
+        """Whether two measurements agree (the step number aside)."""
+        return (
+            self.end_activations == other.end_activations
+            and self.high == other.high
+            and self.peak == other.peak
+            and self.dtypes == other.dtypes
+            and self.top == other.top
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a closing step's activation figures came about."""
+
+    measured: bool
+    carried: Figures | None = None
+    """The measured step whose figures this one repeats (None: measured, or not known)."""
+    alert: schema.Alert | None = None
+
+
+def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """What of a root call can change its activations: the module, its training flag, grad
+    and autocast modes, and each argument's shape, dtype, device and requires_grad (plain
+    values as themselves)."""
+    import torch
+
+    budget = [MAX_SIGNATURE_ITEMS]
+
+    def describe(value: Any, depth: int) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return object()  # too much to compare: this call never repeats
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if depth < 3 and isinstance(value, (list, tuple)):
+            return tuple(describe(item, depth + 1) for item in value)
+        if depth < 3 and isinstance(value, dict):
+            return tuple((key, describe(item, depth + 1)) for key, item in value.items())
+        return type(value)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    modes = (
+        id(module),
+        module.training,
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled(device),
+        torch.get_autocast_dtype(device),
+    )
+    return modes, describe(args, 0), describe(kwargs, 0)
+
+
+class ActivationPolicy:
+    """Per-step decisions (arm or not) and the measured figures repeats are checked against."""
+
+    def __init__(self, mode: schema.ActivationMode, audit_every: int = AUDIT_EVERY) -> None:
+        self.mode = mode
+        self.audit_every = audit_every
+        self._references: OrderedDict[tuple[Any, ...], Figures] = OrderedDict()
+        self._measure_next = 0
+        """Steps still to measure whatever their signature (first steps, after a surprise)."""
+        self._start: tuple[int, int, int] = (0, 0, 0)
+        self._calls: list[Signature] = []
+        self._armed_at_start = False
+        self._armed_late = False
+
+    # ----- within a step -----------------------------------------------------------------------
+
+    def measure_next(self, steps: int) -> None:
+        """Measure at least the next `steps` steps (a new optimizer, an alert)."""
+        self._measure_next = max(self._measure_next, steps)
+
+    def begin(self, start: schema.Piles) -> None:
+        """A new step starts from these persistent piles (the previous step's close)."""
+        self._start = (start.weights, start.gradients, start.optimizer_state)
+        self._calls = []
+        self._armed_at_start = False
+        self._armed_late = False
+
+    def first_armed(self) -> None:
+        """The step is armed before its first root call (the agent's very first step)."""
+        self._armed_at_start = True
+
+    def root_call(self, signature: Signature, step: int, must_measure: bool) -> bool:
+        """A top-level call of a root module; True when the hooks must be armed from now on."""
+        first = not self._calls
+        self._calls.append(signature)
+        if self.mode is not schema.ActivationMode.AUTO or self._armed_at_start or self._armed_late:
+            return False  # `every` is always armed, `off` never; an armed step stays armed
+        audit = step % self.audit_every == 0
+        if first and (must_measure or self._measure_next > 0 or audit):
+            self._armed_at_start = True
+            return True
+        if self._repeats_prefix():
+            return False
+        if first:
+            self._armed_at_start = True  # a new signature: measured whole
+        else:
+            self._armed_late = True  # diverged from every repeat mid-step: measured in part
+        return True
+
+    def _repeats_prefix(self) -> bool:
+        calls = tuple(self._calls)
+        return any(
+            key[0] == self._start and key[1][: len(calls)] == calls for key in self._references
+        )
+
+    @property
+    def saw_calls(self) -> bool:
+        """Whether a root module was called in the step (else nothing decides arming)."""
+        return bool(self._calls)
+
+    # ----- at the close ----------------------------------------------------------------------
+
+    def close(self, step: int, figures: Figures) -> Verdict:
+        """The verdict for the closing step; `figures` is what the ledger measured."""
+        key = (self._start, tuple(self._calls))
+        self._measure_next = max(0, self._measure_next - 1)
+        if self.mode is schema.ActivationMode.OFF:
+            return Verdict(measured=False)
+        armed_throughout = self.mode is schema.ActivationMode.EVERY or self._armed_at_start
+        if armed_throughout and not self._armed_late:
+            known = self._references.get(key)
+            self._remember(key, figures)
+            if known is not None and not known.same_as(figures) and self._calls:
+                return self._varies(step, known, figures)
+            return Verdict(measured=True)
+        if not self._armed_late:
+            known = self._references.get(key)
+            if known is not None:
+                self._references.move_to_end(key)
+                return Verdict(measured=False, carried=known)
+        # Measured in part, or a repeat of a prefix that then ran differently: not known
+        # exactly; the next step is measured whatever it looks like.
+        self._measure_next = max(self._measure_next, 1)
+        return Verdict(measured=False)
+
+    def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
+        self._references[key] = figures
+        self._references.move_to_end(key)
+        while len(self._references) > KEEP_REFERENCES:
+            self._references.popitem(last=False)
+
+    def _varies(self, step: int, known: Figures, figures: Figures) -> Verdict:
+        """A repeat measured differently: activations depend on the data, measure every step."""
+        self.mode = schema.ActivationMode.EVERY
+        message = (
+            f"step {step} repeats step {known.step} (same calls, shapes and piles) but its "
+            f"activations differ (max {figures.high.activations:,} B vs "
+            f"{known.high.activations:,} B): they depend on the data (routing, masks), so every "
+            "step is measured from now on"
+        )
+        return Verdict(measured=True, alert=schema.Alert(kind="activations_vary", message=message))

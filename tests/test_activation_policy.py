@@ -1,0 +1,138 @@
+"""`--activations auto`: steps whose activations can differ are measured, repeats carry the
+figures of the measured step they repeat, and every step says which (issue 15).
+
+The job's truth is an independent count (its own saved-tensor hooks, in a run without the agent,
+since a job's own hooks would shadow the agent's): per step, the bytes of unique non-parameter
+storages autograd saved, all alive until that step's backward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memtui.recording import read_recording
+from memtui_agent import schema
+from memtui_agent.activation_policy import ActivationPolicy, Figures
+
+VARYING_BATCH = """
+import json, sys, torch, memtui_agent
+torch.manual_seed(0)
+BATCHES = [8, 8, 8, 8, 8, 16, 16, 8, 4, 16, 8, 8, 4]
+
+class Counter:
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.saved = {}
+    def pack(self, t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.params:
+            self.saved[s.data_ptr()] = s
+        return t
+
+def train(counting):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in BATCHES:
+        x, y = torch.randn(batch, 32), torch.randn(batch, 4)
+        counter = Counter(model.parameters())
+        hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+        with hooks if counting else memtui_agent.nothing():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print("SAVED", sum(s.nbytes() for s in counter.saved.values()), flush=True)
+
+if sys.argv[1] == "truth":
+    memtui_agent.nothing = lambda: __import__("contextlib").nullcontext()
+    train(True)
+else:
+    import contextlib
+    memtui_agent.nothing = contextlib.nullcontext
+    with memtui_agent.monitor(record="rec.memtui", socket=False, activations=sys.argv[1]):
+        train(False)
+"""
+
+BATCHES = [8, 8, 8, 8, 8, 16, 16, 8, 4, 16, 8, 8, 4]
+
+
+def _saved(stdout: str) -> list[int]:
+    return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("SAVED")]
+
+
+@pytest.mark.parametrize("mode", ["auto", "every"])
+def test_changing_batch_sizes_are_exact_on_every_step(
+    tmp_path: Path, run_python: Any, mode: str
+) -> None:
+    truth = run_python(VARYING_BATCH, "truth", cwd=tmp_path)
+    assert truth.returncode == 0, truth.stderr
+    result = run_python(VARYING_BATCH, mode, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    steps = read_recording(tmp_path / "rec.memtui").steps
+    expected = _saved(truth.stdout)
+    assert len(steps) == len(BATCHES) == len(expected)
+    assert [step.max.activations for step in steps] == expected
+    assert all(step.end.activations == 0 for step in steps)
+    measured = [step.activations_measured for step in steps]
+    if mode == "every":
+        assert all(measured)
+        return
+    # Measured: the first three steps, then each batch size the first time it comes back to a
+    # state not seen before (steps 6: 16 rows, 9: 4 rows); the rest repeat a measured step.
+    assert measured == [True] * 3 + [False, False, True, False, False, True] + [False] * 4
+    for step, batch in zip(steps, BATCHES, strict=True):
+        if not step.activations_measured:
+            source = steps[step.activations_from - 1]
+            assert source.activations_measured
+            assert BATCHES[source.step - 1] == batch
+            assert step.dtypes["activations"] == source.dtypes["activations"]
+            assert step.top_activations == source.top_activations
+
+
+def _figures(step: int, activations: int) -> Figures:
+    piles = schema.Piles(activations=activations)
+    return Figures(step, 0, piles, piles, {}, ())
+
+
+def test_policy_carries_a_repeat_and_measures_what_is_new() -> None:
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=1000)
+    start = schema.Piles(weights=100)
+    verdicts = []
+    for step, (shape, size) in enumerate([("a", 10), ("a", 10), ("b", 20), ("a", 10)], 1):
+        policy.begin(start)
+        armed = policy.root_call((shape,), step, must_measure=False)
+        verdicts.append((armed, policy.close(step, _figures(step, size if armed else 0))))
+    assert [armed for armed, _ in verdicts] == [True, False, True, False]
+    assert [v.measured for _, v in verdicts] == [True, False, True, False]
+    assert [v.carried.step if v.carried else None for _, v in verdicts] == [None, 1, None, 1]
+
+
+def test_policy_measures_a_step_that_leaves_its_repeat_and_says_it_is_partial() -> None:
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=1000)
+    start = schema.Piles()
+    policy.begin(start)
+    policy.root_call(("a",), 1, must_measure=False)
+    policy.root_call(("a",), 1, must_measure=False)
+    assert policy.close(1, _figures(1, 10)).measured
+    policy.begin(start)
+    assert not policy.root_call(("a",), 2, must_measure=False)  # repeats so far
+    assert policy.root_call(("b",), 2, must_measure=False)  # then leaves it: arm
+    verdict = policy.close(2, _figures(2, 5))
+    assert not verdict.measured and verdict.carried is None  # measured in part: not known
+    policy.begin(start)
+    assert policy.root_call(("a",), 3, must_measure=False)  # so the next step is measured
+
+
+def test_an_audit_that_disagrees_switches_to_every_step() -> None:
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=3)
+    start = schema.Piles()
+    for step, size in [(1, 10), (2, 10), (3, 12)]:
+        policy.begin(start)
+        armed = policy.root_call(("a",), step, must_measure=False)
+        verdict = policy.close(step, _figures(step, size if armed else 0))
+    assert verdict.measured and verdict.alert is not None
+    assert verdict.alert.kind == "activations_vary"
+    assert policy.mode is schema.ActivationMode.EVERY
