@@ -111,7 +111,9 @@ def without_agent_frames(traceback: TracebackType | None) -> TracebackType | Non
         if not _is_ours(traceback):
             kept.append(traceback)
         traceback = traceback.tb_next
-    for current, following in zip(kept, [*kept[1:], None], strict=True):
+    # Every frame can be ours: a script that does not compile, or `-m` of a missing module,
+    # fails inside runpy before any of the job's code runs. Python then prints no traceback.
+    for current, following in zip(kept, [*kept[1:], None]):
         current.tb_next = following
     return kept[0] if kept else None
 

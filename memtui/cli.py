@@ -251,7 +251,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
     from memtui.recording import RecordingError, read_recording
-    from memtui.report import build_report, render_text
+    from memtui.report import render_text, report_of
+    from memtui.report_format import strict_json
     from memtui.torch_snapshot import looks_like_snapshot
 
     if looks_like_snapshot(args.path):
@@ -266,7 +267,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(build_report(recording), indent=2))
+        print(strict_json(report_of(recording)))
     else:
         print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
     if recording.warning:
@@ -280,6 +281,7 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
     """`memtui report DIR`: a session folder with one recording per rank."""
     from memtui.rank_report import build_session_report, read_session, render_session_text
     from memtui.recording import RecordingError
+    from memtui.report_format import strict_json
 
     try:
         recordings, warnings = read_session(folder)
@@ -287,7 +289,7 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if as_json:
-        print(json.dumps(build_session_report(recordings), indent=2))
+        print(strict_json(build_session_report(recordings)))
     else:
         print(terminal_safe(render_session_text(recordings, binary), keep_newlines=True))
     for warning in warnings:
