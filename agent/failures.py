@@ -113,8 +113,8 @@ def without_agent_frames(traceback: TracebackType | None) -> TracebackType | Non
         traceback = traceback.tb_next
     # Every frame can be ours: a script that does not compile, or `-m` of a missing module,
     # fails inside runpy before any of the job's code runs. Python then prints no traceback.
-    for current, following in zip(kept, [*kept[1:], None]):
-        current.tb_next = following
+    for index, current in enumerate(kept):
+        current.tb_next = kept[index + 1] if index + 1 < len(kept) else None
     return kept[0] if kept else None
 
 
