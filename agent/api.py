@@ -19,8 +19,10 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
+
+from memtui_agent.config import AgentConfig
+from memtui_agent.schema import ActivationMode, NanCheck
 
 _lock = threading.Lock()
 _agent: Any = None
@@ -40,8 +42,13 @@ def start(
     reset_peaks: bool = False,
     snapshot_on_oom: bool = False,
     alloc_events: bool = False,
+    activations: str = "auto",
+    config: AgentConfig | None = None,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
+
+    The keyword arguments are the fields of `AgentConfig` (memtui_agent/config.py); `config`
+    passes them whole instead (what `memtui run` does), and then the others are ignored.
 
     Args:
         record: recording path; None records nothing.
@@ -58,6 +65,8 @@ def start(
         alloc_events: CUDA: record the allocator's history (bounded, Python stacks) and put
             each step's largest allocations with their source lines, segment growth and OOM
             event into its frame. A CPU job gets one note that this has no effect.
+        activations: when saved activations are measured: "auto" (the steps where they can
+            change), "every" step, or "off" (`schema.ActivationMode`).
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -69,16 +78,19 @@ def start(
         try:
             from memtui_agent.agent import Agent
 
-            agent = Agent(
-                record=Path(record) if record is not None else None,
-                serve=socket,
-                argv=list(argv) if argv is not None else list(sys.argv),
-                budget=budget,
-                nan_check=nan_check,
-                reset_peaks=reset_peaks,
-                snapshot_on_oom=snapshot_on_oom,
-                alloc_events=alloc_events,
-            )
+            if config is None:
+                config = AgentConfig(
+                    record=os.fspath(record) if record is not None else None,
+                    socket=socket,
+                    argv=tuple(argv) if argv is not None else None,
+                    budget=budget,
+                    nan_check=NanCheck(nan_check),
+                    reset_peaks=reset_peaks,
+                    snapshot_on_oom=snapshot_on_oom,
+                    alloc_events=alloc_events,
+                    activations=ActivationMode(activations),
+                )
+            agent = Agent(config)
             agent.start()
         except Exception as exc:
             print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
@@ -138,9 +150,12 @@ def monitor(
     socket: bool = True,
     budget: int | None = None,
     nan_check: str = "default",
+    activations: str = "auto",
 ) -> Iterator[Any]:
     """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
-    agent = start(record, socket=socket, budget=budget, nan_check=nan_check)
+    agent = start(
+        record, socket=socket, budget=budget, nan_check=nan_check, activations=activations
+    )
     try:
         yield agent
     except BaseException as exc:

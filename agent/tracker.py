@@ -30,6 +30,7 @@ from torch.optim.optimizer import (
 )
 
 from memtui_agent import schema
+from memtui_agent.config import AgentConfig
 from memtui_agent.distributed import DistributedMemory
 from memtui_agent.failures import ErrorContext
 from memtui_agent.ledger import (
@@ -113,17 +114,19 @@ class Tracker(LibraryWrappers):
         ledger: Ledger,
         emit: Callable[[Any], None],
         fail: Callable[[str, BaseException], None],
-        budget: int | None = None,
-        nan_check: str = "default",
-        reset_peaks: bool = False,
+        config: AgentConfig | None = None,
     ) -> None:
+        config = config if config is not None else AgentConfig()
+        self.config = config
+        self.activations_mode = config.activations
+        """When saved-tensor hooks are armed (`--activations`: schema.ActivationMode)."""
         self.ledger = ledger
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
         self.distributed = DistributedMemory()
         self._fsdp = False
-        self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check, reset_peaks)
+        self.closer = StepCloser(ledger, self.registry, emit, config)
         self._scaled_backward = False
         self._unscaled = False
         self._warned_clip = False

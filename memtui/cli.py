@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from memtui.terminal_text import terminal_safe
+from memtui_agent.config import AgentConfig
 
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 1
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA: record the allocator's history (bounded ring, Python stacks); each step "
         "lists its largest allocations with the source line, segment growth and any OOM",
     )
+    _activations_flag(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
@@ -126,11 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the bundled small training job")
     demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
     demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    _activations_flag(demo)
     demo.add_argument("demo_args", nargs="*", help="arguments for the demo job, e.g. --steps 60")
     return parser
 
 
-RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check"}
+def _activations_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--activations",
+        choices=("auto", "every", "off"),
+        default="auto",
+        help="measure saved activations on the steps where they can change, carried to the "
+        "steps that repeat them (auto, default); on every step (every); never (off)",
+    )
+
+
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    """The agent's options from `memtui run`/`demo` flags (what a subcommand lacks: default)."""
+    from memtui_agent.schema import ActivationMode, NanCheck
+
+    return AgentConfig(
+        budget=getattr(args, "budget", None),
+        nan_check=NanCheck(getattr(args, "nan_check", "default")),
+        reset_peaks=getattr(args, "reset_peaks", False),
+        snapshot_on_oom=getattr(args, "snapshot_on_oom", False),
+        alloc_events=getattr(args, "alloc_events", False),
+        activations=ActivationMode(args.activations),
+    )
+
+
+RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check", "--activations"}
 """Flags of `memtui run` that take a value (the splitter must skip that value too)."""
 
 
@@ -169,7 +196,7 @@ def split_job_argv(
 
 
 DEMO_FLAGS = {"--headless", "-h", "--help"}
-DEMO_VALUE_FLAGS = {"-o", "--output"}
+DEMO_VALUE_FLAGS = {"-o", "--output", "--activations"}
 
 
 def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -188,18 +215,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     target = list(args.target)
     try:
-        job = build_job(
-            target, args.module, args.output, args.no_record, args.budget, args.nan_check
-        )
+        job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
     except UsageError as exc:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    if args.reset_peaks:
-        job.env["MEMTUI_RESET_PEAKS"] = "1"
-    if args.snapshot_on_oom:
-        job.env["MEMTUI_SNAPSHOT_ON_OOM"] = "1"
-    if args.alloc_events:
-        job.env["MEMTUI_ALLOC_EVENTS"] = "1"
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
@@ -219,7 +238,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         if not args.headless and not any(arg.startswith("--sleep") for arg in extra):
             extra = ["--steps", "60", "--sleep", "0.15", *extra]
-        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, None)
+        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
     except UsageError as exc:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE

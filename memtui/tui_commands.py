@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +98,9 @@ def run_tui(job_spec: JobSpec) -> int:
     from memtui.job_process import JobProcess
     from memtui.tui.app import MemtuiApp, recording_log_path, run_app
 
-    token = uuid.uuid4().hex
-    env = dict(job_spec.env, MEMTUI_SESSION=token)
     log_path = recording_log_path(job_spec.recording)
     try:
-        job = JobProcess(job_spec.command, env, log_path)
+        job = JobProcess(job_spec.command, job_spec.env, log_path)
     except OSError as exc:
         take_notes(job_spec)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
@@ -128,7 +125,7 @@ def run_tui(job_spec: JobSpec) -> int:
     elif job_spec.recording is not None:
         source = TailSource(job_spec.recording, exited)
     else:
-        source = SessionSocketSource(token, exited)
+        source = SessionSocketSource(job_spec.session, exited)
     app = MemtuiApp(source, job=job, ranks=ranks)
     try:
         run_app(app)
