@@ -18,6 +18,7 @@ from memtui.run_command import (
     take_notes,
 )
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.step_rows import format_age
 from memtui.terminal_text import terminal_safe
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
@@ -207,8 +208,6 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
 
 def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
     """The live jobs as lines: pid, age, command, recording."""
-    from memtui.tui.screens import format_age
-
     now = now if now is not None else time.time()
     lines = []
     for job in jobs:
