@@ -12,13 +12,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
 from memtui_agent.config import AgentConfig
-
-EXIT_USAGE = 2
-EXIT_BAD_INPUT = 1
-EXIT_PARTIAL = 3
-"""`memtui report` on a damaged recording: the valid prefix was reported, with a warning."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -83,7 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
     attach = commands.add_parser("attach", help="watch a running job live")
-    attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: list them)")
+    attach.add_argument(
+        "pid",
+        nargs="?",
+        type=int,
+        help="the job's pid (default: the only live job; with several, a list to choose from)",
+    )
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
     attach.add_argument(
         "--list",
@@ -226,6 +227,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_tui(job)
 
 
+DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
+"""The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
+
+
+def demo_pace(extra: list[str]) -> list[str]:
+    """The demo's arguments with the TUI pace added where the user gave none, so each
+    argument appears once and the header shows what the demo really ran with."""
+    given = {arg.split("=", 1)[0] for arg in extra}
+    return [*(f"{flag}={value}" for flag, value in DEMO_PACE.items() if flag not in given), *extra]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """`memtui demo`: the bundled tiny language model, recorded like any other job.
 
@@ -236,8 +248,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     extra = list(args.demo_args)
     output = args.output or str(default_recording_name("demo"))
     try:
-        if not args.headless and not any(arg.startswith("--sleep") for arg in extra):
-            extra = ["--steps", "60", "--sleep", "0.15", *extra]
+        if not args.headless:
+            extra = demo_pace(extra)
         job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
     except UsageError as exc:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
@@ -343,6 +355,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `memtui` console script."""
     parser = build_parser()
@@ -352,7 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if tokens and tokens[0] in splitters:
         own, job_tokens = splitters[tokens[0]](tokens[1:])
         tokens = [tokens[0], *own]
-    args = parser.parse_args(tokens)
+    args, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        # Point at the subcommand's own help (`memtui run --help`), not the top level's.
+        commands = _subcommands(parser)
+        where = commands.get(args.command or "", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if job_tokens is not None:
         setattr(args, "target" if args.command == "run" else "demo_args", job_tokens)
     if args.version:

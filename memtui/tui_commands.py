@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
 from memtui.run_command import (
     JobSpec,
     launches_ranks,
@@ -21,8 +22,6 @@ from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, re
 from memtui.step_rows import format_age
 from memtui.terminal_text import terminal_safe
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
-
-EXIT_BAD_INPUT = 1
 
 
 def _need_terminal(command: str) -> str | None:
@@ -196,14 +195,34 @@ def replay(path: str) -> int:
 
 
 def _open_app(command: str, source: Any, **options: Any) -> int:
-    """Show a checked source in the TUI (after making sure there is a terminal to show it on)."""
+    """Show a checked source in the TUI (after making sure there is a terminal to show it on).
+
+    A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
+    `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
+    """
     problem = _need_terminal(command)
     if problem:
         print(f"memtui: error: {problem}", file=sys.stderr)
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    return run_app(MemtuiApp(source, **options))
+    app = MemtuiApp(source, **options)
+    code = run_app(app)
+    return replay_outcome(app.sessions, code)
+
+
+def replay_outcome(sessions: dict[str, Any], code: int) -> int:
+    """The exit code after a TUI over recordings: each recording's damage warning printed in
+    full, and `EXIT_PARTIAL` where there was one (a crash's non-zero code wins)."""
+    warnings = [
+        (label, session.warning)
+        for label, session in sessions.items()
+        if not session.live and session.warning
+    ]
+    for label, warning in warnings:
+        where = f"rank {label}: " if label else ""
+        print(f"memtui: warning: {terminal_safe(where + warning)}", file=sys.stderr)
+    return code or (EXIT_PARTIAL if warnings else 0)
 
 
 def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:

@@ -154,3 +154,39 @@ def test_an_unknown_alert_kind_still_decodes() -> None:
 def test_piles_are_spelt_once() -> None:
     assert tuple(pile.value for pile in schema.Pile) == schema.PILES
     assert tuple(schema.Piles.__struct_fields__) == schema.PILES
+
+
+def test_a_bad_flag_points_at_the_subcommands_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["run", "--bogus", "train.py"])
+    assert stopped.value.code == 2
+    assert "(see 'memtui run --help')" in capsys.readouterr().err
+
+
+def test_demo_arguments_are_given_once() -> None:
+    from memtui.cli import demo_pace
+
+    assert demo_pace(["--steps", "6"]) == ["--sleep=0.15", "--steps", "6"]
+    assert demo_pace([]) == ["--steps=60", "--sleep=0.15"]
+
+
+def test_attach_help_says_what_no_pid_does(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["attach", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: list them" not in text and "the only live job" in text
+
+
+def test_replay_of_a_damaged_recording_exits_partial_with_the_whole_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from memtui.exit_codes import EXIT_PARTIAL
+    from memtui.session import Session
+    from memtui.tui_commands import replay_outcome
+
+    long = "the last 37 bytes are a partial frame (the writer stopped mid-frame); " * 3
+    damaged = Session(live=False, warning=long)
+    assert replay_outcome({"": damaged}, 0) == EXIT_PARTIAL
+    assert long.strip() in capsys.readouterr().err
+    assert replay_outcome({"": Session(live=False)}, 0) == 0
+    assert replay_outcome({"": damaged}, 1) == 1  # a crash's own code wins
