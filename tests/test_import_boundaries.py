@@ -8,6 +8,7 @@ or be shadowed by the many RL codebases that have their own `agent.py`.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,12 +74,17 @@ def test_agent_never_imports_textual() -> None:
 
 
 def test_bare_agent_package_is_not_importable() -> None:
+    """The installed package is `memtui_agent` only. A PYTHONPATH holding the repository root
+    (common in a development shell) would find the source folder `agent/` itself, which says
+    nothing about the install, so the probe runs without it."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run(
         [sys.executable, "-c", "import agent"],
         capture_output=True,
         text=True,
         timeout=60,
         cwd="/",
+        env=env,
     )
     assert result.returncode != 0
     assert "No module named 'agent'" in result.stderr
