@@ -289,8 +289,15 @@ def incomplete_reason(recording: Path) -> str:
     return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
 
 
-def summary_line(job: JobSpec, code: int) -> str:
-    """A few lines for the end of a run: how the job ended and where it was recorded."""
+STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
+
+
+def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
+    """A few lines for the end of a run: how the job ended and where it was recorded.
+
+    `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
+    say (the process dies without its final frame), so the summary does.
+    """
     if job.recording is None:
         return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
     if job.recording.is_dir():
@@ -304,6 +311,8 @@ def summary_line(job: JobSpec, code: int) -> str:
         status, steps, piles = _outcome(job.recording, code)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
+    if stopped:
+        status = STOPPED_BY_MEMTUI
     lines = (
         f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"

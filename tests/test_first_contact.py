@@ -190,3 +190,15 @@ def test_replay_of_a_damaged_recording_exits_partial_with_the_whole_warning(
     assert long.strip() in capsys.readouterr().err
     assert replay_outcome({"": Session(live=False)}, 0) == 0
     assert replay_outcome({"": damaged}, 1) == 1  # a crash's own code wins
+
+
+def test_a_job_stopped_from_the_tui_is_not_called_killed(
+    tmp_path: Path, builder: ModuleType
+) -> None:
+    from memtui.run_command import JobSpec, summary_line
+
+    path = _write(tmp_path, builder, builder.demo_messages(with_end=False))
+    job = JobSpec(command=[], display=["python", "train.py"], env={}, recording=path)
+    line = summary_line(job, 143, stopped=True)
+    assert "stopped from memtui (SIGTERM)" in line and "killed" not in line
+    assert "killed" in summary_line(job, 137)
