@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui_agent import schema
+from memtui_agent.config import AgentConfig
 from memtui_agent.failures import first_line, is_oom, requested_bytes
 from memtui_agent.runtime_dir import Sidecar, ensure_private_dir, write_sidecar
 from memtui_agent.units import format_bytes
@@ -26,28 +27,14 @@ from memtui_agent.units import format_bytes
 class Agent:
     """Everything that runs inside the training process."""
 
-    def __init__(
-        self,
-        record: Path | None,
-        serve: bool,
-        argv: list[str],
-        budget: int | None,
-        nan_check: str = "default",
-        reset_peaks: bool = False,
-        snapshot_on_oom: bool = False,
-        alloc_events: bool = False,
-        activations: str = "auto",
-    ) -> None:
+    def __init__(self, config: AgentConfig) -> None:
         self.pid = os.getpid()
-        self.record = record.resolve() if record is not None else None
-        self.serve = serve
-        self.argv = argv
-        self.budget = budget
-        self.nan_check = nan_check
-        self.reset_peaks = reset_peaks
-        self.snapshot_on_oom = snapshot_on_oom
-        self.alloc_events = alloc_events
-        self.activations = schema.ActivationMode(activations)
+        self.record = Path(config.record).resolve() if config.record is not None else None
+        self.argv = list(config.argv) if config.argv is not None else list(sys.argv)
+        self.config = config.replace(
+            record=str(self.record) if self.record is not None else None, argv=tuple(self.argv)
+        )
+        """The configuration, passed whole to the tracker and the step closer."""
         self._reported: set[str] = set()
         self._early: list[schema.AgentError] = []
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
@@ -84,11 +71,11 @@ class Agent:
             rank=_env_int("RANK"),
             local_rank=_env_int("LOCAL_RANK"),
             world_size=_env_int("WORLD_SIZE"),
-            budget=self.budget,
+            budget=self.config.budget,
             process_create_time=_create_time(),
         )
         server = None
-        if self.serve:
+        if self.config.socket:
             try:
                 directory = ensure_private_dir()
                 self.socket_path = directory / f"{self.pid}.sock"
@@ -99,24 +86,13 @@ class Agent:
                 self.socket_path = None
         try:
             self.ledger = Ledger()
-            self.tracker = Tracker(
-                self.ledger,
-                self._emit,
-                self.report_failure,
-                self.budget,
-                self.nan_check,
-                self.reset_peaks,
-                self.activations,
-            )
-            if self.snapshot_on_oom and self.record is not None:
-                path = self.record.with_name(self.record.name + ".oom-snapshot.pickle")
-                self.tracker.closer.gpu_events.snapshot_path = str(path)
+            self.tracker = Tracker(self.ledger, self._emit, self.report_failure, self.config)
             self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
             early, self._early = self._early, []
             for error in early:
                 self.emitter.put(error)
             self.tracker.install()
-            if self.alloc_events:
+            if self.config.alloc_events:
                 self._arm_alloc_events()
         except BaseException:
             # Leave nothing behind: no hooks in the job, no socket for viewers to find.
@@ -141,7 +117,7 @@ class Agent:
                         recording=hello.recording,
                         rank=hello.rank if hello.rank is not None and hello.rank >= 0 else None,
                         process_create_time=hello.process_create_time,
-                        session=os.environ.get("MEMTUI_SESSION"),
+                        session=self.config.session,
                     ),
                 )
             except OSError as exc:

@@ -19,8 +19,10 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
+
+from memtui_agent.config import AgentConfig
+from memtui_agent.schema import ActivationMode, NanCheck
 
 _lock = threading.Lock()
 _agent: Any = None
@@ -41,8 +43,12 @@ def start(
     snapshot_on_oom: bool = False,
     alloc_events: bool = False,
     activations: str = "auto",
+    config: AgentConfig | None = None,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
+
+    The keyword arguments are the fields of `AgentConfig` (memtui_agent/config.py); `config`
+    passes them whole instead (what `memtui run` does), and then the others are ignored.
 
     Args:
         record: recording path; None records nothing.
@@ -72,17 +78,19 @@ def start(
         try:
             from memtui_agent.agent import Agent
 
-            agent = Agent(
-                record=Path(record) if record is not None else None,
-                serve=socket,
-                argv=list(argv) if argv is not None else list(sys.argv),
-                budget=budget,
-                nan_check=nan_check,
-                reset_peaks=reset_peaks,
-                snapshot_on_oom=snapshot_on_oom,
-                alloc_events=alloc_events,
-                activations=activations,
-            )
+            if config is None:
+                config = AgentConfig(
+                    record=os.fspath(record) if record is not None else None,
+                    socket=socket,
+                    argv=tuple(argv) if argv is not None else None,
+                    budget=budget,
+                    nan_check=NanCheck(nan_check),
+                    reset_peaks=reset_peaks,
+                    snapshot_on_oom=snapshot_on_oom,
+                    alloc_events=alloc_events,
+                    activations=ActivationMode(activations),
+                )
+            agent = Agent(config)
             agent.start()
         except Exception as exc:
             print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)

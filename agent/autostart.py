@@ -5,10 +5,10 @@ Starting at the import of torch, not before, keeps the job's own start-up intact
 silently change those. A post-import hook on `sys.meta_path` wraps torch's loader once, calls
 `start()` after torch's module has executed, and restores the original loader on the module.
 
-Environment (all optional): MEMTUI_RECORD (path; empty for none), MEMTUI_SOCKET ("0" disables),
-MEMTUI_BUDGET (bytes), MEMTUI_NAN_CHECK (default/full/off), MEMTUI_ARGV (JSON list shown to
-viewers), MEMTUI_RESET_PEAKS, MEMTUI_SNAPSHOT_ON_OOM and MEMTUI_ALLOC_EVENTS ("1" turns each
-on). MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
+The configuration travels as the environment variables of `AgentConfig.to_env` (all optional,
+read by `AgentConfig.from_env`: memtui_agent/config.py).
+
+MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
 (spawned DataLoader workers) do not start duplicates; a child that is a new rank (another
 `LOCAL_RANK`, as Lightning's DDP launcher starts them) does.
 """
@@ -18,42 +18,21 @@ from __future__ import annotations
 import atexit
 import importlib.abc
 import importlib.util
-import json
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from memtui_agent.config import AgentConfig
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
 OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
 """The `LOCAL_RANK` of the owning process (absent: 0), to tell its helpers from new ranks."""
 
 
-def config_from_environment() -> dict[str, Any]:
-    """`start()` keyword arguments from the variables `memtui run` sets."""
-    record = os.environ.get("MEMTUI_RECORD") or None
-    argv = None
-    if os.environ.get("MEMTUI_ARGV"):
-        try:
-            argv = [str(item) for item in json.loads(os.environ["MEMTUI_ARGV"])]
-        except (ValueError, TypeError):
-            argv = None
-    budget = None
-    if os.environ.get("MEMTUI_BUDGET"):
-        try:
-            budget = int(os.environ["MEMTUI_BUDGET"])
-        except ValueError:
-            budget = None
-    return {
-        "record": record,
-        "socket": os.environ.get("MEMTUI_SOCKET", "1") != "0",
-        "argv": argv,
-        "budget": budget,
-        "nan_check": os.environ.get("MEMTUI_NAN_CHECK", "default"),
-        "reset_peaks": os.environ.get("MEMTUI_RESET_PEAKS") == "1",
-        "snapshot_on_oom": os.environ.get("MEMTUI_SNAPSHOT_ON_OOM") == "1",
-        "alloc_events": os.environ.get("MEMTUI_ALLOC_EVENTS") == "1",
-    }
+def config_from_environment() -> AgentConfig:
+    """The configuration `memtui run` put in this process's environment."""
+    return AgentConfig.from_env(os.environ)
 
 
 class _LoaderProxy:
@@ -207,8 +186,8 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
         if is_launcher(sys.argv):
             return  # torchrun itself trains nothing; its workers get their own agents
         try:
-            config["record"] = record_path_for_rank(config["record"], dict(os.environ))
-            if api.start(**config) is not None:
+            record = record_path_for_rank(config.record, dict(os.environ))
+            if api.start(config=config.replace(record=record)) is not None:
                 os.environ[OWNER_VARIABLE] = str(os.getpid())
                 os.environ[OWNER_RANK_VARIABLE] = os.environ.get("LOCAL_RANK", "0")
         except Exception as exc:  # never into the user's import of torch

@@ -111,8 +111,10 @@ def without_agent_frames(traceback: TracebackType | None) -> TracebackType | Non
         if not _is_ours(traceback):
             kept.append(traceback)
         traceback = traceback.tb_next
-    for current, following in zip(kept, [*kept[1:], None], strict=True):
-        current.tb_next = following
+    # Every frame can be ours: a script that does not compile, or `-m` of a missing module,
+    # fails inside runpy before any of the job's code runs. Python then prints no traceback.
+    for index, current in enumerate(kept):
+        current.tb_next = kept[index + 1] if index + 1 < len(kept) else None
     return kept[0] if kept else None
 
 

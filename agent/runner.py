@@ -40,17 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_request:
         api.stop(exit_code=exit_code_of(exit_request), error=exit_request)
         raise
-    except KeyboardInterrupt as interrupt:
-        api.stop(exit_code=130, error=interrupt)
-        raise
     except BaseException as error:
-        api.stop(exit_code=1, error=error)
-        trimmed = without_agent_frames(error.__traceback__)
-        error = error.with_traceback(trimmed)
-        sys.excepthook(type(error), error, trimmed)
-        return 1
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+        api.stop(exit_code=code, error=error)
+        show_error(error, as_module)
+        return code
     api.stop(exit_code=0)
     return 0
+
+
+def show_error(error: BaseException, as_module: bool) -> None:
+    """Print the job's exception as `python script.py` would: runner and runpy frames cut.
+
+    A module `-m` cannot find fails inside runpy with no frame of the job's: Python prints
+    `python: No module named x` for that, and so does this. Ctrl-C prints its traceback and
+    `KeyboardInterrupt`, as Python does, and the job exits 130.
+    """
+    trimmed = without_agent_frames(error.__traceback__)
+    error = error.with_traceback(trimmed)
+    if as_module and trimmed is None and isinstance(error, ImportError):
+        print(f"{sys.executable}: {error}", file=sys.stderr)
+        return
+    sys.excepthook(type(error), error, trimmed)
 
 
 if __name__ == "__main__":

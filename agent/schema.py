@@ -29,17 +29,107 @@ MAX_NAMES = 1 << 20
 """The most names one `Names` frame may carry (a writer splits larger sets over frames)."""
 _BOUNDED = msgspec.Meta(max_length=MAX_ITEMS)
 
-PILES: tuple[str, ...] = ("weights", "gradients", "optimizer_state", "activations")
-"""The tracked piles, in display order. `other` is derived from the allocator, never tracked."""
+
+class TextEnum(str, Enum):
+    """A str Enum that prints as its value (`f"{kind}"` is `oom`, not `AlertKind.OOM`).
+
+    Members compare equal to their strings, so code and recordings that hold the plain string
+    (older agents, msgspec decoding a `str` field) meet the enum without conversion.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
-class Pile(str, Enum):
-    """The tracked memory piles (DESIGN.md, "Memory piles: definitions")."""
+class Pile(TextEnum):
+    """The tracked memory piles (DESIGN.md, "Memory piles: definitions"), in display order.
+
+    `other` is derived from the allocator, never tracked, so it is not one of them.
+    """
 
     WEIGHTS = "weights"
     GRADIENTS = "gradients"
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"
+
+
+PILES: tuple[str, ...] = tuple(pile.value for pile in Pile)
+"""The piles' names in display order (the field names of `Piles`), derived from `Pile`."""
+
+
+class AlertKind(TextEnum):
+    """Every kind of alert the agent and the viewer emit: one spelling each.
+
+    On the wire `Alert.kind` stays a plain string, so a kind added by a newer agent still
+    decodes (`AlertKind.parse` gives None for it and viewers show the string as it is).
+    """
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_ACTIVATION = "nonfinite_activation"
+    NONFINITE_GRADIENT = "nonfinite_gradient"
+    SKIPPED_STEP = "skipped_step"
+    CLIP_BEFORE_UNSCALE = "clip_before_unscale"
+    FIRST_STEP_FORECAST = "first_step_forecast"
+    FIRST_STEP_GROWTH = "first_step_growth"
+    OVER_BUDGET = "over_budget"
+    OOM = "oom"
+    FRAGMENTATION = "fragmentation"
+    CHECKPOINT_LIMIT = "checkpoint_limit"
+    STEP_RULE = "step_rule"
+    ACTIVATIONS_VARY = "activations_vary"
+    SNAPSHOT = "snapshot"
+    """A PyTorch memory snapshot opened as a recording: what its device held."""
+    GROUPED = "grouped"
+    """Viewer-side: alerts that follow from an earlier one, folded into one row."""
+
+    @classmethod
+    def parse(cls, text: str) -> AlertKind | None:
+        """The member for a kind read from a recording; None for one this version does not
+        know (a newer agent's), which readers keep as its string."""
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+
+
+class ActivationMode(TextEnum):
+    """When the agent arms its saved-tensor hooks (issue 15; `memtui run --activations`).
+
+    AUTO measures on the steps whose activations can differ from the last measured one and
+    carries the figure to the steps that repeat it; EVERY measures every step; OFF never
+    arms the hooks (activations read zero and `activations_measured` is false).
+    """
+
+    AUTO = "auto"
+    EVERY = "every"
+    OFF = "off"
+
+
+class NanCheck(TextEnum):
+    """How much NaN/Inf checking a step gets (`memtui run --nan-check`)."""
+
+    DEFAULT = "default"
+    """One fused check of the losses and gradients; module probes armed after an alarm."""
+    FULL = "full"
+    """Module outputs probed every step."""
+    OFF = "off"
+
+
+class ExitStatus(TextEnum):
+    """How a job ended, as the report and the screen say it (`End.status` holds the first
+    two; the rest are what a reader concludes when the final frame is missing)."""
+
+    OK = "ok"
+    ERROR = "error"
+    KILLED = "killed"
+    """No final frame and the process is gone."""
+    RUNNING = "running"
+    """No final frame yet and the process is alive."""
+    STOPPED = "stopped"
+    """Stopped from memtui (SIGTERM from the TUI's quit): the agent wrote no final frame."""
 
 
 class Phase(str, Enum):
@@ -58,17 +148,6 @@ class StepTrigger(str, Enum):
     """A top-level `optimizer.step()` returned, or a GradScaler skipped that optimizer."""
     BACKWARD = "backward"
     """No optimizer has stepped: each top-level `backward()` is a step."""
-
-
-class ActivationMode(str, Enum):
-    """When the agent measures activations (README, "Activations: measured or carried")."""
-
-    AUTO = "auto"
-    """Measure steps that can differ from a measured one; the others carry its figures."""
-    EVERY = "every"
-    """Every hook on every step."""
-    OFF = "off"
-    """No activation counting at all."""
 
 
 class Piles(msgspec.Struct, array_like=True, frozen=True):
@@ -144,6 +223,7 @@ class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     """
 
     kind: str
+    """An `AlertKind` value; a plain string on the wire so newer kinds still decode."""
     message: str
     where: str | None = None
     group: int | None = None
@@ -295,7 +375,9 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     optimizer_step: int | None = None
     """This optimizer's own step count (1 for its first `step()`)."""
     activations_measured: bool = True
-    """Whether the saved-tensor hooks counted this step's activations."""
+    """Whether this step's activations were measured (saved-tensor hooks armed, issue 15);
+    False: carried from step `activations_from`, or not measured at all (`--activations off`).
+    Recordings of older agents measured every step."""
     activations_from: int | None = None
     """The measured step whose activation figures this one repeats and carries; None with
     `activations_measured` False means they are not known (measured in part, or off)."""
@@ -365,7 +447,8 @@ class AgentError(msgspec.Struct, tag="agent_error", frozen=True):
 
 
 class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
-    """Last message: how the job ended. Its absence means the process was killed.
+    """Last message: how the job ended (`status`: an `ExitStatus` value). Its absence means
+    the process was killed.
 
     `alloc_events` (with `--alloc-events`) covers the step that never closed: the allocations
     since the last close, up to the out-of-memory that ended the job.
@@ -385,6 +468,15 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     alloc_events: AllocEvents | None = None
     late: list[StepLate] = []
     """Device values of the last steps, read as the job ended (see `StepLate`)."""
+
+    def describe_error(self) -> str | None:
+        """The error in one line, as every reader shows it: `Type: message`, or the type
+        alone where the message is empty or just repeats it (`KeyboardInterrupt`)."""
+        if self.error_type is None:
+            return self.error
+        if not self.error or self.error == self.error_type:
+            return self.error_type
+        return f"{self.error_type}: {self.error}"
 
 
 Message = Hello | Names | Step | Tick | AgentError | End | AlertNow

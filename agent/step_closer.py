@@ -20,6 +20,7 @@ from memtui_agent.allocator import (
     expandable_segments_enabled,
     fragmentation_message,
 )
+from memtui_agent.config import AgentConfig
 from memtui_agent.forecast import forecast_first_step
 from memtui_agent.health import HealthMonitor
 from memtui_agent.ledger import Ledger
@@ -40,19 +41,18 @@ class StepCloser:
         ledger: Ledger,
         registry: ModuleRegistry,
         emit: Callable[[Any], None],
-        budget: int | None = None,
-        nan_check: str = "default",
-        reset_peaks: bool = False,
+        config: AgentConfig | None = None,
     ) -> None:
+        config = config if config is not None else AgentConfig()
         self.ledger = ledger
-        self.allocator = AllocatorReader(reset_peaks)
-        self.gpu_events = GpuEvents()
+        self.allocator = AllocatorReader(config.reset_peaks)
+        self.gpu_events = GpuEvents(config.oom_snapshot_path())
         self.alloc_events: AllocEventsRecorder | None = None
         """Set by the agent with `--alloc-events`: drains the allocator's history each close."""
         self.registry = registry
         self._emit = emit
-        self.budget = budget
-        self.health = HealthMonitor(nan_check)
+        self.budget = config.budget
+        self.health = HealthMonitor(config.nan_check)
         self._budget_warned = False
         self.previous_peak: schema.Piles | None = None
 

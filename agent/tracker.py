@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
 
 from memtui_agent import schema
 from memtui_agent.activation_policy import FIRST_STEPS, ActivationPolicy, Figures, call_signature
+from memtui_agent.config import AgentConfig
 from memtui_agent.distributed import DistributedMemory
 from memtui_agent.failures import ErrorContext
 from memtui_agent.hook_arming import HookArming, forget_when_freed
@@ -128,18 +129,18 @@ class Tracker(LibraryWrappers):
         ledger: Ledger,
         emit: Callable[[Any], None],
         fail: Callable[[str, BaseException], None],
-        budget: int | None = None,
-        nan_check: str = "default",
-        reset_peaks: bool = False,
-        activations: schema.ActivationMode = schema.ActivationMode.AUTO,
+        config: AgentConfig | None = None,
     ) -> None:
+        config = config if config is not None else AgentConfig()
+        self.config = config
+        """When saved-tensor hooks are armed (`--activations`: schema.ActivationMode)."""
         self.ledger = ledger
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
         self.distributed = DistributedMemory()
         self._fsdp = False
-        self.closer = StepCloser(ledger, self.registry, emit, budget, nan_check, reset_peaks)
+        self.closer = StepCloser(ledger, self.registry, emit, config)
         self._scaled_backward = False
         self._unscaled = False
         self._warned_clip = False
@@ -163,7 +164,7 @@ class Tracker(LibraryWrappers):
         self.arming = HookArming(
             self._module_pre, self._module_post, self._pack, _unpack, self._grad_ready
         )
-        self.policy = ActivationPolicy(activations)
+        self.policy = ActivationPolicy(config.activations)
         self._root_hooked: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
         """id(root module) -> (weakref, its pre/post hook handles)."""
         self.gradient_summary: tuple[int, dict[str, schema.DtypeStat]] | None = None

@@ -12,12 +12,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
-
-EXIT_USAGE = 2
-EXIT_BAD_INPUT = 1
-EXIT_PARTIAL = 3
-"""`memtui report` on a damaged recording: the valid prefix was reported, with a warning."""
+from memtui_agent.config import AgentConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,11 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="CUDA: record the allocator's history (bounded ring, Python stacks); each step "
         "lists its largest allocations with the source line, segment growth and any OOM",
     )
+    _activations_flag(run)
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
     attach = commands.add_parser("attach", help="watch a running job live")
-    attach.add_argument("pid", nargs="?", type=int, help="the job's pid (default: list them)")
+    attach.add_argument(
+        "pid",
+        nargs="?",
+        type=int,
+        help="the job's pid (default: the only live job; with several, a list to choose from)",
+    )
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
     attach.add_argument(
         "--list",
@@ -126,11 +129,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the bundled small training job")
     demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
     demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    _activations_flag(demo)
     demo.add_argument("demo_args", nargs="*", help="arguments for the demo job, e.g. --steps 60")
     return parser
 
 
-RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check"}
+def _activations_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--activations",
+        choices=("auto", "every", "off"),
+        default="auto",
+        help="measure saved activations on the steps where they can change, carried to the "
+        "steps that repeat them (auto, default); on every step (every); never (off)",
+    )
+
+
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    """The agent's options from `memtui run`/`demo` flags (what a subcommand lacks: default)."""
+    from memtui_agent.schema import ActivationMode, NanCheck
+
+    return AgentConfig(
+        budget=getattr(args, "budget", None),
+        nan_check=NanCheck(getattr(args, "nan_check", "default")),
+        reset_peaks=getattr(args, "reset_peaks", False),
+        snapshot_on_oom=getattr(args, "snapshot_on_oom", False),
+        alloc_events=getattr(args, "alloc_events", False),
+        activations=ActivationMode(args.activations),
+    )
+
+
+RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check", "--activations"}
 """Flags of `memtui run` that take a value (the splitter must skip that value too)."""
 
 
@@ -169,7 +197,7 @@ def split_job_argv(
 
 
 DEMO_FLAGS = {"--headless", "-h", "--help"}
-DEMO_VALUE_FLAGS = {"-o", "--output"}
+DEMO_VALUE_FLAGS = {"-o", "--output", "--activations"}
 
 
 def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -188,23 +216,26 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     target = list(args.target)
     try:
-        job = build_job(
-            target, args.module, args.output, args.no_record, args.budget, args.nan_check
-        )
+        job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
     except UsageError as exc:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    if args.reset_peaks:
-        job.env["MEMTUI_RESET_PEAKS"] = "1"
-    if args.snapshot_on_oom:
-        job.env["MEMTUI_SNAPSHOT_ON_OOM"] = "1"
-    if args.alloc_events:
-        job.env["MEMTUI_ALLOC_EVENTS"] = "1"
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
 
     return run_tui(job)
+
+
+DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
+"""The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
+
+
+def demo_pace(extra: list[str]) -> list[str]:
+    """The demo's arguments with the TUI pace added where the user gave none, so each
+    argument appears once and the header shows what the demo really ran with."""
+    given = {arg.split("=", 1)[0] for arg in extra}
+    return [*(f"{flag}={value}" for flag, value in DEMO_PACE.items() if flag not in given), *extra]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -217,9 +248,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     extra = list(args.demo_args)
     output = args.output or str(default_recording_name("demo"))
     try:
-        if not args.headless and not any(arg.startswith("--sleep") for arg in extra):
-            extra = ["--steps", "60", "--sleep", "0.15", *extra]
-        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, None)
+        if not args.headless:
+            extra = demo_pace(extra)
+        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
     except UsageError as exc:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -251,7 +282,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
     from memtui.recording import RecordingError, read_recording
-    from memtui.report import build_report, render_text
+    from memtui.report import render_text, report_of
+    from memtui.report_format import strict_json
     from memtui.torch_snapshot import looks_like_snapshot
 
     if looks_like_snapshot(args.path):
@@ -266,7 +298,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(build_report(recording), indent=2))
+        print(strict_json(report_of(recording)))
     else:
         print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
     if recording.warning:
@@ -280,6 +312,7 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
     """`memtui report DIR`: a session folder with one recording per rank."""
     from memtui.rank_report import build_session_report, read_session, render_session_text
     from memtui.recording import RecordingError
+    from memtui.report_format import strict_json
 
     try:
         recordings, warnings = read_session(folder)
@@ -287,7 +320,7 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
         print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if as_json:
-        print(json.dumps(build_session_report(recordings), indent=2))
+        print(strict_json(build_session_report(recordings)))
     else:
         print(terminal_safe(render_session_text(recordings, binary), keep_newlines=True))
     for warning in warnings:
@@ -322,6 +355,13 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `memtui` console script."""
     parser = build_parser()
@@ -331,7 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     if tokens and tokens[0] in splitters:
         own, job_tokens = splitters[tokens[0]](tokens[1:])
         tokens = [tokens[0], *own]
-    args = parser.parse_args(tokens)
+    args, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        # Point at the subcommand's own help (`memtui run --help`), not the top level's.
+        commands = _subcommands(parser)
+        where = commands.get(args.command or "", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if job_tokens is not None:
         setattr(args, "target" if args.command == "run" else "demo_args", job_tokens)
     if args.version:

@@ -49,7 +49,10 @@ SCHEMES: dict[str, Scheme] = {
 }
 DEFAULT_SCHEME = "mixed-adam"
 
-_COUNT = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)\s*([kKmMbBtT]?)\s*$")
+_COUNT = re.compile(
+    r"^\s*((?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE]\+?[0-9]+)?)\s*([kKmMbBtT]?)\s*$"
+)
+"""A whole number, a decimal with a K/M/B/T suffix, or scientific notation (`7e9`, `1.5e9`)."""
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 
@@ -64,7 +67,7 @@ def parse_count(text: str) -> int:
     if text.strip().startswith("-"):
         raise ValueError(f"parameter count {text!r} must not be negative")
     match = _COUNT.match(text)
-    hint = "use a whole number or a K, M, B or T suffix, e.g. 7B, 1.5B, 10M, 1_000_000"
+    hint = "use a whole number, a K, M, B or T suffix or an exponent, e.g. 7B, 1.5B, 7e9, 10M"
     if match is None:
         raise ValueError(f"invalid parameter count {text!r}: {hint}")
     try:
@@ -94,13 +97,25 @@ class Estimate:
         """The sum of the piles: the floor before a single activation is stored."""
         return self.weights + self.gradients + self.optimizer_state
 
-    def as_dict(self) -> dict[str, int]:
-        """The `memtui estimate --json` object: exactly these four keys (DESIGN.md contract)."""
+    def piles(self) -> dict[str, int]:
+        """The three piles and their total, by name."""
         return {
             "weights": self.weights,
             "gradients": self.gradients,
             "optimizer_state": self.optimizer_state,
             "total": self.total,
+        }
+
+    def as_dict(self) -> dict[str, int | str]:
+        """The `memtui estimate --json` object: the piles and their total (the contract), then
+        the inputs that produced them, so a saved estimate says what it assumed."""
+        return {
+            **self.piles(),
+            "params": self.params,
+            "trainable": self.trainable,
+            "scheme": self.scheme,
+            "gpus": self.gpus,
+            "zero": self.zero,
         }
 
 
@@ -177,7 +192,7 @@ def render_text(result: Estimate, source: str | None = None) -> str:
     counted = f" (counted from {source} on the meta device)" if source else ""
     lines = [f"{result.params:,} parameters, {result.trainable:,} trainable{counted}", ""]
     lines.append(f"{'per GPU':<17}{'bytes':>18}{'decimal':>12}{'binary':>12}")
-    for name, value in result.as_dict().items():
+    for name, value in result.piles().items():
         decimal, binary = format_bytes(value, binary=False), format_bytes(value)
         lines.append(f"{name:<17}{value:>18,}{decimal:>12}{binary:>12}")
     lines += ["", "assumptions:"]

@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
 from memtui.recording import Recording, RecordingError, read_recording
 from memtui.terminal_text import terminal_safe
 from memtui_agent.schema import PILES, Alert, Step
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
 """Each format and the suffix of its default output file."""
-EXIT_BAD_INPUT = 1
-EXIT_PARTIAL = 3
 STEP_TID = 1
 """Thread id of the step spans and alert markers (one track is enough for one process)."""
 

@@ -85,10 +85,14 @@ class JobProcess:
             return None
         return 128 - code if code < 0 else code
 
+    stopped = False
+    """Whether memtui stopped the job (the user quit the TUI while it ran)."""
+
     def terminate(self, grace: float = 5.0) -> None:
         """SIGTERM the job's process group, then SIGKILL if it is still there after `grace`."""
         if self.process.poll() is not None:
             return
+        self.stopped = True
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except OSError:

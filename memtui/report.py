@@ -1,4 +1,4 @@
-"""`memtui report`: the recording as the JSON contract of DESIGN.md, or as a short text summary.
+"""`memtui report`: the recording as the JSON contract (docs/report-format.md) or a short text.
 
 Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the recording is.
 """
@@ -11,8 +11,23 @@ import msgspec
 
 from memtui.alloc_rows import events_dict, events_text
 from memtui.recording import Recording
+from memtui.report_format import (
+    AgentErrorEntry,
+    AlertEntry,
+    AllocatorEntry,
+    ExitEntry,
+    HostEntry,
+    JobEntry,
+    ModuleEntry,
+    PeakEntry,
+    PeakPhases,
+    PileBytes,
+    Report,
+    RunAlert,
+    StepEntry,
+)
 from memtui.step_rows import distributed_notes
-from memtui_agent.schema import PILES, Alert, Step, StepTrigger
+from memtui_agent.schema import PILES, Alert, AlertKind, ExitStatus, Piles, Step, StepTrigger
 from memtui_agent.units import format_bytes
 
 ALLOCATOR_KEYS = (
@@ -25,138 +40,146 @@ ALLOCATOR_KEYS = (
 )
 
 
-def step_report(step: Step, recording: Recording) -> dict[str, Any]:
+def _piles(piles: Piles) -> PileBytes:
+    return PileBytes(**piles.as_dict())
+
+
+def step_report(step: Step, recording: Recording) -> StepEntry:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
-    entry = _step_entry(step, recording)
-    if step.alloc_events is not None:
-        entry["alloc_events"] = events_dict(step.alloc_events)
-    return entry
-
-
-def _step_entry(step: Step, recording: Recording) -> dict[str, Any]:
-    return {
-        "step": step.step,
-        "optimizer": step.optimizer,
-        "optimizer_step": step.optimizer_step,
-        "closed_by": step.closed_by.value,
-        "skipped": step.skipped,
-        "microbatches": step.microbatches,
-        "end": step.end.as_dict(),
-        "max": step.max.as_dict(),
-        "peak": {"total": step.peak.total, "piles": step.peak.as_dict()},
-        "dtypes": {
+    return StepEntry(
+        step=step.step,
+        optimizer=step.optimizer,
+        optimizer_step=step.optimizer_step,
+        closed_by=str(step.closed_by.value),
+        skipped=step.skipped,
+        microbatches=step.microbatches,
+        end=_piles(step.end),
+        max=_piles(step.max),
+        peak=PeakEntry(total=step.peak.total, piles=_piles(step.peak)),
+        dtypes={
             pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
             for pile in PILES
         },
-        "dtype_tensors": {
+        dtype_tensors={
             pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
             for pile in PILES
         },
-        "allocator": {key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS},
-        "host": {"rss": step.host.rss},
-        "loss": step.loss,
-        "scale": step.scale,
-        "duration_s": round(step.t_end - step.t_start, 6),
-        "top_activations": [
-            {"module": recording.module_name(item.module), "bytes": item.bytes}
+        allocator=AllocatorEntry(**{key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS}),
+        host=HostEntry(rss=step.host.rss),
+        loss=step.loss,
+        scale=step.scale,
+        duration_s=round(step.t_end - step.t_start, 6),
+        activations_measured=step.activations_measured,
+        activations_from=step.activations_from,
+        top_activations=[
+            ModuleEntry(module=recording.module_name(item.module), bytes=item.bytes)
             for item in step.top_activations
         ],
-        "distributed": msgspec.to_builtins(step.distributed) if step.distributed else None,
-        "alerts": [
-            {key: value for key, value in alert_dict(step.step, alert).items() if key != "step"}
+        distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
+        alerts=[
+            AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
             for alert in [
                 *(early.alert for early in recording.early_alerts if early.step == step.step),
                 *step.alerts,
             ]
         ],
-    }
+        alloc_events=events_dict(step.alloc_events)
+        if step.alloc_events is not None
+        else msgspec.UNSET,
+    )
 
 
-def exit_report(recording: Recording) -> dict[str, Any]:
+def exit_report(recording: Recording) -> ExitEntry:
     """How the job ended; a job with no final frame was killed (or is still running)."""
     end = recording.end
     if end is not None:
-        ending: dict[str, Any] = {
-            "status": end.status,
-            "code": end.code,
-            "error": end.error if end.error_type is None else f"{end.error_type}: {end.error}",
-            "step": end.step,
-            "phase": end.phase,
-            "oom": end.oom,
-            "requested": end.requested,
-            "piles": end.piles.as_dict() if end.piles is not None else None,
-        }
-        if end.alloc_events is not None:
+        return ExitEntry(
+            status=end.status,
+            code=end.code,
+            error=end.describe_error(),
+            step=end.step,
+            phase=end.phase,
+            oom=end.oom,
+            requested=end.requested,
+            piles=_piles(end.piles) if end.piles is not None else None,
             # `--alloc-events`: the step the job ended in, which never closed.
-            ending["alloc_events"] = events_dict(end.alloc_events)
-        return ending
+            alloc_events=events_dict(end.alloc_events)
+            if end.alloc_events is not None
+            else msgspec.UNSET,
+        )
     status = recording.status()
     last_step = recording.steps[-1].step if recording.steps else 0
     tick = recording.last_tick
     phase = tick.phase if tick is not None and tick.time >= _last_step_time(recording) else None
-    return {
-        "status": status,
-        "code": None,
-        "error": None if status == "running" else "no final frame: the process was killed",
-        "step": last_step + 1,
-        "phase": phase,
-    }
+    return ExitEntry(
+        status=status,
+        code=None,
+        error=None if status == ExitStatus.RUNNING else missing_end_reason(recording),
+        step=last_step + 1,
+        phase=phase,
+    )
+
+
+def missing_end_reason(recording: Recording) -> str:
+    """Why a finished recording has no final frame, as far as the file can tell."""
+    if recording.warning:
+        return f"the recording ends early ({recording.warning}); no final frame"
+    return "no final frame: the process was killed"
 
 
 def _last_step_time(recording: Recording) -> float:
     return recording.steps[-1].t_end if recording.steps else 0.0
 
 
-def alert_dict(step: int | None, alert: Alert) -> dict[str, Any]:
+def alert_entry(step: int | None, alert: Alert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
-    entry: dict[str, Any] = {
-        "step": step,
-        "kind": alert.kind,
-        "message": alert.message,
-        "where": alert.where,
-    }
-    if alert.group is not None:
-        entry["group"] = alert.group
-    return entry
+    return RunAlert(
+        step=step, kind=alert.kind, message=alert.message, where=alert.where, group=alert.group
+    )
 
 
-def all_alerts(recording: Recording) -> list[dict[str, Any]]:
+def all_alerts(recording: Recording) -> list[RunAlert]:
     """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
     before their step's own alerts, the job's fatal alerts (OOM) last."""
-    alerts = [alert_dict(early.step, early.alert) for early in recording.early_alerts]
-    alerts.extend(alert_dict(step.step, alert) for step in recording.steps for alert in step.alerts)
-    alerts.sort(key=lambda entry: entry["step"] or 0)
+    alerts = [alert_entry(early.step, early.alert) for early in recording.early_alerts]
+    alerts.extend(
+        alert_entry(step.step, alert) for step in recording.steps for alert in step.alerts
+    )
+    alerts.sort(key=lambda entry: entry.step or 0)
     if recording.end is not None:
-        alerts.extend(alert_dict(recording.end.step, alert) for alert in recording.end.alerts)
+        alerts.extend(alert_entry(recording.end.step, alert) for alert in recording.end.alerts)
     return alerts
 
 
-def build_report(recording: Recording) -> dict[str, Any]:
-    """The `memtui report --json` document (DESIGN.md contract, extra keys allowed)."""
+def report_of(recording: Recording) -> Report:
+    """The `memtui report --json` document (docs/report-format.md, extra keys allowed)."""
     hello = recording.hello
-    return {
-        "format": "memtui-report",
-        "version": 1,
-        "job": {
-            "argv": hello.argv,
-            "pid": hello.pid,
-            "torch": hello.torch,
-            "device": hello.device,
-            "started": hello.started,
-            "recording": str(recording.path),
-        },
-        "steps": [step_report(step, recording) for step in recording.steps],
-        "optimizers": optimizer_steps(recording.steps),
-        "step_rule": step_rule(recording.steps),
-        "alerts": all_alerts(recording),
-        "exit": exit_report(recording),
-        "peaks": peak_phases(recording),
-        "agent_errors": [
-            {"component": error.component, "message": error.message}
+    return Report(
+        job=JobEntry(
+            argv=hello.argv,
+            pid=hello.pid,
+            torch=hello.torch,
+            device=hello.device,
+            started=hello.started,
+            recording=str(recording.path),
+        ),
+        steps=[step_report(step, recording) for step in recording.steps],
+        optimizers=optimizer_steps(recording.steps),
+        step_rule=step_rule(recording.steps),
+        alerts=all_alerts(recording),
+        exit=exit_report(recording),
+        peaks=peak_phases(recording),
+        agent_errors=[
+            AgentErrorEntry(component=error.component, message=error.message)
             for error in recording.agent_errors
         ],
-        "warnings": [recording.warning] if recording.warning else [],
-    }
+        warnings=[recording.warning] if recording.warning else [],
+    )
+
+
+def build_report(recording: Recording) -> dict[str, Any]:
+    """The report as plain Python data (what `--json` prints, before serialising)."""
+    return msgspec.to_builtins(report_of(recording))
 
 
 def optimizer_steps(steps: list[Step]) -> dict[str, int]:
@@ -184,15 +207,14 @@ def step_rule(steps: list[Step]) -> str | None:
     return rule
 
 
-def peak_phases(recording: Recording) -> dict[str, Any]:
+def peak_phases(recording: Recording) -> PeakPhases:
     """The first update's peak kept apart from the steady state's (warm-up hides one-time
     allocations such as the optimizer's moments, the seeds warn)."""
     steps = recording.steps
     if not steps:
-        return {"first_step": None, "steady": None}
-    first = steps[0].peak.total
+        return PeakPhases(first_step=None, steady=None)
     later = [step.peak.total for step in steps[1:]]
-    return {"first_step": first, "steady": max(later) if later else None}
+    return PeakPhases(first_step=steps[0].peak.total, steady=max(later) if later else None)
 
 
 def pile_peaks(recording: Recording) -> dict[str, int]:
@@ -205,21 +227,21 @@ def pile_peaks(recording: Recording) -> dict[str, int]:
 
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
-    report = build_report(recording)
+    report = report_of(recording)
     size = lambda value: format_bytes(value, binary)  # noqa: E731
     lines = []
-    ending = report["exit"]
-    headline = f"job {ending['status']}"
-    if ending["code"] is not None:
-        headline += f" (exit code {ending['code']})"
-    if ending["status"] not in ("ok", "running"):
-        where = f" in {ending['phase']}" if ending["phase"] else ""
-        headline += f" at step {ending['step']}{where}"
-        if ending["error"]:
-            headline += f": {ending['error']}"
-    fatal = [alert for alert in report["alerts"] if alert["kind"] == "oom"]
+    ending = report.exit
+    headline = f"job {ending.status}"
+    if ending.code is not None:
+        headline += f" (exit code {ending.code})"
+    if ending.status not in (ExitStatus.OK, ExitStatus.RUNNING):
+        where = f" in {ending.phase}" if ending.phase else ""
+        headline += f" at step {ending.step}{where}"
+        if ending.error:
+            headline += f": {ending.error}"
+    fatal = [alert for alert in report.alerts if alert.kind == AlertKind.OOM]
     for alert in fatal:
-        lines.append(f"OUT OF MEMORY at step {alert['step']}: {alert['message']}")
+        lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")
     lines.append(headline)
     hello = recording.hello
     lines.append(
@@ -231,19 +253,20 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         f"steps: {len(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
-    names = report["optimizers"]
+    names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))
-    if report["step_rule"] is not None and (len(names) != 1 or "backward" in report["step_rule"]):
-        lines.append(f"  ({report['step_rule']})")
+    rule = report.step_rule
+    if rule is not None and (len(names) != 1 or "backward" in rule):
+        lines.append(f"  ({rule})")
     if steps:
         peaks = pile_peaks(recording)
         top = max(steps, key=lambda step: step.peak.total)
         lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
         phases = peak_phases(recording)
-        steady = phases["steady"]
+        steady = phases.steady
         lines.append(
-            f"first update peak: {size(phases['first_step'])}; steady-state peak (steps 2+): "
+            f"first update peak: {size(phases.first_step)}; steady-state peak (steps 2+): "
             + (size(steady) if steady is not None else "n/a (one step)")
         )
         lines.append("pile              highest in run   at peak")
@@ -255,13 +278,13 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         losses = [step.loss for step in steps if step.loss is not None]
         if losses:
             lines.append(f"loss: {losses[0]:.4g} at first step, {losses[-1]:.4g} at last")
-    other_alerts = [alert for alert in report["alerts"] if alert["kind"] != "oom"]
+    other_alerts = [alert for alert in report.alerts if alert.kind != AlertKind.OOM]
     if other_alerts:
         lines.append(f"alerts: {len(other_alerts)}")
         for alert in other_alerts[:20]:
-            where = f" [{alert['where']}]" if alert["where"] else ""
-            lines.append(f"  step {alert['step']}: {alert['kind']}{where}: {alert['message']}")
+            where = f" [{alert.where}]" if alert.where else ""
+            lines.append(f"  step {alert.step}: {alert.kind}{where}: {alert.message}")
     lines.extend(events_text(steps, recording.end, binary))
-    for error in report["agent_errors"]:
-        lines.append(f"agent: {error['component']} turned off: {error['message']}")
+    for error in report.agent_errors:
+        lines.append(f"agent: {error.component} turned off: {error.message}")
     return "\n".join(lines)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
 from memtui.terminal_text import terminal_safe
+from memtui_agent.config import VARIABLES, AgentConfig
 from memtui_agent.safe_open import refusal
 from memtui_agent.units import format_bytes
 
@@ -42,6 +42,9 @@ class JobSpec:
     recording: Path | None
     notes: Path | None = None
     """Where the command's interpreters leave what they could not say on their own stderr."""
+    session: str = ""
+    """This `memtui run`'s token (`AgentConfig.session`): ranks' sidecars carry it, so attach
+    groups them and the TUI finds the socket of a job it runs without a recording."""
 
 
 def bootstrap_dir() -> Path:
@@ -84,16 +87,20 @@ def build_job(
     module: str | None,
     output: str | None,
     no_record: bool,
-    budget: int | None,
-    nan_check: str = "default",
+    config: AgentConfig | None = None,
 ) -> JobSpec:
     """Turn the parsed command line into the child's argv and environment.
+
+    `config` holds the agent's options; the recording, argv and session token are filled in
+    here and the whole config goes to the job as `AgentConfig.to_env()`.
 
     Raises:
         UsageError: nothing to run, a missing script, a command not found, a bad output path.
     """
     env = dict(os.environ)
     env.pop("MEMTUI_AGENT_OWNER", None)
+    for variable in VARIABLES:  # a memtui run inside a monitored job starts afresh
+        env.pop(variable, None)
     through_bootstrap = False
     if module is not None:
         command = [sys.executable, "-m", "memtui_agent.runner", "--module", module, *target]
@@ -143,18 +150,25 @@ def build_job(
                 )
             recording.mkdir()
         recording = recording.resolve()
-    env["MEMTUI_RECORD"] = str(recording) if recording is not None else ""
     # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
-    env["MEMTUI_SESSION"] = uuid.uuid4().hex
-    env["MEMTUI_ARGV"] = json.dumps(display)
-    if budget is not None:
-        env["MEMTUI_BUDGET"] = str(budget)
-    env["MEMTUI_NAN_CHECK"] = nan_check
+    config = (config or AgentConfig()).replace(
+        record=str(recording) if recording is not None else None,
+        argv=tuple(display),
+        session=uuid.uuid4().hex,
+    )
+    env.update(config.to_env())
     notes = None
     if through_bootstrap:
         notes = make_notes_file()
         env[NOTES_VARIABLE] = str(notes)
-    return JobSpec(command=command, display=display, env=env, recording=recording, notes=notes)
+    return JobSpec(
+        command=command,
+        display=display,
+        env=env,
+        recording=recording,
+        notes=notes,
+        session=config.session or "",
+    )
 
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
@@ -275,8 +289,15 @@ def incomplete_reason(recording: Path) -> str:
     return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
 
 
-def summary_line(job: JobSpec, code: int) -> str:
-    """A few lines for the end of a run: how the job ended and where it was recorded."""
+STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
+
+
+def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
+    """A few lines for the end of a run: how the job ended and where it was recorded.
+
+    `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
+    say (the process dies without its final frame), so the summary does.
+    """
     if job.recording is None:
         return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
     if job.recording.is_dir():
@@ -290,6 +311,8 @@ def summary_line(job: JobSpec, code: int) -> str:
         status, steps, piles = _outcome(job.recording, code)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
+    if stopped:
+        status = STOPPED_BY_MEMTUI
     lines = (
         f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"

@@ -238,7 +238,7 @@ class Session:
         code = f" (exit {end.code})" if end.code is not None else ""
         if end.status == "ok":
             return f"ended: ok{code}"
-        detail = f"{end.error_type}: {end.error}" if end.error_type else (end.error or "")
+        detail = end.describe_error() or ""
         where = f" in {end.phase}" if end.phase else ""
         step = f" at step {end.step}" if end.step is not None else ""
         return f"ended: {end.status}{code}{step}{where}: {detail}"

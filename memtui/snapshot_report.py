@@ -11,11 +11,10 @@ import os
 import sys
 from typing import Any
 
+from memtui.exit_codes import EXIT_BAD_INPUT
 from memtui.terminal_text import terminal_safe
 from memtui.torch_snapshot import DeviceSummary, SnapshotError, SnapshotSummary, load_snapshot
 from memtui_agent.units import format_bytes
-
-EXIT_BAD_INPUT = 1
 
 
 def device_report(device: DeviceSummary) -> dict[str, Any]:

@@ -238,3 +238,13 @@ def dtype_rows(step: schema.Step | None) -> tuple[tuple[str, str, int, int], ...
 def describe_rate(rate: float | None) -> str:
     """`12.3 steps/s`, or a dash before two steps exist."""
     return "-" if rate is None else f"{rate:.1f} steps/s"
+
+
+def format_age(seconds: float) -> str:
+    """`42s`, `5m03s`, `2h10m`: how long a job has been running."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
+from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
 from memtui.run_command import (
     JobSpec,
     launches_ranks,
@@ -19,10 +19,9 @@ from memtui.run_command import (
     take_notes,
 )
 from memtui.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.step_rows import format_age
 from memtui.terminal_text import terminal_safe
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
-
-EXIT_BAD_INPUT = 1
 
 
 def _need_terminal(command: str) -> str | None:
@@ -99,11 +98,9 @@ def run_tui(job_spec: JobSpec) -> int:
     from memtui.job_process import JobProcess
     from memtui.tui.app import MemtuiApp, recording_log_path, run_app
 
-    token = uuid.uuid4().hex
-    env = dict(job_spec.env, MEMTUI_SESSION=token)
     log_path = recording_log_path(job_spec.recording)
     try:
-        job = JobProcess(job_spec.command, env, log_path)
+        job = JobProcess(job_spec.command, job_spec.env, log_path)
     except OSError as exc:
         take_notes(job_spec)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
@@ -128,7 +125,7 @@ def run_tui(job_spec: JobSpec) -> int:
     elif job_spec.recording is not None:
         source = TailSource(job_spec.recording, exited)
     else:
-        source = SessionSocketSource(token, exited)
+        source = SessionSocketSource(job_spec.session, exited)
     app = MemtuiApp(source, job=job, ranks=ranks)
     try:
         run_app(app)
@@ -138,7 +135,7 @@ def run_tui(job_spec: JobSpec) -> int:
     code = job.wait()
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
-    print(summary_line(job_spec, code), file=sys.stderr)
+    print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code
@@ -198,20 +195,38 @@ def replay(path: str) -> int:
 
 
 def _open_app(command: str, source: Any, **options: Any) -> int:
-    """Show a checked source in the TUI (after making sure there is a terminal to show it on)."""
+    """Show a checked source in the TUI (after making sure there is a terminal to show it on).
+
+    A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
+    `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
+    """
     problem = _need_terminal(command)
     if problem:
         print(f"memtui: error: {problem}", file=sys.stderr)
         return 2
     from memtui.tui.app import MemtuiApp, run_app
 
-    return run_app(MemtuiApp(source, **options))
+    app = MemtuiApp(source, **options)
+    code = run_app(app)
+    return replay_outcome(app.sessions, code)
+
+
+def replay_outcome(sessions: dict[str, Any], code: int) -> int:
+    """The exit code after a TUI over recordings: each recording's damage warning printed in
+    full, and `EXIT_PARTIAL` where there was one (a crash's non-zero code wins)."""
+    warnings = [
+        (label, session.warning)
+        for label, session in sessions.items()
+        if not session.live and session.warning
+    ]
+    for label, warning in warnings:
+        where = f"rank {label}: " if label else ""
+        print(f"memtui: warning: {terminal_safe(where + warning)}", file=sys.stderr)
+    return code or (EXIT_PARTIAL if warnings else 0)
 
 
 def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
     """The live jobs as lines: pid, age, command, recording."""
-    from memtui.tui.screens import format_age
-
     now = now if now is not None else time.time()
     lines = []
     for job in jobs:

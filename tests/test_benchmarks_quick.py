@@ -13,6 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "run.py"
 SECTIONS = (
     "== 1. Training overhead ==",

@@ -27,6 +27,8 @@ import pytest
 import memtui_agent
 from memtui_agent import schema, wire
 
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 TIMEOUT_S = 120
 _CONSOLE = Path(sys.executable).with_name("memtui")
 MEMTUI = [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "memtui.cli"]

@@ -14,6 +14,8 @@ import pytest
 
 from memtui_agent.schema import Distributed
 
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 MEMTUI = [sys.executable, "-m", "memtui.cli"]
 
 DDP_JOB = """

@@ -90,6 +90,11 @@ def test_frozen_parameters_cost_four_bytes_under_fp32() -> None:
         "gradients": 0,
         "optimizer_state": 0,
         "total": 400,
+        "params": 100,
+        "trainable": 0,
+        "scheme": "fp32-adam",
+        "gpus": 1,
+        "zero": 0,
     }
 
 
@@ -99,11 +104,37 @@ def test_uneven_shards_round_up() -> None:
         "gradients": 3,
         "optimizer_state": 18,
         "total": 24,
+        "params": 3,
+        "trainable": 3,
+        "scheme": "mixed-adam",
+        "gpus": 2,
+        "zero": 3,
     }
 
 
 def test_zero_stage_on_one_gpu_is_stage_zero() -> None:
-    assert estimate(10**9, zero=3).as_dict() == estimate(10**9).as_dict()
+    sharded, plain = estimate(10**9, zero=3).as_dict(), estimate(10**9).as_dict()
+    assert {**sharded, "zero": 0} == plain
+
+
+@pytest.mark.parametrize(
+    ("text", "count"), [("7e9", 7 * 10**9), ("1.5e9", 15 * 10**8), ("7E+9", 7 * 10**9)]
+)
+def test_scientific_notation_is_a_count(text: str, count: int) -> None:
+    assert parse_count(text) == count
+
+
+def test_estimate_json_names_its_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    from memtui.cli import main
+
+    assert main(["estimate", "--params", "7e9", "--scheme", "fp32-adam", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["params"], result["trainable"], result["scheme"]) == (
+        7 * 10**9,
+        7 * 10**9,
+        "fp32-adam",
+    )
+    assert (result["gpus"], result["zero"]) == (1, 0)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +154,7 @@ def test_parse_count(text: str, count: int) -> None:
     assert parse_count(text) == count
 
 
-@pytest.mark.parametrize("text", ["1.5X", "", "B", "-5", "1.0000000001K", "1e9", "seven"])
+@pytest.mark.parametrize("text", ["1.5X", "", "B", "-5", "1.0000000001K", "1e-9", "1e", "seven"])
 def test_parse_count_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_count(text)
@@ -146,6 +177,7 @@ def test_cli_scheme_choices_match_the_ledger() -> None:
 
 
 def test_cli_json_is_exactly_the_contract() -> None:
+    """The piles and their total, plus the inputs (DESIGN.md: "plus the inputs")."""
     result = _memtui("--params", "1B", "--gpus", "8", "--zero", "2", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
@@ -153,6 +185,11 @@ def test_cli_json_is_exactly_the_contract() -> None:
         "gradients": 250_000_000,
         "optimizer_state": 1_500_000_000,
         "total": 3_750_000_000,
+        "params": 1_000_000_000,
+        "trainable": 1_000_000_000,
+        "scheme": "mixed-adam",
+        "gpus": 8,
+        "zero": 2,
     }
 
 

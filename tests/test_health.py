@@ -13,6 +13,8 @@ import pytest
 from memtui.recording import read_recording
 from memtui.report import build_report
 
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 NAN_JOB = """
 import sys, torch, memtui_agent
 mode, inject = sys.argv[1], sys.argv[2]

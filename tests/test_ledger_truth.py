@@ -22,6 +22,8 @@ import torch
 
 from memtui_agent import schema, wire
 
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 JOB_TIMEOUT_S = 120
 RECORDING = "rec.memtui"
 REPORT_TAG = "@@memtui-test"

@@ -12,8 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from memtui.recording import read_recording
 from memtui.report import build_report
+
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
 TRUTH = """
 import json, sys, weakref, torch, memtui_agent

@@ -7,7 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from memtui_agent.autostart import is_launcher, record_path_for_rank
+
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
 DDP_JOB = """
 import torch, torch.distributed as dist

@@ -33,6 +33,8 @@ from memtui.recording import Recording, read_recording
 from memtui.sources import LiveSource, SourceError
 from memtui_agent import runtime_dir, schema, wire
 
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 TIMEOUT_S = 120
 NOBODY = 65534
 FP32 = 4

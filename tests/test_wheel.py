@@ -7,6 +7,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

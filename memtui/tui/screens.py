@@ -11,6 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
+from memtui.step_rows import format_age
 from memtui.terminal_text import plain
 
 HELP_TEXT = """\
@@ -105,13 +106,3 @@ class AttachScreen(ModalScreen[dict[str, Any] | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
-
-
-def format_age(seconds: float) -> str:
-    """`42s`, `5m03s`, `2h10m`: how long a job has been running."""
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

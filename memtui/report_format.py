@@ -1,0 +1,166 @@
+"""The `memtui report --json` document as typed structs, serialised strictly.
+
+The contract is written down in `docs/report-format.md`; these structs are that contract in code,
+so a key cannot be misspelt in one place and right in another. Output is strict JSON: msgspec
+writes a NaN or infinite float (a diverged loss) as `null`, never the `NaN` token that
+`json.dumps` prints and no JSON parser accepts. Extra keys beyond the contract are allowed and
+listed in the document; fields that exist only for some recordings (`alloc_events`) are left out
+rather than written as null (`msgspec.UNSET`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+REPORT_FORMAT = "memtui-report"
+REPORT_VERSION = 1
+"""Bumped only when a key of the contract changes meaning or goes away; new keys do not."""
+
+
+class PileBytes(msgspec.Struct):
+    """Bytes in each tracked pile (`schema.Pile` names)."""
+
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+
+
+class PeakEntry(msgspec.Struct):
+    """The composition at the moment of the step's highest tracked total."""
+
+    total: int
+    piles: PileBytes
+
+
+class AllocatorEntry(msgspec.Struct):
+    """Device counters at the close; null where the counter does not exist (CPU)."""
+
+    allocated: int | None
+    reserved: int | None
+    peak_allocated: int | None
+    process_gpu: int | None
+    device_used: int | None
+    device_total: int | None
+
+
+class HostEntry(msgspec.Struct):
+    """Host memory of the training process."""
+
+    rss: int
+
+
+class AlertEntry(msgspec.Struct, omit_defaults=True):
+    """An alert inside its step's entry. `kind` is an `AlertKind` value (or a newer agent's
+    kind, kept as written); `group` only when it follows an earlier alert."""
+
+    kind: str
+    message: str
+    where: str | None
+    group: int | None = None
+
+
+class RunAlert(msgspec.Struct, omit_defaults=True):
+    """An alert in the run-wide list: the same, with its step."""
+
+    step: int | None
+    kind: str
+    message: str
+    where: str | None
+    group: int | None = None
+
+
+class ModuleEntry(msgspec.Struct):
+    """Saved-activation bytes of one module."""
+
+    module: str
+    bytes: int
+
+
+class StepEntry(msgspec.Struct):
+    """One closed step (see "What a step is" in the document)."""
+
+    step: int
+    optimizer: str | None
+    optimizer_step: int | None
+    closed_by: str
+    skipped: bool
+    microbatches: int
+    end: PileBytes
+    max: PileBytes
+    peak: PeakEntry
+    dtypes: dict[str, dict[str, int]]
+    dtype_tensors: dict[str, dict[str, int]]
+    allocator: AllocatorEntry
+    host: HostEntry
+    loss: float | None
+    scale: float | None
+    duration_s: float
+    activations_measured: bool
+    activations_from: int | None
+    top_activations: list[ModuleEntry]
+    distributed: dict[str, Any] | None
+    alerts: list[AlertEntry]
+    alloc_events: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class JobEntry(msgspec.Struct):
+    """Who the job was."""
+
+    argv: list[str]
+    pid: int
+    torch: str
+    device: str
+    started: str
+    recording: str
+
+
+class ExitEntry(msgspec.Struct):
+    """How the job ended (`status`: an `ExitStatus` value)."""
+
+    status: str
+    code: int | None
+    error: str | None
+    step: int | None
+    phase: str | None
+    oom: bool | msgspec.UnsetType = msgspec.UNSET
+    requested: int | msgspec.UnsetType | None = msgspec.UNSET
+    piles: PileBytes | msgspec.UnsetType | None = msgspec.UNSET
+    alloc_events: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+
+
+class PeakPhases(msgspec.Struct):
+    """The first update's peak apart from the steady state's (steps 2 and later)."""
+
+    first_step: int | None
+    steady: int | None
+
+
+class AgentErrorEntry(msgspec.Struct):
+    """A part of the agent that turned itself off, and why."""
+
+    component: str
+    message: str
+
+
+class Report(msgspec.Struct, kw_only=True):
+    """The whole document."""
+
+    format: str = REPORT_FORMAT
+    version: int = REPORT_VERSION
+    job: JobEntry
+    steps: list[StepEntry]
+    optimizers: dict[str, int]
+    step_rule: str | None
+    alerts: list[RunAlert]
+    exit: ExitEntry
+    peaks: PeakPhases
+    agent_errors: list[AgentErrorEntry]
+    warnings: list[str]
+
+
+def strict_json(document: Any) -> str:
+    """`document` (structs, dicts, lists, numbers) as indented strict JSON: NaN/Inf -> null."""
+    return msgspec.json.format(msgspec.json.encode(document), indent=2).decode("utf-8")
