@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from memtui_agent import schema
 from memtui_agent.config import AgentConfig
 from memtui_agent.failures import first_line, is_oom, requested_bytes
@@ -218,8 +220,14 @@ class Agent:
                 tracker.resync()  # exit piles from the objects alive now
             except Exception as exc:
                 self.report_failure("end-piles", exc)
+        late: list[schema.StepLate] = []
+        if tracker is not None:
+            try:
+                late = tracker.late_health(wait=True)  # the end of the job may wait
+            except Exception as exc:
+                self.report_failure("health", exc)
         try:
-            end = self._end_message(exit_code, error)
+            end = msgspec.structs.replace(self._end_message(exit_code, error), late=late)
         except Exception as exc:
             end = schema.End(time=time.time(), status="error", error=f"agent: {exc}")
         if self.emitter is not None:

@@ -114,7 +114,7 @@ class Emitter:
 
     def _message(self, item: Item) -> schema.Message:
         if isinstance(item, schema.End):
-            return msgspec.structs.replace(item, late=self._late_values(wait=True))
+            return msgspec.structs.replace(item, late=[*item.late, *self._late_values(wait=True)])
         if isinstance(item, schema.Message):
             return item
         step, pending = item.finalize(self._late_values(wait=False))

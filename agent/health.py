@@ -27,6 +27,7 @@ Once the weights are non-finite every later step is non-finite too; those alerts
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,32 @@ from memtui_agent.distributed import local_tensor
 ARMED_STEPS = 20
 MAX_NAMES = 5
 MODES = ("default", "full", "off")
+DEFERRED_DEVICES = frozenset({"cuda"})
+"""Devices whose check results are read late: reading them at the close would wait for the
+device (a host sync the agent must not add). Tests swap in a stand-in device here."""
+MAX_DEFERRED = 8
+"""Checks waiting for their copy; past that the oldest is read with a wait (the device is
+that many steps behind the host, so the wait costs the job nothing it was not waiting for)."""
+
+
+def make_event(device: Any) -> Any:
+    """An event recorded behind the copies queued on `device`'s current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class _Deferred:
+    """One step's check results on their way to the host (pinned copy behind an event)."""
+
+    __slots__ = ("event", "host", "module_ids", "skipped", "step")
+
+    def __init__(self, step: int, checks: Any, skipped: bool, module_ids: list[int]) -> None:
+        self.step = step
+        self.skipped = skipped
+        self.module_ids = module_ids
+        self.host = checks.to("cpu", non_blocking=True)
+        self.event = make_event(checks.device)
 
 
 def _floating(value: Any) -> list[Any]:
@@ -52,10 +79,46 @@ def _floating(value: Any) -> list[Any]:
     return []
 
 
+_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+
+
+_ones: dict[Any, Any] = {}
+
+
+def _one(device: Any) -> Any:
+    """A cached `[1.0]` on `device`: the fused check's inverse scale, read-only."""
+    one = _ones.get(device)
+    if one is None:
+        one = _ones[device] = torch.ones(1, device=device)
+    return one
+
+
+def _checkable(grads: list[Any]) -> list[Any]:
+    """The gradients the fused check can read: strided floating-point local tensors (a DTensor
+    op here would be a collective in the job, so its local shard is checked). The common case,
+    plain tensors of usual float dtypes, is recognised in C without a loop per gradient."""
+    plain = torch.Tensor
+    if (
+        set(map(type, grads)) <= {plain}
+        and set(map(_LAYOUT, grads)) <= {torch.strided}
+        and set(map(_DTYPE, grads)) <= _FLOATING
+    ):
+        return grads
+    local = map(local_tensor, grads)
+    return [g for g in local if g.layout is torch.strided and g.is_floating_point()]
+
+
 def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
     """Group tensors as the foreach kernels need them, in C++ (as torch's optimizers do)."""
     if not tensors:
         return {}
+    kinds = set(map(_DTYPE, tensors))
+    places = set(map(_DEVICE, tensors))
+    if len(kinds) == 1 and len(places) == 1:
+        return {(places.pop(), kinds.pop()): tensors}  # one group: nothing to sort
     grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
     return {key: lists[0] for key, (lists, _) in grouped.items()}
 
@@ -96,6 +159,7 @@ class HealthMonitor:
         self._module_flags: list[tuple[int, Any, Any]] = []
         self._probed: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
         """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
+        self._deferred: list[_Deferred] = []
 
     def watching_modules(self, step: int) -> bool:
         """Whether module outputs are checked during this step."""
@@ -142,7 +206,45 @@ class HealthMonitor:
         checks = self._device_checks(grads, losses, module_flags)
         if checks is None:
             return []
-        values = checks.tolist()  # the one device-to-host transfer of a healthy step
+        if checks.device.type in DEFERRED_DEVICES:
+            ids = [module_id for module_id, _, _ in module_flags]
+            self._deferred.append(_Deferred(step, checks, skipped, ids))
+            return []
+        values = checks.tolist()  # on the host already: no device to wait for
+        return self._judge(step, values, named, skipped, module_flags, module_name)
+
+    def collect(
+        self, named: Callable[[], list[tuple[str, Any]]], module_name: Any, wait: bool = False
+    ) -> list[tuple[int, list[schema.Alert]]]:
+        """Alerts of earlier steps whose deferred checks have reached the host, with their
+        step; `wait` (at the end of the job) waits for the rest. Parameters are named from
+        their state now, since the step that went bad has returned to the job."""
+        found: list[tuple[int, list[schema.Alert]]] = []
+        while self._deferred:
+            deferred = self._deferred[0]
+            late = len(self._deferred) > MAX_DEFERRED
+            if not deferred.event.query():
+                if not (wait or late):
+                    break
+                deferred.event.synchronize()
+            self._deferred.pop(0)
+            flags = [(module_id, None, None) for module_id in deferred.module_ids]
+            values = deferred.host.tolist()  # landed: reading pinned memory waits for nothing
+            alerts = self._judge(deferred.step, values, named, deferred.skipped, flags, module_name)
+            if alerts:
+                found.append((deferred.step, alerts))
+        return found
+
+    def _judge(
+        self,
+        step: int,
+        values: list[float],
+        named: Callable[[], list[tuple[str, Any]]],
+        skipped: bool,
+        module_flags: list[tuple[int, Any, Any]],
+        module_name: Any,
+    ) -> list[schema.Alert]:
+        """The alerts that one step's check values call for (none when healthy)."""
         grads_bad, loss_bad = values[0] > 0, values[1] > 0
         module_ok = values[2 : 2 + len(module_flags)]
         inputs_ok = values[2 + len(module_flags) :]
@@ -164,21 +266,22 @@ class HealthMonitor:
         """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
         device = None
         grads_bad = None
-        # A DTensor op here would be a collective in the job: check local shards.
-        local = map(local_tensor, grads)
-        grads = [g for g in local if g.layout is torch.strided and g.is_floating_point()]
+        grads = _checkable(grads)
         for (grad_device, _dtype), members in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=grad_device)
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                members, found, torch.ones(1, device=grad_device)
-            )
+            torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(grad_device))
             device = device or grad_device
             found = found.to(device)
             grads_bad = found if grads_bad is None else grads_bad + found
         if losses:
             device = device or losses[0].device
-            stacked = torch.stack([loss.detach().float().reshape(()).to(device) for loss in losses])
-            loss_bad = (~torch.isfinite(stacked)).any().float().reshape(1)
+            if len(losses) == 1 and losses[0].device == device:
+                flat = losses[0].detach().reshape(1).float()
+            else:
+                flat = torch.stack(
+                    [loss.detach().float().reshape(()).to(device) for loss in losses]
+                )
+            loss_bad = (~torch.isfinite(flat)).any().float().reshape(1)
         else:
             loss_bad = None
         if device is None and module_flags:

@@ -117,19 +117,22 @@ class ModuleRegistry:
         self._module_cache = (self.generation, [weakref.ref(module) for module in modules])
         return modules
 
-    def weight_tensors(self, parameters: list[Any]) -> list[Any]:
-        """`parameters` (this step's `self.parameters()`) and the buffers of every root."""
-        buffers = list(chain.from_iterable(map(_buffer_values, self.modules())))
+    def weight_tensors(self, parameters: list[Any], modules: list[Any] | None = None) -> list[Any]:
+        """`parameters` (this step's `self.parameters()`) and the buffers of every root
+        (`modules`: this close's `self.modules()`, walked once for both)."""
+        walked = self.modules() if modules is None else modules
+        buffers = list(chain.from_iterable(map(_buffer_values, walked)))
         return parameters + [t for t in buffers if t is not None]
 
-    def parameters(self) -> list[Any]:
+    def parameters(self, modules: list[Any] | None = None) -> list[Any]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
 
         Read afresh from each module's `_parameters` (a parameter replaced since is seen at
         once). It runs at every step close, so the walk is done by C iterators (`map`,
         `chain`), not a Python loop per parameter.
         """
-        found = list(chain.from_iterable(map(_parameter_values, self.modules())))
+        walked = self.modules() if modules is None else modules
+        found = list(chain.from_iterable(map(_parameter_values, walked)))
         for optimizer in self.live_optimizers():
             for group in optimizer.param_groups:
                 found += group["params"]

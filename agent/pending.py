@@ -10,7 +10,7 @@ recording with a later frame.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -104,6 +104,8 @@ class PendingStep:
     optimizer_step: int | None = None
     activations_measured: bool = True
     activations_from: int | None = None
+    late_alerts: list[schema.StepLate] = field(default_factory=list)
+    """Alerts of earlier steps whose checks reached the host since (CUDA: read late)."""
 
     def finalize(
         self, late: list[schema.StepLate] | None = None
@@ -149,7 +151,7 @@ class PendingStep:
             optimizer_step=self.optimizer_step,
             activations_measured=self.activations_measured,
             activations_from=self.activations_from,
-            late=late or [],
+            late=[*(late or []), *self.late_alerts],
         )
         return step, pending
 

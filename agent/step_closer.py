@@ -143,7 +143,7 @@ class StepCloser:
                 step,
                 gradients,
                 losses,
-                self._named_parameters,  # names are needed only on an alarm
+                self.named_parameters,  # names are needed only on an alarm
                 skipped,
                 self.registry.name,
             )
@@ -202,7 +202,7 @@ class StepCloser:
         )
         return schema.Alert(kind="over_budget", message=message, where=grew)
 
-    def _named_parameters(self) -> list[tuple[str, Any]]:
+    def named_parameters(self) -> list[tuple[str, Any]]:
         names = self.registry.param_names
         seen: set[int] = set()
         named = []

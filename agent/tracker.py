@@ -699,9 +699,10 @@ class Tracker(LibraryWrappers):
 
         Returns the gradients it counted, which the health check reads next.
         """
-        parameters = self.registry.parameters()
+        modules = self.registry.modules()
+        parameters = self.registry.parameters(modules)
         gradients = self.registry.gradients(parameters)
-        self.ledger.sync(WEIGHTS, self.registry.weight_tensors(parameters))
+        self.ledger.sync(WEIGHTS, self.registry.weight_tensors(parameters, modules))
         self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
         summary = None
         if not self.arming.armed:
@@ -730,6 +731,7 @@ class Tracker(LibraryWrappers):
             self._synced_generation = self.registry.generation
             self._hook_new_parameters()
         gradients = self.resync()
+        late = self.late_health()
         self.closed_steps += 1
         extra = list(self.pending_alerts)
         self.pending_alerts.clear()
@@ -745,6 +747,7 @@ class Tracker(LibraryWrappers):
             gradients=gradients,
         )
         pending.distributed = self._distributed_at_close()
+        pending.late_alerts = late
         summary = self.gradient_summary
         if summary is not None:
             pending.end = msgspec.structs.replace(pending.end, gradients=summary[0])
@@ -765,6 +768,12 @@ class Tracker(LibraryWrappers):
         self.step_started = pending.t_end
         self.ledger.reset_step()
         return pending
+
+    def late_health(self, wait: bool = False) -> list[schema.StepLate]:
+        """Alerts of earlier steps whose GPU checks reached the host since (none on CPU)."""
+        closer = self.closer
+        found = closer.health.collect(closer.named_parameters, self.registry.name, wait)
+        return [schema.StepLate(step=step, alerts=alerts) for step, alerts in found]
 
     def release_held_skip(self) -> None:
         """Emit a skipped step still waiting for its `GradScaler.update()`, as it is."""

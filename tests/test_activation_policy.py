@@ -136,3 +136,73 @@ def test_an_audit_that_disagrees_switches_to_every_step() -> None:
     assert verdict.measured and verdict.alert is not None
     assert verdict.alert.kind == "activations_vary"
     assert policy.mode is schema.ActivationMode.EVERY
+
+
+STAND_IN_DEVICE = """
+import sys, threading, torch, memtui_agent
+from memtui_agent import health
+
+class LandsAtNextClose:
+    # torch.cuda.Event's part the agent uses: the copy has landed when the next close asks.
+    waits = 0
+    def query(self):
+        return True
+    def synchronize(self):
+        LandsAtNextClose.waits += 1
+
+if sys.argv[1] == "stand-in":  # the CPU stands in for a device whose reads would sync
+    health.DEFERRED_DEVICES = frozenset({"cpu"})
+    health.make_event = lambda device: LandsAtNextClose()
+reads = [0]
+closing = [False]
+original_read, original_close = torch.Tensor.tolist, health.HealthMonitor.close
+def counted(self):
+    # A read of the step's own check results while it closes: on a device, a host sync.
+    if closing[0] and threading.current_thread() is threading.main_thread():
+        reads[0] += 1
+    return original_read(self)
+def close(self, *args, **kwargs):
+    closing[0] = True
+    try:
+        return original_close(self, *args, **kwargs)
+    finally:
+        closing[0] = False
+torch.Tensor.tolist = counted
+health.HealthMonitor.close = close
+
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 7):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().mean().backward()
+        if step == 4:
+            model.bias.grad[0] = float("nan")
+        before = reads[0]
+        opt.step()
+        if step <= 3:
+            print("READS", reads[0] - before, "WAITS", LandsAtNextClose.waits, flush=True)
+print("END WAITS", LandsAtNextClose.waits)
+"""
+
+
+def test_a_device_step_close_reads_nothing_back_and_its_alarm_arrives_late(
+    tmp_path: Path, run_python: Any
+) -> None:
+    """On a device, the healthy step's check is copied behind an event and read at a later
+    close: no read on the training thread at the close (a stand-in device counts them), and
+    the step that went bad still gets its alert, carried by a later frame."""
+    control = run_python(STAND_IN_DEVICE, "host", cwd=tmp_path)
+    assert control.returncode == 0, control.stderr
+    # On the host the check is read at once: the counter sees those reads.
+    assert all(int(line.split()[1]) >= 1 for line in control.stdout.splitlines()[:3])
+    result = run_python(STAND_IN_DEVICE, "stand-in", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    healthy = [line.split() for line in result.stdout.splitlines() if line.startswith("READS")]
+    assert [(fields[1], fields[3]) for fields in healthy] == [("0", "0")] * 3
+    steps = read_recording(tmp_path / "rec.memtui").steps
+    kinds = {step.step: [alert.kind for alert in step.alerts] for step in steps}
+    assert "nonfinite_gradient" in kinds[4]  # folded into step 4 from a later frame's `late`
+    assert not any(kinds[n] for n in (1, 2, 3))
+    assert any(late.step == 4 for step in steps for late in step.late)
