@@ -67,7 +67,10 @@ def main() -> int:
 
     import memtui_agent
 
-    agent = memtui_agent.start(record=None, socket=False, nan_check=args.nan_check)
+    # Every hook armed on every step: the ablation takes them out one kind at a time.
+    agent = memtui_agent.start(
+        record=None, socket=False, nan_check=args.nan_check, activations="every"
+    )
     if agent is None:
         raise SystemExit("memtui agent did not start")
     job = build_job(args.job, quick=False)

@@ -41,7 +41,7 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
 
 WITHOUT_JOB = """
 import torch, memtui_agent
-agent = memtui_agent.start(record=None, socket=False)
+agent = memtui_agent.start(record=None, socket=False, activations="every")  # always armed
 tracker = agent.tracker
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -54,7 +54,7 @@ def step():
     out.sum().backward()
     opt.step()
     attributed = sum(size for module, size in live.items() if module >= 0)
-    return acts, attributed, len(tracker._grad_hooked)
+    return acts, attributed, len(tracker.arming.grad_hooked)
 
 step()
 print("agent", *step())
