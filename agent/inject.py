@@ -38,9 +38,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from memtui_agent import api, schema
 from memtui_agent.bootstrap.attach import write_reply
 
-ATTACHED = "attached"
-"""Alert kind of the first frame of an injected agent."""
-
 _pending: Any = None
 """The attach or detach waiting for its moment (one at a time)."""
 
@@ -260,7 +257,7 @@ class Arming:
             schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
         )
         tracker.pending_alerts.append(
-            schema.Alert(kind=ATTACHED, message=attached_message(job_step(optimizers)))
+            schema.Alert(kind=schema.ATTACHED_ALERT, message=attached_message(job_step(optimizers)))
         )
         # The forward starting now: its module on the stack, as if the hooks had seen it begin.
         tracker._module_pre(module, args)
@@ -280,11 +277,12 @@ def attached_message(steps_before: int | None) -> str:
             "attached at an unknown step of the job (its optimizer keeps no step count); "
             "steps are counted from the attach"
         )
+    if not steps_before:
+        return "attached at step 1"
+    earlier = "step 1" if steps_before == 1 else f"steps 1-{steps_before}"
     return (
-        f"attached at step {steps_before + 1}: the job's steps 1-{steps_before} ran before "
-        f"the attach; this recording's step 1 is the job's step {steps_before + 1}"
-        if steps_before
-        else "attached at step 1"
+        f"attached at step {steps_before + 1}: the job's {earlier} ran before the attach; "
+        f"this recording's step 1 is the job's step {steps_before + 1}"
     )
 
 
