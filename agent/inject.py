@@ -26,6 +26,7 @@ failure is answered there, never raised into the job.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from threading import get_ident
 from typing import Any
@@ -156,6 +157,7 @@ class Arming:
         self._backward: Any = None
         self._wrapper: Any = None
         self._in_backward = 0
+        self._lock = threading.Lock()
 
     def arm(self) -> None:
         """From the bootstrap thread: only the module pre-hook (torch copies that table)."""
@@ -173,7 +175,10 @@ class Arming:
         try:
             ident = get_ident()
             if self.thread is None:
-                self.thread = ident
+                with self._lock:  # two threads may run their first forward at once
+                    if self.thread is not None:
+                        return
+                    self.thread = ident
                 self._watch_boundary()
                 return
             if ident != self.thread:

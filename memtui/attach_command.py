@@ -125,8 +125,13 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
     return 0
 
 
-def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: Any) -> int | None:
-    """Before the TUI opens on a job without an agent: inject one. None when it runs now."""
+def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: Any) -> int | str:
+    """Before the TUI opens on a job without an agent: inject one.
+
+    Returns:
+        The injected agent's socket (the job's runtime folder may not be ours: its own
+        environment chose it), or an exit code after saying why not.
+    """
     try:
         answer = inject_agent(pid, output, seconds=seconds, **options)
     except AttachRefused as exc:
@@ -136,7 +141,9 @@ def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: A
             f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
             "(memtui attach again then, or memtui detach to cancel)"
         )
-    return None
+    if not answer.get("socket"):
+        return _refuse(f"the agent in pid {pid} serves no socket (see the job's stderr)")
+    return str(answer["socket"])
 
 
 def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:

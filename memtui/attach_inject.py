@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memtui.attach_target import PTRACE_FIX, AttachRefused, Target
+from memtui.attach_target import AttachRefused, Target, ptrace_message, ptrace_scope
+from memtui_agent.runtime_dir import pid_alive
 
 SAFE_POINTS = ("malloc", "calloc", "realloc", "free", "PyMem_Malloc", "PyMem_Free")
 """Functions at whose entry gdb may allocate and add a pending call (memray's choice)."""
@@ -141,7 +142,7 @@ def explain_gdb(pid: int, output: str, timed_out: bool, seconds: float) -> None:
     if "ptrace:" in output and "MEMTUI_ATTACHED" not in output:
         if "No such process" in output:
             raise AttachRefused(f"no process with pid {pid} (it has ended?)")
-        raise AttachRefused(f"gdb was not permitted to trace pid {pid}: {PTRACE_FIX}")
+        raise AttachRefused(f"gdb could not trace pid {pid}: {ptrace_message(ptrace_scope())}")
     if "MEMTUI_ATTACHED" in output and "MEMTUI_PYTHON" not in output:
         raise AttachRefused(f"pid {pid} has no Python C API that gdb can find (a stripped Python?)")
     if "MEMTUI_PENDING" in output:
@@ -169,7 +170,9 @@ def deliver_remote_exec(pid: int, script: Path) -> None:
     except ProcessLookupError:
         raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
     except PermissionError:
-        raise AttachRefused(f"not permitted to write into pid {pid}: {PTRACE_FIX}") from None
+        raise AttachRefused(
+            f"not permitted to write into pid {pid}: {ptrace_message(ptrace_scope())}"
+        ) from None
     except (RuntimeError, OSError) as exc:
         if "disable" in str(exc).lower():
             raise AttachRefused(
@@ -233,6 +236,8 @@ class Injection:
             answer = self.answer() or answer
             if answer is not None and (answer["state"] in states or answer["state"] == "refused"):
                 return answer
+            if not pid_alive(self.target.pid):
+                raise AttachRefused(f"pid {self.target.pid} ended while memtui waited for it")
             if time.monotonic() >= deadline:
                 return answer
             time.sleep(0.05)

@@ -23,9 +23,9 @@ REMOTE_EXEC_PYTHON = (3, 14)
 """From here on `sys.remote_exec` delivers the bootstrap; before it, gdb."""
 
 PTRACE_FIX = (
-    "allow it with `sudo sysctl kernel.yama.ptrace_scope=0`, or run memtui attach with "
-    "CAP_SYS_PTRACE (e.g. as root), or in a container start it with `docker run "
-    "--cap-add=SYS_PTRACE`"
+    "allow it with `sudo sysctl kernel.yama.ptrace_scope=0`, or give the tracer CAP_SYS_PTRACE "
+    "(`sudo setcap cap_sys_ptrace=eip $(command -v gdb)`), or in a container start it with "
+    "`docker run --cap-add=SYS_PTRACE`"
 )
 GDB_MISSING = (
     "gdb is needed to attach to Python {version} and is not installed: "
@@ -78,7 +78,7 @@ def check_target(pid: int, need_torch: bool = True) -> Target:
     except FileNotFoundError:
         raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
     except PermissionError:
-        raise AttachRefused(f"cannot read /proc/{pid}: not permitted ({PTRACE_FIX})") from None
+        raise AttachRefused(f"cannot read /proc/{pid}: {ptrace_message(ptrace_scope())}") from None
     version = python_version(maps, exe)
     if version is None:
         raise AttachRefused(f"pid {pid} is not a Python process (it runs {exe})")
@@ -141,23 +141,48 @@ def remote_debug_disabled(folder: Path, argv: list[str]) -> bool:
     return False
 
 
-def ptrace_refusal(scope_file: Path = PTRACE_SCOPE, status_file: Path | None = None) -> str | None:
-    """Why this machine will not let us trace another process of ours (None: it will).
-
-    Yama's `ptrace_scope`: 0 any process of the same user; 1 descendants only and 2 nobody,
-    each unless the tracer holds CAP_SYS_PTRACE; 3 nobody at all until reboot.
-    """
+def ptrace_scope(scope_file: Path = PTRACE_SCOPE) -> int | None:
+    """Yama's `ptrace_scope`: 0 any process of the same user; 1 descendants only and 2 nobody,
+    each unless the tracer holds CAP_SYS_PTRACE; 3 nobody at all until reboot. None: no Yama."""
     try:
-        scope = int(scope_file.read_text().strip())
+        return int(scope_file.read_text().strip())
     except (OSError, ValueError):
-        return None  # no Yama: the ordinary same-user rule applies (gdb says if not)
-    if scope == 0:
         return None
+
+
+def ptrace_refusal(scope_file: Path = PTRACE_SCOPE, status_file: Path | None = None) -> str | None:
+    """Why this machine will not let us trace another process of ours, decided before trying
+    (None: it may). Scopes 1 and 2 are refused only where neither we hold CAP_SYS_PTRACE nor
+    could gdb (a file capability): gdb itself then answers, and `ptrace_message` explains."""
+    scope = ptrace_scope(scope_file)
     if scope == 3:
         return "ptrace is disabled on this machine until reboot (kernel.yama.ptrace_scope=3)"
+    if scope not in (1, 2):
+        return None
     if has_capability(CAP_SYS_PTRACE, status_file or PROC / "self" / "status"):
         return None
-    return f"ptrace is restricted here (kernel.yama.ptrace_scope={scope}): {PTRACE_FIX}"
+    return None if _gdb_has_ptrace_capability() else ptrace_message(scope)
+
+
+def _gdb_has_ptrace_capability() -> bool:
+    import subprocess
+
+    gdb = shutil.which("gdb")
+    if gdb is None or shutil.which("getcap") is None:
+        return False
+    try:
+        found = subprocess.run(
+            ["getcap", gdb], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "cap_sys_ptrace" in found
+
+
+def ptrace_message(scope: int | None) -> str:
+    """The one line for a trace the kernel refused, with the fix."""
+    policy = f" (kernel.yama.ptrace_scope={scope})" if scope is not None else ""
+    return f"ptrace is not permitted here{policy}: {PTRACE_FIX}"
 
 
 def has_capability(bit: int, status_file: Path) -> bool:

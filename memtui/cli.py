@@ -283,9 +283,10 @@ def cmd_attach(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return EXIT_USAGE
-            failed = attach_for_viewer(args.pid, args.output, args.timeout)
-            if failed is not None:
-                return failed
+            injected = attach_for_viewer(args.pid, args.output, args.timeout)
+            if isinstance(injected, int):
+                return injected
+            return attach(None, injected)
     return attach(args.pid, args.socket)
 
 

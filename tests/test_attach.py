@@ -335,7 +335,7 @@ def test_refuses_when_ptrace_is_not_permitted(
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     path = f"{fake.parent}{os.pathsep}{env['PATH']}"
     result = memtui("attach", str(torch_job.pid), "--headless", env=dict(env, PATH=path))
-    _refused(result, "not permitted", "kernel.yama.ptrace_scope", "SYS_PTRACE")
+    _refused(result, "not permitted", "sysctl kernel.yama.ptrace_scope=0", "SYS_PTRACE")
     _untouched(torch_job)
 
 
@@ -349,6 +349,7 @@ def test_ptrace_policy_is_read_before_tracing(tmp_path: Path) -> None:
     problem = ptrace_refusal(scope, status)
     assert problem is not None and "kernel.yama.ptrace_scope=1" in problem
     assert "CAP_SYS_PTRACE" in problem and "--cap-add=SYS_PTRACE" in problem
+    assert "sysctl kernel.yama.ptrace_scope=0" in problem
     status.write_text(f"CapEff:\t{1 << 19:016x}\n")
     assert has_capability(19, status)
     assert ptrace_refusal(scope, status) is None
