@@ -1,6 +1,6 @@
 """The agent's side of `memtui attach PID` and `memtui detach PID` in a job started without memtui.
 
-The bootstrap (`bootstrap/attach.py`) calls `handle()` on a thread of its own. Nothing here runs
+The bootstrap (`attach_boot.py`) calls `handle()` on a thread of its own. Nothing here runs
 the agent on that thread: saved-tensor hooks are thread-local and must be pushed on the thread
 that trains, and torch iterates its optimizer hook table while calling the hooks, so that table
 may only change on the thread that steps. So attaching goes in three moves:
@@ -37,7 +37,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from memtui_agent import api, schema
-from memtui_agent.bootstrap.attach import write_reply
+from memtui_agent.attach_boot import Answer, write_reply
 
 _pending: Any = None
 """The attach or detach waiting for its moment (one at a time)."""
@@ -61,7 +61,7 @@ def handle(request: dict[str, Any]) -> None:
 def _reply_running(reply: str, agent: Any) -> None:
     write_reply(
         reply,
-        "running",
+        Answer.RUNNING,
         "a memtui agent already runs in this process",
         socket=str(agent.socket_path) if agent.socket_path is not None else None,
         recording=str(agent.record) if agent.record is not None else None,
@@ -77,12 +77,12 @@ def attach(request: dict[str, Any]) -> None:
         _reply_running(reply, agent)
         return
     if _pending is not None and not _pending.finished:
-        write_reply(reply, "refused", "another attach or detach is still waiting for the job")
+        write_reply(reply, Answer.REFUSED, "another attach or detach is still waiting for the job")
         return
     optimizers, roots = scan_heap()
     _pending = Arming(request, optimizers, roots)
     _pending.arm()
-    write_reply(reply, "armed", "waiting for the job's next step")
+    write_reply(reply, Answer.ARMED, "waiting for the job's next step")
 
 
 def scan_heap() -> tuple[list[weakref.ref[Any]], list[weakref.ref[Any]]]:
@@ -167,7 +167,7 @@ class Arming:
         """`memtui detach` before the agent started: undone on the training thread."""
         self.cancelled = True
         if self.thread is None:
-            self._finish("detached", "the attach was cancelled before the agent started")
+            self._finish(Answer.DETACHED, "the attach was cancelled before the agent started")
 
     def _module_pre(self, module: Any, args: Any) -> None:
         if self.finished or is_compiling():
@@ -184,11 +184,11 @@ class Arming:
             if ident != self.thread:
                 return
             if self.cancelled:
-                self._finish("detached", "the attach was cancelled before the agent started")
+                self._finish(Answer.DETACHED, "the attach was cancelled before the agent started")
             elif self.boundary and _top_saved_tensor_hooks() is None:
                 self._start(module, args)
         except Exception as exc:
-            self._finish("refused", f"{type(exc).__name__}: {exc}")
+            self._finish(Answer.REFUSED, f"{type(exc).__name__}: {exc}")
 
     def _watch_boundary(self) -> None:
         """On the training thread: notice where the current step ends."""
@@ -225,7 +225,7 @@ class Arming:
             torch.autograd.backward = self._backward
         self._wrapper = None
 
-    def _finish(self, state: str, message: str, **extra: Any) -> None:
+    def _finish(self, state: Answer, message: str, **extra: Any) -> None:
         self.finished = True
         try:
             self._disarm()
@@ -244,7 +244,9 @@ class Arming:
             nan_check=request.get("nan_check", "default"),
         )
         if agent is None:
-            write_reply(self.reply, "refused", "the agent did not start (see the job's stderr)")
+            write_reply(
+                self.reply, Answer.REFUSED, "the agent did not start (see the job's stderr)"
+            )
             return
         tracker = agent.tracker
         optimizers = [o for o in (ref() for ref in self.optimizers) if o is not None]
@@ -268,7 +270,7 @@ class Arming:
         tracker._module_pre(module, args)
         write_reply(
             self.reply,
-            "started",
+            Answer.STARTED,
             "recording",
             socket=str(agent.socket_path) if agent.socket_path is not None else None,
             recording=str(agent.record) if agent.record is not None else None,
@@ -301,14 +303,14 @@ def detach(request: dict[str, Any]) -> None:
         return
     agent = api.current()
     if agent is None:
-        write_reply(reply, "refused", "no memtui agent runs in this process")
+        write_reply(reply, Answer.REFUSED, "no memtui agent runs in this process")
         return
     if isinstance(waiting, Detaching) and not waiting.finished:
-        write_reply(reply, "detaching", "a detach is already waiting for the job")
+        write_reply(reply, Answer.DETACHING, "a detach is already waiting for the job")
         return
     _pending = Detaching(agent, reply)
     _pending.arm()
-    write_reply(reply, "detaching", "waiting for the job's next forward")
+    write_reply(reply, Answer.DETACHING, "waiting for the job's next forward")
 
 
 class Detaching:
@@ -339,6 +341,6 @@ class Detaching:
             step = tracker.closed_steps
             api.stop(exit_code=None)
             tracker.remove()  # `finish()` removes them only on the main thread
-            write_reply(self.reply, "detached", f"detached after {step} recorded steps")
+            write_reply(self.reply, Answer.DETACHED, f"detached after {step} recorded steps")
         except Exception as exc:
-            write_reply(self.reply, "refused", f"{type(exc).__name__}: {exc}")
+            write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")

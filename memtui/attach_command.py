@@ -13,6 +13,7 @@ from typing import Any
 from memtui.attach_inject import ANSWER_SECONDS, Injection
 from memtui.attach_target import AttachRefused, Target, check_delivery, check_target
 from memtui.terminal_text import terminal_safe
+from memtui_agent.attach_boot import Answer
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars
 
 EXIT_REFUSED = 1
@@ -84,15 +85,15 @@ def inject_agent(
     )
     try:
         injection.deliver()
-        answer = injection.wait({"armed", "started", "running"}, ANSWER_SECONDS)
+        answer = injection.wait({Answer.ARMED, Answer.STARTED, Answer.RUNNING}, ANSWER_SECONDS)
         if answer is None:
             raise AttachRefused(
                 f"pid {pid}'s main thread ran no Python for {ANSWER_SECONDS:.0f} s (busy in C "
                 "code, or waiting while another thread trains); nothing was started"
             )
-        if answer["state"] == "armed":
-            answer = injection.wait({"started"}, seconds) or answer
-        if answer["state"] == "refused":
+        if answer["state"] is Answer.ARMED:
+            answer = injection.wait({Answer.STARTED}, seconds) or answer
+        if answer["state"] is Answer.REFUSED:
             raise AttachRefused(str(answer.get("message")))
         answer.setdefault("recording", str(record))
         return answer
@@ -111,13 +112,13 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
     except AttachRefused as exc:
         return _refuse(str(exc))
     recording = terminal_safe(str(answer.get("recording")))
-    if answer["state"] == "armed":
+    if answer["state"] is Answer.ARMED:
         print(
             f"memtui: pid {pid}: the agent is in place and starts recording to {recording} at "
             "the job's next step",
             file=sys.stderr,
         )
-    elif answer["state"] == "running":
+    elif answer["state"] is Answer.RUNNING:
         return _refuse(f"pid {pid} already runs a memtui agent, recording to {recording}")
     else:
         print(f"memtui: attached to pid {pid}; recording to {recording}", file=sys.stderr)
@@ -136,7 +137,7 @@ def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: A
         answer = inject_agent(pid, output, seconds=seconds, **options)
     except AttachRefused as exc:
         return _refuse(str(exc))
-    if answer["state"] == "armed":
+    if answer["state"] is Answer.ARMED:
         return _refuse(
             f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
             "(memtui attach again then, or memtui detach to cancel)"
@@ -158,7 +159,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
         return EXIT_REFUSED
     try:
         injection.deliver()
-        answer = injection.wait({"detached"}, ANSWER_SECONDS + seconds)
+        answer = injection.wait({Answer.DETACHED}, ANSWER_SECONDS + seconds)
     except AttachRefused as exc:
         print(f"memtui: cannot detach: {terminal_safe(str(exc))}", file=sys.stderr)
         return EXIT_REFUSED
@@ -168,10 +169,10 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
         print(f"memtui: cannot detach: pid {pid} did not answer", file=sys.stderr)
         return EXIT_REFUSED
     message = terminal_safe(str(answer.get("message")))
-    if answer["state"] == "refused":
+    if answer["state"] is Answer.REFUSED:
         print(f"memtui: cannot detach: {message}", file=sys.stderr)
         return EXIT_REFUSED
-    if answer["state"] == "detaching":
+    if answer["state"] is Answer.DETACHING:
         print(f"memtui: pid {pid}: the agent stops at the job's next forward", file=sys.stderr)
         return 0
     print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)

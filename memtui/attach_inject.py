@@ -1,7 +1,7 @@
 """Getting the bootstrap into a running job: `memtui attach PID` and `memtui detach PID`.
 
 The same few lines run in the job's main thread at a point where running Python is safe, and
-execute the bootstrap (`memtui_agent/bootstrap/attach.py`), which answers in a reply file:
+execute the bootstrap (`memtui_agent/attach_boot.py`), which answers in a reply file:
 
 - Python 3.14+: `sys.remote_exec(pid, script)`, which CPython runs at its next safe point.
 - Python 3.10-3.13: gdb, the way memray does it. gdb stops the process, but runs nothing at the
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.attach_target import AttachRefused, Target, ptrace_message, ptrace_scope
+from memtui_agent.attach_boot import Answer
 from memtui_agent.runtime_dir import pid_alive
 
 SAFE_POINTS = ("malloc", "calloc", "realloc", "free", "PyMem_Malloc", "PyMem_Free")
@@ -197,7 +198,7 @@ class Injection:
         self.reply = self.folder / "reply.json"
         self.boot = self.folder / "boot.py"
         agent_dir = Path(memtui_agent.__file__).parent
-        shutil.copyfile(agent_dir / "bootstrap" / "attach.py", self.boot)
+        shutil.copyfile(agent_dir / "attach_boot.py", self.boot)
         paths = {str(Path(module.__file__).parent.parent) for module in (msgspec, psutil)}
         self.request = self.folder / "request.json"
         self.request.write_text(
@@ -227,14 +228,16 @@ class Injection:
         script.write_text(gdb_script(lines))
         deliver_gdb(self.target.pid, script)
 
-    def wait(self, states: set[str], seconds: float) -> dict[str, Any] | None:
+    def wait(self, states: set[Answer], seconds: float) -> dict[str, Any] | None:
         """The job's latest answer once it is one of `states` (or final); None if it never
         answered at all within `seconds`."""
         deadline = time.monotonic() + seconds
         answer = None
         while True:
             answer = self.answer() or answer
-            if answer is not None and (answer["state"] in states or answer["state"] == "refused"):
+            if answer is not None and (
+                answer["state"] in states or answer["state"] is Answer.REFUSED
+            ):
                 return answer
             if not pid_alive(self.target.pid):
                 raise AttachRefused(f"pid {self.target.pid} ended while memtui waited for it")
@@ -246,9 +249,10 @@ class Injection:
         """The reply file, if the job wrote one."""
         try:
             answer = json.loads(self.reply.read_text())
-        except (OSError, ValueError):
+            answer["state"] = Answer(answer["state"])
+        except (OSError, ValueError, TypeError, KeyError):
             return None
-        return answer if isinstance(answer, dict) and "state" in answer else None
+        return answer
 
     def close(self) -> None:
         """Remove the folder: a bootstrap that runs after this finds nothing and does nothing."""

@@ -33,7 +33,7 @@ from memtui.recording import read_recording
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRAIN = FIXTURES / "plain_train.py"
-BOOT = Path(__file__).parents[1] / "agent" / "bootstrap" / "attach.py"
+BOOT = Path(__file__).parents[1] / "agent" / "attach_boot.py"
 MEMTUI = [sys.executable, "-m", "memtui.cli"]
 
 needs_gdb = pytest.mark.skipif(

@@ -22,20 +22,36 @@ import os
 import sys
 import threading
 import time
+from enum import Enum
 from typing import Any
 
 AGENT_DEPENDENCIES = ("msgspec", "psutil")
 """Imported while memtui's environment is on `sys.path`; `pynvml` too where CUDA is present."""
 
 
-def write_reply(path: str, state: str, message: str = "", **extra: Any) -> None:
+class Answer(str, Enum):
+    """How far a request got, as the reply file says (the viewer waits for one of these)."""
+
+    ARMED = "armed"
+    """The hooks wait for the job's next step boundary."""
+    STARTED = "started"
+    """The agent runs on the training thread and records."""
+    RUNNING = "running"
+    """An agent was already running: nothing was done."""
+    REFUSED = "refused"
+    """Nothing was done (or what was done is undone); `message` says why."""
+    DETACHING = "detaching"
+    DETACHED = "detached"
+
+
+def write_reply(path: str, state: Answer, message: str = "", **extra: Any) -> None:
     """Tell `memtui attach` how far we got: one small JSON file, replaced atomically."""
     try:
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         descriptor = os.open(temporary, flags, 0o600)
         with os.fdopen(descriptor, "w") as handle:
-            json.dump(dict(extra, state=state, message=message), handle)
+            json.dump(dict(extra, state=state.value, message=message), handle)
         os.replace(temporary, path)
     except Exception:
         pass  # the viewer then times out and says so; the job is not to be disturbed
@@ -117,17 +133,17 @@ def run(request_path: str) -> None:
     def body() -> None:
         try:
             if "torch" not in sys.modules:
-                write_reply(reply, "refused", "the job has not imported torch")
+                write_reply(reply, Answer.REFUSED, "the job has not imported torch")
                 return
             if request["action"] == "detach" and "memtui_agent" not in sys.modules:
-                write_reply(reply, "refused", "no memtui agent runs in this process")
+                write_reply(reply, Answer.REFUSED, "no memtui agent runs in this process")
                 return
             load_agent(request)
             from memtui_agent import inject
 
             inject.handle(request)
         except BaseException as exc:
-            write_reply(reply, "refused", f"{type(exc).__name__}: {exc}")
+            write_reply(reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")
 
     threading.Thread(target=body, name="memtui-attach", daemon=True).start()
 
