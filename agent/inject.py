@@ -252,9 +252,11 @@ class Arming:
         optimizers = [o for o in (ref() for ref in self.optimizers) if o is not None]
         for optimizer in optimizers:
             if optimizer.state:
-                # Its first step is long past: no forecast, no first-step growth for it.
+                # Its first step is long past: no forecast, no first-step growth for it, and
+                # its own step count goes on from where the job is.
                 record = tracker.optimizers.record(optimizer)
                 record.forecasted = record.first_step_done = True
+                record.steps = job_step([optimizer]) or 0
             agent.watch(None, optimizer)
         for root in (ref() for ref in self.roots):
             if root is not None:
@@ -263,8 +265,11 @@ class Arming:
         tracker.trigger = (
             schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
         )
+        steps_before = job_step(optimizers)
+        if steps_before:
+            tracker.closed_steps = steps_before  # frames carry the job's own step numbers
         tracker.pending_alerts.append(
-            schema.Alert(kind=schema.ATTACHED_ALERT, message=attached_message(job_step(optimizers)))
+            schema.Alert(kind=schema.ATTACHED_ALERT, message=attached_message(steps_before))
         )
         # The forward starting now: its module on the stack, as if the hooks had seen it begin.
         tracker._module_pre(module, args)
@@ -278,19 +283,17 @@ class Arming:
 
 
 def attached_message(steps_before: int | None) -> str:
-    """The first frame's words: which step of the job it is."""
+    """The first frame's words: which step of the job it is (frames carry the job's numbers
+    when its optimizer counts its steps, else they count from the attach)."""
     if steps_before is None:
         return (
-            "attached at an unknown step of the job (its optimizer keeps no step count); "
-            "steps are counted from the attach"
+            "attached at an unknown step of the job (its optimizer keeps no step count): "
+            "steps are numbered from the attach"
         )
     if not steps_before:
         return "attached at step 1"
-    earlier = "step 1" if steps_before == 1 else f"steps 1-{steps_before}"
-    return (
-        f"attached at step {steps_before + 1}: the job's {earlier} ran before the attach; "
-        f"this recording's step 1 is the job's step {steps_before + 1}"
-    )
+    earlier = "step 1 was" if steps_before == 1 else f"steps 1-{steps_before} were"
+    return f"attached at step {steps_before + 1}: the job's {earlier} not recorded"
 
 
 def detach(request: dict[str, Any]) -> None:
