@@ -42,6 +42,8 @@ class Agent:
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
         self._finished = False
         self._forked_child = False
+        self.detached = False
+        """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
         self.socket_path: Path | None = None
         self.sidecar: Path | None = None
         self.tracker: Any = None
@@ -249,6 +251,9 @@ class Agent:
         tracker = self.tracker
         step = tracker.closed_steps + 1 if tracker is not None else None
         piles = tracker.ledger.current() if tracker is not None else None
+        if self.detached:
+            closed = tracker.closed_steps if tracker is not None else None
+            return schema.End(time=time.time(), status=schema.ExitStatus.DETACHED.value, step=closed, piles=piles)
         if error is None or (isinstance(error, SystemExit) and exit_code == 0):
             status = "ok" if not exit_code else "error"
             return schema.End(

@@ -80,6 +80,8 @@ class AlertKind(TextEnum):
     CHECKPOINT_LIMIT = "checkpoint_limit"
     STEP_RULE = "step_rule"
     ACTIVATIONS_VARY = "activations_vary"
+    ATTACHED = "attached"
+    """`memtui attach` injected the agent into a running job (its first recorded step)."""
     SNAPSHOT = "snapshot"
     """A PyTorch memory snapshot opened as a recording: what its device held."""
     GROUPED = "grouped"
@@ -130,6 +132,8 @@ class ExitStatus(TextEnum):
     """No final frame yet and the process is alive."""
     STOPPED = "stopped"
     """Stopped from memtui (SIGTERM from the TUI's quit): the agent wrote no final frame."""
+    DETACHED = "detached"
+    """`memtui detach`: the agent left, the job carries on."""
 
 
 class Phase(str, Enum):
@@ -227,6 +231,10 @@ class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     message: str
     where: str | None = None
     group: int | None = None
+
+
+ATTACHED_ALERT = AlertKind.ATTACHED.value
+"""Alert kind of the first step of an agent `memtui attach` injected into a running job."""
 
 
 class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):

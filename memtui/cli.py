@@ -91,6 +91,33 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the live jobs with each rank's socket path (to forward over SSH) and exit",
     )
+    attach.add_argument(
+        "--headless",
+        action="store_true",
+        help="inject the agent into PID, print the recording's path and return once it records",
+    )
+    attach.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="where an injected agent records (PID started "
+        "without memtui; default: memtui-<script>-<time>.memtui here)",
+    )
+    attach.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for the job's next step, where an injected agent starts",
+    )
+
+    detach = commands.add_parser(
+        "detach", help="stop the agent in a running job and remove its hooks; the job carries on"
+    )
+    detach.add_argument("pid", type=int, help="the job's pid")
+    detach.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="seconds to wait for the job"
+    )
 
     replay = commands.add_parser("replay", help="open a recording in the TUI")
     replay.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
@@ -262,14 +289,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    """`memtui attach [PID]`."""
+    """`memtui attach [PID]`; a job started without memtui gets the agent injected first."""
     from memtui.tui_commands import attach
 
     if args.list:
         from memtui.tui_commands import list_live_jobs
 
         return list_live_jobs()
+    if (args.headless or args.output) and args.pid is None:
+        print("memtui: error: --headless and -o need a PID", file=sys.stderr)
+        return EXIT_USAGE
+    if args.headless:
+        from memtui.attach_command import attach_headless
+
+        return attach_headless(args.pid, args.output, args.timeout)
+    if args.pid is not None and args.socket is None:
+        from memtui.attach_command import attach_for_viewer, running_agent
+
+        if running_agent(args.pid) is None:
+            if not (sys.stdin.isatty() and sys.stdout.isatty()):
+                print(
+                    "memtui: error: memtui attach needs a terminal for its UI (use --headless "
+                    "-o PATH to record a job started without memtui)",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            injected = attach_for_viewer(args.pid, args.output, args.timeout)
+            if isinstance(injected, int):
+                return injected
+            return attach(None, injected)
     return attach(args.pid, args.socket)
+
+
+def cmd_detach(args: argparse.Namespace) -> int:
+    """`memtui detach PID`."""
+    from memtui.attach_command import detach
+
+    return detach(args.pid, args.timeout)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -390,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": cmd_estimate,
         "demo": cmd_demo,
         "attach": cmd_attach,
+        "detach": cmd_detach,
         "replay": cmd_replay,
         "export": cmd_export,
     }

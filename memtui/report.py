@@ -27,7 +27,16 @@ from memtui.report_format import (
     StepEntry,
 )
 from memtui.step_rows import distributed_notes
-from memtui_agent.schema import PILES, Alert, AlertKind, ExitStatus, Piles, Step, StepTrigger
+from memtui_agent.schema import (
+    ATTACHED_ALERT,
+    PILES,
+    Alert,
+    AlertKind,
+    ExitStatus,
+    Piles,
+    Step,
+    StepTrigger,
+)
 from memtui_agent.units import format_bytes
 
 ALLOCATOR_KEYS = (
@@ -213,8 +222,17 @@ def peak_phases(recording: Recording) -> PeakPhases:
     steps = recording.steps
     if not steps:
         return PeakPhases(first_step=None, steady=None)
+    if attached_late(recording):  # `memtui attach` into a running job: its first update is past
+        return PeakPhases(first_step=None, steady=max(step.peak.total for step in steps))
     later = [step.peak.total for step in steps[1:]]
     return PeakPhases(first_step=steps[0].peak.total, steady=max(later) if later else None)
+
+
+def attached_late(recording: Recording) -> bool:
+    """Whether the agent was injected into a job that had already stepped (`memtui attach`):
+    its first step then carries no forecast, the first update being in the past."""
+    kinds = {alert.kind for alert in recording.steps[0].alerts} if recording.steps else set()
+    return ATTACHED_ALERT in kinds and "first_step_forecast" not in kinds
 
 
 def pile_peaks(recording: Recording) -> dict[str, int]:
@@ -265,10 +283,13 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
         phases = peak_phases(recording)
         steady = phases.steady
-        lines.append(
-            f"first update peak: {size(phases.first_step)}; steady-state peak (steps 2+): "
-            + (size(steady) if steady is not None else "n/a (one step)")
-        )
+        if phases.first_step is None:
+            lines.append(f"peak after the attach: {size(steady)} (the first update was earlier)")
+        else:
+            lines.append(
+                f"first update peak: {size(phases.first_step)}; steady-state peak (steps 2+): "
+                + (size(steady) if steady is not None else "n/a (one step)")
+            )
         lines.append("pile              highest in run   at peak")
         for pile in PILES:
             lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")

@@ -236,6 +236,8 @@ class Session:
                 return f"ended{code}{reason}"
             return f"killed{code}, no final frame{reason}"
         code = f" (exit {end.code})" if end.code is not None else ""
+        if end.status == schema.ExitStatus.DETACHED:  # `memtui detach`: the job carries on
+            return f"detached after step {end.step}; the job carries on"
         if end.status == "ok":
             return f"ended: ok{code}"
         detail = end.describe_error() or ""

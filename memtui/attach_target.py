@@ -1,0 +1,214 @@
+"""Whether `memtui attach PID` may inject into a process: each refusal one line, nothing touched.
+
+Everything here reads `/proc` (and, for gdb, the ptrace policy); nothing stops, signals or traces
+the target. The checks run in the order a user would fix them: the process exists and is theirs,
+it is Python, of memtui's version, has imported torch, allows remote debugging, and this machine
+lets us trace it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
+CAP_SYS_PTRACE = 19
+MIN_PYTHON = (3, 10)
+REMOTE_EXEC_PYTHON = (3, 14)
+"""From here on `sys.remote_exec` delivers the bootstrap; before it, gdb."""
+
+PTRACE_FIX = (
+    "allow it with `sudo sysctl kernel.yama.ptrace_scope=0`, or give the tracer CAP_SYS_PTRACE "
+    "(`sudo setcap cap_sys_ptrace=eip $(command -v gdb)`), or in a container start it with "
+    "`docker run --cap-add=SYS_PTRACE`"
+)
+GDB_MISSING = (
+    "gdb is needed to attach to Python {version} and is not installed: "
+    "`apt-get install gdb` (Debian, Ubuntu) or `dnf install gdb` (Fedora, RHEL)"
+)
+
+
+class AttachRefused(Exception):
+    """The attach cannot go ahead; `str()` is the one line to show. The job was not touched."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A process that passed the checks."""
+
+    pid: int
+    python: tuple[int, int]
+    argv: list[str]
+
+
+def check_target(pid: int, need_torch: bool = True) -> Target:
+    """Every refusal that can be decided without touching the process.
+
+    Raises:
+        AttachRefused: dead pid, another user's process, not Python, another Python version,
+            torch not imported, remote debugging disabled.
+    """
+    if pid <= 0 or pid > 2**31 - 1:
+        raise AttachRefused(f"{pid} is not a process id")
+    if pid == os.getpid():
+        raise AttachRefused("memtui cannot attach to itself")
+    folder = PROC / str(pid)
+    try:
+        status = (folder / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
+    uid = _field(status, "Uid")
+    if uid is not None and uid != os.getuid():
+        raise AttachRefused(
+            f"pid {pid} belongs to another user (uid {uid}): run memtui attach as that user"
+        )
+    try:
+        maps = (folder / "maps").read_text(errors="replace")
+        exe = os.readlink(folder / "exe")
+        argv = [
+            part.decode(errors="replace")
+            for part in (folder / "cmdline").read_bytes().split(b"\0")
+            if part
+        ]
+    except FileNotFoundError:
+        raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
+    except PermissionError:
+        raise AttachRefused(f"cannot read /proc/{pid}: {ptrace_message(ptrace_scope())}") from None
+    version = python_version(maps, exe)
+    if version is None:
+        raise AttachRefused(f"pid {pid} is not a Python process (it runs {exe})")
+    ours = tuple(sys.version_info[:2])
+    if version < MIN_PYTHON:
+        raise AttachRefused(f"pid {pid} runs Python {_dotted(version)}; memtui needs 3.10 or newer")
+    if version != ours:
+        raise AttachRefused(
+            f"pid {pid} runs Python {_dotted(version)} and this memtui runs on {_dotted(ours)}: "
+            f"use the memtui of a Python {_dotted(version)} environment (pip install memtui there)"
+        )
+    if need_torch and "libtorch_python" not in maps:
+        raise AttachRefused(f"pid {pid} has not imported torch: there is nothing to monitor yet")
+    if remote_debug_disabled(folder, argv):
+        raise AttachRefused(
+            f"pid {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or "
+            "-X disable_remote_debug): memtui will not inject code into it"
+        )
+    return Target(pid=pid, python=version, argv=argv)
+
+
+def _field(status: str, name: str) -> int | None:
+    """The real id of a `/proc/PID/status` line such as `Uid:  1000 1000 1000 1000`."""
+    for line in status.splitlines():
+        if line.startswith(f"{name}:"):
+            parts = line.split()
+            return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+    return None
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(str(part) for part in version)
+
+
+def python_version(maps: str, exe: str) -> tuple[int, int] | None:
+    """The CPython version of a process: its libpython, else its executable's name."""
+    found = re.search(r"libpython(\d+)\.(\d+)", maps)
+    if found is None:
+        found = re.fullmatch(r"python(\d+)\.(\d+)", Path(exe).name.removesuffix(" (deleted)"))
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2))
+
+
+def remote_debug_disabled(folder: Path, argv: list[str]) -> bool:
+    """PEP 768's opt-outs, honoured for every Python version (gdb included)."""
+    try:
+        environ = (folder / "environ").read_bytes().split(b"\0")
+    except OSError:
+        environ = []
+    for entry in environ:
+        name, _, value = entry.partition(b"=")
+        if name == b"PYTHON_DISABLE_REMOTE_DEBUG" and value:
+            return True
+    for index, word in enumerate(argv):
+        if word == "-Xdisable_remote_debug":
+            return True
+        if word == "-X" and argv[index + 1 : index + 2] == ["disable_remote_debug"]:
+            return True
+    return False
+
+
+def ptrace_scope(scope_file: Path = PTRACE_SCOPE) -> int | None:
+    """Yama's `ptrace_scope`: 0 any process of the same user; 1 descendants only and 2 nobody,
+    each unless the tracer holds CAP_SYS_PTRACE; 3 nobody at all until reboot. None: no Yama."""
+    try:
+        return int(scope_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def ptrace_refusal(scope_file: Path = PTRACE_SCOPE, status_file: Path | None = None) -> str | None:
+    """Why this machine will not let us trace another process of ours, decided before trying
+    (None: it may). Scopes 1 and 2 are refused only where neither we hold CAP_SYS_PTRACE nor
+    could gdb (a file capability): gdb itself then answers, and `ptrace_message` explains."""
+    scope = ptrace_scope(scope_file)
+    if scope == 3:
+        return "ptrace is disabled on this machine until reboot (kernel.yama.ptrace_scope=3)"
+    if scope not in (1, 2):
+        return None
+    if has_capability(CAP_SYS_PTRACE, status_file or PROC / "self" / "status"):
+        return None
+    return None if _gdb_has_ptrace_capability() else ptrace_message(scope)
+
+
+def _gdb_has_ptrace_capability() -> bool:
+    import subprocess
+
+    gdb = shutil.which("gdb")
+    if gdb is None or shutil.which("getcap") is None:
+        return False
+    try:
+        found = subprocess.run(
+            ["getcap", gdb], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "cap_sys_ptrace" in found
+
+
+def ptrace_message(scope: int | None) -> str:
+    """The one line for a trace the kernel refused, with the fix."""
+    policy = f" (kernel.yama.ptrace_scope={scope})" if scope is not None else ""
+    return f"ptrace is not permitted here{policy}: {PTRACE_FIX}"
+
+
+def has_capability(bit: int, status_file: Path) -> bool:
+    """Whether this process's effective capability set holds `bit`."""
+    try:
+        for line in status_file.read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> bit & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def check_delivery(target: Target) -> str:
+    """How the bootstrap gets in: "remote_exec" or "gdb".
+
+    Raises:
+        AttachRefused: gdb missing, or ptrace not permitted.
+    """
+    if target.python >= REMOTE_EXEC_PYTHON:
+        method = "remote_exec"
+    else:
+        if shutil.which("gdb") is None:
+            raise AttachRefused(GDB_MISSING.format(version=_dotted(target.python)))
+        method = "gdb"
+    problem = ptrace_refusal()
+    if problem is not None:
+        raise AttachRefused(problem)
+    return method
