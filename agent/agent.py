@@ -253,7 +253,9 @@ class Agent:
         piles = tracker.ledger.current() if tracker is not None else None
         if self.detached:
             closed = tracker.closed_steps if tracker is not None else None
-            return schema.End(time=time.time(), status=schema.ExitStatus.DETACHED.value, step=closed, piles=piles)
+            return schema.End(
+                time=time.time(), status=schema.ExitStatus.DETACHED.value, step=closed, piles=piles
+            )
         if error is None or (isinstance(error, SystemExit) and exit_code == 0):
             status = "ok" if not exit_code else "error"
             return schema.End(
