@@ -194,8 +194,7 @@ def _loss_of(output: Any, spec: str) -> Any:
 def _batch_of(spec: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
         raise FakeStepError(
-            f"{spec} returned {type(value).__name__}, not a dict of the forward's keyword "
-            "arguments"
+            f"{spec} returned {type(value).__name__}, not a dict of the forward's keyword arguments"
         )
     return dict(value)
 
@@ -292,9 +291,7 @@ def train_steps(
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(autocast)  # type: ignore[arg-type]
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        cast = (
-            torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        )
+        cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with cast:
             loss = _loss_of(model(**batch), spec)
         loss.backward()
@@ -352,7 +349,9 @@ def run_variant(request: FakeStepRequest, variant: Variant) -> FakeStepResult:
                 reason = _fake_failure(request.model, exc)
                 if reason is not None:
                     raise reason from None
-                raise FakeStepError(f"a training step of {request.model} raised {one_line(exc)}")
+                raise FakeStepError(
+                    f"a training step of {request.model} raised {one_line(exc)}"
+                ) from None
             params = {id(p): p for p in model.parameters()}.values()
             total = sum(p.numel() for p in params)
             trainable = sum(p.numel() for p in params if p.requires_grad)
