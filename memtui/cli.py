@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
     estimate.add_argument(
         "--scheme",
+        default="mixed-adam",
         choices=["fp32-sgd", "fp32-momentum", "fp32-adam", "mixed-adam"],
         help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes)",
     )
@@ -332,7 +333,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """`memtui estimate`: training memory per GPU, before renting any."""
-    from memtui.estimate import DEFAULT_SCHEME, estimate, parse_count, render_text
+    from memtui.estimate import estimate, parse_count, render_text
     from memtui.model_count import ModelCountError, count_model
 
     if args.batch is not None:
@@ -348,8 +349,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             trainable = counted if trainable is None else trainable
         else:
             params = parse_count(args.params)
-        scheme = args.scheme or DEFAULT_SCHEME
-        result = estimate(params, trainable, scheme, args.gpus, args.zero or 0)
+        result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
     except (ValueError, ModelCountError) as exc:
         return _usage(str(exc))
     print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
@@ -358,6 +358,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_estimate_step(args: argparse.Namespace) -> int:
     """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors."""
+    from memtui.estimate import DEFAULT_SCHEME
     from memtui.model_estimate import (
         ModelEstimateError,
         Sharding,
@@ -370,7 +371,8 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
 
     if args.model is None:
         return _usage("--batch needs --model (the module whose step it feeds)")
-    for flag, value in (("--scheme", args.scheme), ("--trainable", args.trainable)):
+    scheme = args.scheme if args.scheme != DEFAULT_SCHEME else None
+    for flag, value in (("--scheme", scheme), ("--trainable", args.trainable)):
         if value is not None:
             return _usage(f"{flag} is for parameter counts; with --batch the step is measured")
     if args.gpus < 1:

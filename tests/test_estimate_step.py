@@ -14,6 +14,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -394,3 +395,26 @@ def test_build_result_shards_the_peak_by_its_composition() -> None:
     assert result["peak"] == 5 * GB + 10 * GB + 4 * GB
     assert result["total"] == 5 * GB + 5 * GB + 10 * GB
     assert "verdict" not in result
+
+
+def test_ledger_counts_fake_storages_only_when_asked() -> None:
+    """Real jobs see fake tensors only while torch.compile traces: they must count zero there;
+    the estimate's child keys each fake storage by its StorageImpl, views sharing it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtui_agent.ledger import count_fake_storages, storages_of
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        a, b = torch.empty(10, 10), torch.empty(10, 10)
+        assert storages_of(a) == []
+        count_fake_storages(True)
+        try:
+            [(key_a, nbytes, dtype, _)] = storages_of(a)
+            [(key_view, *_)] = storages_of(a[1:])
+            [(key_b, *_)] = storages_of(b)
+        finally:
+            count_fake_storages(False)
+    assert (nbytes, dtype) == (400, "float32")
+    assert key_a == key_view != key_b
