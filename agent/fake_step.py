@@ -25,7 +25,9 @@ Known limitations:
       `gradient_checkpointing_enable` with that variant): that variant recomputes each region
       under the agent's own hooks during backward, so what the recomputation holds is counted.
       A block whose tensor inputs need no gradient (the first layers on raw inputs) runs
-      unwrapped, because a reentrant checkpoint would cut its parameters' gradients.
+      unwrapped, because a reentrant checkpoint would cut its parameters' gradients, and so
+      does a block with no parameters (ReLU, pooling, dropout: nothing to gain, and in-place
+      ones break under a reentrant checkpoint).
 """
 
 from __future__ import annotations
@@ -253,6 +255,10 @@ def apply_checkpointing(model: Any) -> None:
             "to checkpoint in the model"
         )
     for block in blocks:
+        if next(block.parameters(), None) is None:
+            # Nothing saved is worth recomputing in a parameter-free layer (activation,
+            # pooling, dropout), and a reentrant checkpoint breaks the in-place ones.
+            continue
         forward = block.forward
 
         def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
@@ -296,6 +302,39 @@ def train_steps(
             loss = _loss_of(model(**batch), spec)
         loss.backward()
         optimizer.step()
+
+
+def _step_without_values(optimizer: Any) -> None:
+    """Make `optimizer.step()` runnable on fake parameters.
+
+    Optimizers keep their step count in a scalar tensor made from a Python number, and some
+    read values back with `.item()` (Adafactor reads its step and the norms of parameters and
+    updates), which a fake tensor cannot answer. So the step runs outside the fake mode, where
+    such scalars are real (counted as the same 4 bytes) while everything made from a parameter,
+    gradient or moment stays fake (fake tensors carry their mode), and a fake tensor's `.item()`
+    answers 1: values steer the update's arithmetic, never which tensors it allocates. torch's
+    own step wrapper and hooks still run inside, so the tracker sees the same step.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ValuesAsOne(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(
+                args[0], FakeTensor
+            ):
+                dtype = args[0].dtype
+                return True if dtype is torch.bool else 1 if not dtype.is_floating_point else 1.0
+            return func(*args, **(kwargs or {}))
+
+    step = optimizer.step
+
+    def step_without_values(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), ValuesAsOne():
+            return step(*args, **kwargs)
+
+    optimizer.step = step_without_values
 
 
 def _figures(step: Any) -> StepFigures:
@@ -349,6 +388,8 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
             if variant is Variant.DOUBLE_BATCH:
                 batch = double_batch(batch)
             optimizer = make_optimizer(request.optimizer, model.parameters())
+            if fake:
+                _step_without_values(optimizer)
             try:
                 train_steps(model, batch, optimizer, request.autocast, request.model)
             except FakeStepError:

@@ -418,3 +418,22 @@ def test_ledger_counts_fake_storages_only_when_asked() -> None:
             count_fake_storages(False)
     assert (nbytes, dtype) == (400, "float32")
     assert key_a == key_view != key_b
+
+
+@pytest.mark.usefixtures("fixtures_path")
+@pytest.mark.parametrize("kind", list(OptimizerKind), ids=lambda kind: kind.value)
+def test_every_optimizer_steps_on_fake_tensors_as_on_real_ones(kind: OptimizerKind) -> None:
+    """Adafactor reads `.item()` of its step and of norms: its step runs with values as 1."""
+    request = _request("mlp_model", "mlp_batch", optimizer=kind)
+    fake = run_variant(request, Variant.AS_GIVEN)
+    real = run_variant(request, Variant.AS_GIVEN, fake=False)
+    assert (fake.first, fake.steady) == (real.first, real.steady)
+
+
+@pytest.mark.usefixtures("fixtures_path")
+def test_checkpointing_skips_parameter_free_layers() -> None:
+    """A conv net's Sequential holds in-place ReLUs, which a reentrant checkpoint breaks."""
+    request = _request("conv_model", "conv_batch", checkpointing=True)
+    fake = run_variant(request, Variant.AS_GIVEN)
+    real = run_variant(request, Variant.AS_GIVEN, fake=False)
+    assert (fake.first, fake.steady) == (real.first, real.steady)
