@@ -198,10 +198,10 @@ def build_result(
         "reserve": reserve_for(device_memory),
     }
     checkpointed = by_variant.get(Variant.CHECKPOINTED.value)
+    double = by_variant.get(Variant.DOUBLE_BATCH.value, {"error": "not run"})
     to_fit: dict[str, Any] = {
-        "largest_batch": largest_batch(
-            base, by_variant.get(Variant.DOUBLE_BATCH.value, {"error": ""}), sharding, device_memory
-        ),
+        "largest_batch": largest_batch(base, double, sharding, device_memory),
+        "largest_batch_error": double.get("error"),
         "checkpointing_peak": None,
         "checkpointing_saves": None,
         "checkpointing_activations": None,
@@ -286,6 +286,8 @@ def _verdict_lines(result: dict[str, Any]) -> list[str]:
     to_fit = result["to_fit"]
     if to_fit["largest_batch"] is not None:
         lines.append(f"  largest batch that fits: about {to_fit['largest_batch']}")
+    elif to_fit["largest_batch_error"]:
+        lines.append(f"  largest batch not estimated: {to_fit['largest_batch_error']}")
     if to_fit["checkpointing_saves"] is not None:
         activations = format_bytes(result["activations"])
         lines.append(
