@@ -367,48 +367,50 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         elif isinstance(item, schema.Names) and item.kind == "module":
             names.update(enumerate(item.names, start=item.first_id))
 
-    count_fake_storages(fake)
-    quiet = warnings.catch_warnings()
-    quiet.__enter__()
-    # The ledger reads fake storages' data_ptr() (0), which torch flags as deprecated.
-    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-    tracker = Tracker(Ledger(), emit, lambda part, exc: failures.append((part, exc)), None, "off")
-    tracker.install()
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
-            model = _call(build_model, request.model)
-            if not isinstance(model, torch.nn.Module):
-                raise FakeStepError(
-                    f"{request.model} returned {type(model).__name__}, not a torch.nn.Module"
-                )
-            model.train()
-            if request.checkpointing or variant is Variant.CHECKPOINTED:
-                apply_checkpointing(model)
-            batch = _batch_of(request.batch, _call(build_batch, request.batch))
-            if variant is Variant.DOUBLE_BATCH:
-                batch = double_batch(batch)
-            optimizer = make_optimizer(request.optimizer, model.parameters())
-            if fake:
-                _step_without_values(optimizer)
-            try:
-                train_steps(model, batch, optimizer, request.autocast, request.model)
-            except FakeStepError:
-                raise
-            except Exception as exc:
-                reason = _fake_failure(request.model, exc)
-                if reason is not None:
-                    raise reason from None
-                raise FakeStepError(
-                    f"a training step of {request.model} raised {one_line(exc)}"
-                ) from None
-            params = {id(p): p for p in model.parameters()}.values()
-            total = sum(p.numel() for p in params)
-            trainable = sum(p.numel() for p in params if p.requires_grad)
-            size = batch_size(batch)
-    finally:
-        tracker.remove()
-        count_fake_storages(False)
-        quiet.__exit__(None, None, None)
+    def fail(part: str, exc: BaseException) -> None:
+        failures.append((part, exc))
+
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(warnings.catch_warnings())
+        # The ledger reads fake storages' data_ptr() (0), which torch flags as deprecated.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        count_fake_storages(fake)
+        undo.callback(count_fake_storages, False)
+        tracker = Tracker(Ledger(), emit, fail, budget=None, nan_check="off")
+        tracker.install()
+        undo.callback(tracker.remove)
+        undo.enter_context(
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        )
+        model = _call(build_model, request.model)
+        if not isinstance(model, torch.nn.Module):
+            raise FakeStepError(
+                f"{request.model} returned {type(model).__name__}, not a torch.nn.Module"
+            )
+        model.train()
+        if request.checkpointing or variant is Variant.CHECKPOINTED:
+            apply_checkpointing(model)
+        batch = _batch_of(request.batch, _call(build_batch, request.batch))
+        if variant is Variant.DOUBLE_BATCH:
+            batch = double_batch(batch)
+        optimizer = make_optimizer(request.optimizer, model.parameters())
+        if fake:
+            _step_without_values(optimizer)
+        try:
+            train_steps(model, batch, optimizer, request.autocast, request.model)
+        except FakeStepError:
+            raise
+        except Exception as exc:
+            reason = _fake_failure(request.model, exc)
+            if reason is not None:
+                raise reason from None
+            raise FakeStepError(
+                f"a training step of {request.model} raised {one_line(exc)}"
+            ) from None
+        params = {id(p): p for p in model.parameters()}.values()
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        size = batch_size(batch)
     if failures:
         part, exc = failures[0]
         raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(exc)}")
