@@ -31,19 +31,26 @@ class CountError(Exception):
     """A failure the user can act on, already phrased as one sentence."""
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception as `Type: first line of its message` (a child's one-line reason)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def _resolve(spec: str) -> Any:
+def resolve(spec: str, flag: str = "--model") -> Any:
+    """The callable `module:attr.path` names, importing its module.
+
+    Raises:
+        CountError: the spec is malformed, its module fails to import, or it names nothing
+            callable; one sentence naming `flag`.
+    """
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path:
-        raise CountError(f"--model expects module:callable, e.g. mypkg.models:build, not {spec!r}")
+        raise CountError(f"{flag} expects module:callable, e.g. mypkg.models:build, not {spec!r}")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise CountError(f"cannot import {module_name!r}: {_one_line(exc)}") from None
+        raise CountError(f"cannot import {module_name!r}: {one_line(exc)}") from None
     for attr in attr_path.split("."):
         if not hasattr(target, attr):
             raise CountError(f"{module_name!r} has no attribute {attr_path!r}")
@@ -63,12 +70,12 @@ def count(spec: str) -> dict[str, int]:
         import torch
     except ImportError:
         raise CountError("--model needs torch in this Python; give --params instead") from None
-    factory = _resolve(spec)
+    factory = resolve(spec)
     try:
         with torch.device("meta"):
             model = factory()
     except Exception as exc:
-        raise CountError(f"{spec} raised {_one_line(exc)}") from None
+        raise CountError(f"{spec} raised {one_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise CountError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
     params = trainable = 0

@@ -80,10 +80,29 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
+_fake_storages = False
+"""Whether fake tensors (FakeTensorMode) are counted; see `count_fake_storages`."""
+
+
+def count_fake_storages(enabled: bool) -> None:
+    """Count fake tensors' storages as if they were real (`memtui estimate` only).
+
+    A FakeTensor's storage lives on the meta device with data pointer 0, so by default it
+    counts zero, like any meta tensor. The estimate's child process runs a training step on
+    fake tensors through the real hooks and ledger, and turns this on so each fake storage is
+    keyed by its StorageImpl address instead. Off in a training job, where fake tensors are
+    torch.compile's tracing values, never memory. The check sits in the zero-pointer branch of
+    `storages_of` only, so real tensors' hot path (`plain_storage`) is unchanged.
+    """
+    global _fake_storages
+    _fake_storages = enabled
+
+
 def storages_of(tensor: Any) -> list[StorageInfo]:
     """The storages a tensor keeps alive: one for strided tensors, several for sparse ones.
 
-    Meta tensors own no memory and give an empty list, as do empty storages. Wrapper subclasses
+    Meta tensors own no memory and give an empty list, as do empty storages (fake tensors too,
+    unless `count_fake_storages` is on). Wrapper subclasses
     (nested jagged tensors, DTensor, float8 wrappers) have no storage of their own: their inner
     tensors are followed through `__tensor_flatten__`; anything else unreachable is skipped.
     """
@@ -110,6 +129,12 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
             found.extend(_inner_storages(part))
             continue
         if nbytes == 0 or pointer == 0:
+            if nbytes and _fake_storages and storage.device.type == "meta":
+                # A fake tensor: its storage is a meta storage (pointer 0) that still has a
+                # distinct StorageImpl, alive exactly as long as a real one would be.
+                key = storage_key(part.get_device(), storage._cdata)
+                found.append((key, nbytes, dtype_name(part.dtype), storage))
+                continue
             if type(part) is not torch.Tensor and type(part) is not torch.nn.Parameter:
                 found.extend(_inner_storages(part))
             continue

@@ -15,6 +15,7 @@ from typing import NoReturn
 from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
 from memtui_agent.config import AgentConfig
+from memtui_agent.fake_step import Autocast, OptimizerKind
 
 
 class _Parser(argparse.ArgumentParser):
@@ -134,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     estimate = commands.add_parser(
         "estimate",
-        help="estimate weights, gradients and optimizer state before training",
-        description="Bytes per GPU for weights, gradients and optimizer state (not activations).",
+        help="estimate training memory before training",
+        description="Bytes per GPU for weights, gradients and optimizer state; with --batch "
+        "also activations and peaks, measured over two training steps on fake tensors.",
     )
     counted = estimate.add_mutually_exclusive_group(required=True)
     counted.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 1.5B, 10M")
@@ -149,8 +151,35 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fp32-sgd", "fp32-momentum", "fp32-adam", "mixed-adam"],
         help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes)",
     )
+    estimate.add_argument(
+        "--batch",
+        metavar="MODULE:CALLABLE",
+        help="the forward's keyword arguments: train --model two steps on fake tensors",
+    )
+    estimate.add_argument(
+        "--optimizer",
+        choices=[kind.value for kind in OptimizerKind],
+        help="with --batch: the optimizer (default: adamw)",
+    )
+    estimate.add_argument(
+        "--autocast", choices=[cast.value for cast in Autocast], help="with --batch"
+    )
+    estimate.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --batch: checkpoint each block of the model's layer list",
+    )
+    estimate.add_argument(
+        "--device-memory",
+        type=_size,
+        metavar="SIZE",
+        help="with --batch: the GPU's memory, e.g. 80GB: verdict and what would fit",
+    )
     estimate.add_argument("--gpus", type=int, default=1, metavar="G", help="data-parallel GPUs")
-    estimate.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
+    estimate.add_argument(
+        "--fsdp", action="store_true", help="with --batch: fully sharded (as ZeRO stage 3)"
+    )
     estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
 
     demo = commands.add_parser("demo", help="run the bundled small training job")
@@ -392,10 +421,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """`memtui estimate`: resident training state per GPU, before renting any."""
+    """`memtui estimate`: training memory per GPU, before renting any."""
     from memtui.estimate import estimate, parse_count, render_text
     from memtui.model_count import ModelCountError, count_model
 
+    if args.batch is not None:
+        return cmd_estimate_step(args)
+    step_only = ("--optimizer", "--autocast", "--checkpointing", "--device-memory", "--fsdp")
+    given = [flag for flag in step_only if getattr(args, flag[2:].replace("-", "_"))]
+    if given:
+        return _usage(f"{given[0]} needs --model and --batch (a training step to measure)")
     try:
         trainable = None if args.trainable is None else parse_count(args.trainable)
         if args.model:
@@ -403,10 +438,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             trainable = counted if trainable is None else trainable
         else:
             params = parse_count(args.params)
-        result = estimate(params, trainable, args.scheme, args.gpus, args.zero)
+        result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
     except (ValueError, ModelCountError) as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(str(exc))
     print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
     return 0
 
@@ -416,6 +450,55 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
+
+
+def cmd_estimate_step(args: argparse.Namespace) -> int:
+    """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors."""
+    from memtui.estimate import DEFAULT_SCHEME
+    from memtui.model_estimate import (
+        ModelEstimateError,
+        Sharding,
+        build_result,
+        measure,
+        render_model_text,
+        variants_for,
+    )
+    from memtui_agent.fake_step import FakeStepRequest
+
+    if args.model is None:
+        return _usage("--batch needs --model (the module whose step it feeds)")
+    scheme = args.scheme if args.scheme != DEFAULT_SCHEME else None
+    for flag, value in (("--scheme", scheme), ("--trainable", args.trainable)):
+        if value is not None:
+            return _usage(f"{flag} is for parameter counts; with --batch the step is measured")
+    if args.gpus < 1:
+        return _usage(f"--gpus must be at least 1, not {args.gpus}")
+    if args.fsdp and args.zero is not None:
+        return _usage("give --fsdp or --zero, not both")
+    request = FakeStepRequest(
+        model=args.model,
+        batch=args.batch,
+        optimizer=OptimizerKind(args.optimizer or OptimizerKind.ADAMW.value),
+        autocast=Autocast(args.autocast) if args.autocast else None,
+        checkpointing=args.checkpointing,
+        variants=variants_for(args.checkpointing, args.device_memory),
+    )
+    try:
+        runs = measure(request)
+    except ModelEstimateError as exc:
+        return _usage(str(exc))
+    sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
+    result = build_result(request, runs, sharding, args.device_memory)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(terminal_safe(render_model_text(result), keep_newlines=True))
+    return 0
+
+
+def _usage(message: str) -> int:
+    print(f"memtui: error: {terminal_safe(message)}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,7 +119,8 @@ class Estimate:
         }
 
 
-def _shard(nbytes: int, gpus: int, sharded: bool) -> int:
+def shard(nbytes: int, gpus: int, sharded: bool) -> int:
+    """One GPU's share of `nbytes` split `gpus` ways (or all of it when not `sharded`)."""
     # Ceiling: an uneven split leaves some rank holding the extra bytes, and that rank is the
     # one that runs out of memory first.
     return -(-nbytes // gpus) if sharded else nbytes
@@ -155,9 +156,9 @@ def estimate(
         raise ValueError(f"--zero must be 0, 1, 2 or 3, not {zero}")
     rule = SCHEMES[scheme]
     return Estimate(
-        weights=_shard(params * rule.weight, gpus, zero >= 3),
-        gradients=_shard(trainable * rule.gradient, gpus, zero >= 2),
-        optimizer_state=_shard(trainable * (rule.master + rule.state), gpus, zero >= 1),
+        weights=shard(params * rule.weight, gpus, zero >= 3),
+        gradients=shard(trainable * rule.gradient, gpus, zero >= 2),
+        optimizer_state=shard(trainable * (rule.master + rule.state), gpus, zero >= 1),
         params=params,
         trainable=trainable,
         scheme=scheme,
