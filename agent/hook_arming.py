@@ -100,6 +100,14 @@ class HookArming:
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         self.push = Push.OPEN if outer is None else Push.SCOPED
 
+    @property
+    def pack_removable(self) -> bool:
+        """Whether the agent's pair can leave now: not pushed, or on top of the stack."""
+        if self.push is Push.NONE:
+            return True
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] is self._pack
+
     def pop_pack(self, scoped_only: bool = False) -> bool:
         """Pop the agent's pair if it is on top of the stack; False if it is still there."""
         if self.push is Push.NONE or (scoped_only and self.push is not Push.SCOPED):

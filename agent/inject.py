@@ -334,8 +334,7 @@ class Detaching:
         tracker = self.agent.tracker
         if get_ident() != tracker.owner_thread:
             return
-        top = _top_saved_tensor_hooks()
-        if tracker._hooks_pushed and (top is None or top[0] != tracker._pack):
+        if not tracker.arming.pack_removable:
             return  # the job's own saved-tensor hooks are on top: popping now would pop theirs
         self.finished = True
         try:
