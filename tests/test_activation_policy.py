@@ -76,6 +76,14 @@ def test_changing_batch_sizes_are_exact_on_every_step(
     assert len(steps) == len(BATCHES) == len(expected)
     assert [step.max.activations for step in steps] == expected
     assert all(step.end.activations == 0 for step in steps)
+    # Weights, gradients (counted without the ledger between measured steps) and AdamW's state
+    # are exact at every close, measured or carried.
+    weights = (32 * 64 + 64 + 64 * 4 + 4) * 4
+    state = 2 * weights + 4 * 4
+    for step in steps:
+        assert (step.end.weights, step.end.gradients) == (weights, weights)
+        assert step.end.optimizer_state == state
+        assert step.dtypes["gradients"] == {"float32": schema.DtypeStat(weights, 4)}
     measured = [step.activations_measured for step in steps]
     if mode == "every":
         assert all(measured)
@@ -90,6 +98,18 @@ def test_changing_batch_sizes_are_exact_on_every_step(
             assert BATCHES[source.step - 1] == batch
             assert step.dtypes["activations"] == source.dtypes["activations"]
             assert step.top_activations == source.top_activations
+
+
+def test_off_counts_no_activations_and_says_so(tmp_path: Path, run_python: Any) -> None:
+    result = run_python(VARYING_BATCH, "off", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    steps = read_recording(tmp_path / "rec.memtui").steps
+    assert len(steps) == len(BATCHES)
+    assert all(step.max.activations == 0 for step in steps)
+    assert not any(step.activations_measured for step in steps)
+    assert all(step.activations_from is None for step in steps)
+    weights = (32 * 64 + 64 + 64 * 4 + 4) * 4
+    assert all(step.end.weights == weights and step.end.gradients == weights for step in steps)
 
 
 def _figures(step: int, activations: int) -> Figures:
