@@ -108,11 +108,7 @@ def chrome_trace(recording: Recording) -> dict[str, Any]:
                 events.append(_counter(recording, step, key, {key: value}))
         if step.host.rss:
             events.append(_counter(recording, step, "rss", {"rss": step.host.rss}))
-        events.extend(_instant(recording, step.t_end, step.step, a) for a in step.alerts)
-    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.early_alerts)
-    end = recording.end
-    if end is not None:
-        events.extend(_instant(recording, end.time, end.step, alert) for alert in end.alerts)
+    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.alerts)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

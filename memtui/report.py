@@ -44,7 +44,7 @@ def _piles(piles: Piles) -> PileBytes:
     return PileBytes(**piles.as_dict())
 
 
-def step_report(step: Step, recording: Recording) -> StepEntry:
+def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEntry:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
     return StepEntry(
         step=step.step,
@@ -78,10 +78,7 @@ def step_report(step: Step, recording: Recording) -> StepEntry:
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
         alerts=[
             AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
-            for alert in [
-                *(early.alert for early in recording.early_alerts if early.step == step.step),
-                *step.alerts,
-            ]
+            for alert in alerts
         ],
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
@@ -141,19 +138,25 @@ def alert_entry(step: int | None, alert: Alert) -> RunAlert:
 def all_alerts(recording: Recording) -> list[RunAlert]:
     """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
     before their step's own alerts, the job's fatal alerts (OOM) last."""
-    alerts = [alert_entry(early.step, early.alert) for early in recording.early_alerts]
-    alerts.extend(
-        alert_entry(step.step, alert) for step in recording.steps for alert in step.alerts
-    )
+    alerts = [alert_entry(item.step, item.alert) for item in recording.alerts if not item.final]
     alerts.sort(key=lambda entry: entry.step or 0)
-    if recording.end is not None:
-        alerts.extend(alert_entry(recording.end.step, alert) for alert in recording.end.alerts)
+    alerts.extend(alert_entry(item.step, item.alert) for item in recording.alerts if item.final)
     return alerts
+
+
+def step_alerts(recording: Recording) -> dict[int, list[Alert]]:
+    """Each closed step's alerts: raised early, with the step, or when its late values came."""
+    by_step: dict[int, list[Alert]] = {}
+    for item in recording.alerts:
+        if item.step is not None and not item.final:
+            by_step.setdefault(item.step, []).append(item.alert)
+    return by_step
 
 
 def report_of(recording: Recording) -> Report:
     """The `memtui report --json` document (docs/report-format.md, extra keys allowed)."""
     hello = recording.hello
+    alerts = step_alerts(recording)
     return Report(
         job=JobEntry(
             argv=hello.argv,
@@ -163,7 +166,7 @@ def report_of(recording: Recording) -> Report:
             started=hello.started,
             recording=str(recording.path),
         ),
-        steps=[step_report(step, recording) for step in recording.steps],
+        steps=[step_report(step, recording, alerts.get(step.step, [])) for step in recording.steps],
         optimizers=optimizer_steps(recording.steps),
         step_rule=step_rule(recording.steps),
         alerts=all_alerts(recording),

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from memtui.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
+from memtui.recording import Recording, apply
 from memtui.step_rows import (
     AlertRow,
     GapRow,
@@ -69,17 +71,18 @@ class Snapshot:
 
 @dataclass
 class Session:
-    """Accumulated state of one job, plus the viewer's cursor, pause and unit choices."""
+    """One job's Recording (the one fold of its stream), plus the viewer's cursor, pause and
+    unit choices.
+
+    The stream is folded by `recording.apply`, the same function `memtui report` and `export`
+    use, so the screen and the report cannot disagree; the Session adds only what a viewer
+    needs on top (the cursor, bounded history, the step rate).
+    """
 
     source_label: str = ""
     live: bool = True
-    hello: schema.Hello | None = None
-    module_names: dict[int, str] = field(default_factory=dict)
-    steps: list[schema.Step] = field(default_factory=list)
-    alerts: list[AlertRow] = field(default_factory=list)
-    agent_errors: list[schema.AgentError] = field(default_factory=list)
-    end: schema.End | None = None
-    last_tick: schema.Tick | None = None
+    recording: Recording | None = None
+    """None until the job's hello arrives (every stream starts with it)."""
     cursor: int | None = None
     optimizer_names: set[str] = field(default_factory=set)
     follow: bool = True
@@ -94,61 +97,84 @@ class Session:
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
 
+    # ----- the recording, read through ----------------------------------------------------
+
+    @property
+    def hello(self) -> schema.Hello | None:
+        return self.recording.hello if self.recording is not None else None
+
+    @property
+    def steps(self) -> list[schema.Step]:
+        return self.recording.steps if self.recording is not None else []
+
+    @property
+    def end(self) -> schema.End | None:
+        return self.recording.end if self.recording is not None else None
+
+    @property
+    def module_names(self) -> dict[int, str]:
+        return self.recording.module_names if self.recording is not None else {}
+
+    @property
+    def agent_errors(self) -> list[schema.AgentError]:
+        return self.recording.agent_errors if self.recording is not None else []
+
+    @property
+    def last_tick(self) -> schema.Tick | None:
+        return self.recording.last_tick if self.recording is not None else None
+
+    @property
+    def alerts(self) -> list[AlertRow]:
+        """Every alert in the order the stream carried it (an `End`'s without a step: 0)."""
+        if self.recording is None:
+            return []
+        return [
+            AlertRow(
+                item.step or 0,
+                item.alert.kind,
+                item.alert.message,
+                item.alert.where,
+                item.alert.group,
+            )
+            for item in self.recording.alerts
+        ]
+
     # ----- input --------------------------------------------------------------------------
 
     def ingest(self, messages: list[schema.Message]) -> None:
         """Fold a batch of messages in, in order (from a socket or a recording)."""
         for message in messages:
+            recording = self.recording
+            if recording is None:
+                if isinstance(message, schema.Hello):
+                    self.recording = Recording(path=Path(self.source_label), hello=message)
+                continue  # nothing comes before a hello in any stream memtui reads
+            apply(recording, message)
             if isinstance(message, schema.Step):
-                self._add_step(message)
-            elif isinstance(message, schema.Tick):
-                self.last_tick = message
-            elif isinstance(message, schema.AlertNow):
-                self._add_alert(message.step, message.alert)
-            elif isinstance(message, schema.Names):
-                for offset, name in enumerate(message.names):
-                    self.module_names[message.first_id + offset] = name
-            elif isinstance(message, schema.Hello):
-                self.hello = message
-            elif isinstance(message, schema.AgentError):
-                self.agent_errors.append(message)
+                self._stepped(message)
             elif isinstance(message, schema.End):
-                self._add_late(message.late)
-                self.end = message
                 self.alloc_recorded |= message.alloc_events is not None
-                for alert in message.alerts:
-                    self._add_alert(message.step or 0, alert)
+        if self.recording is not None and len(self.recording.alerts) > MAX_ALERTS:
+            del self.recording.alerts[: len(self.recording.alerts) - MAX_ALERTS + MAX_ALERTS // 10]
         if messages:
             self.version += 1
 
-    def _add_late(self, late: list[schema.StepLate]) -> None:
-        """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
-        for number, alert in schema.apply_late(self.steps, late):
-            self._add_alert(number, alert)
-
-    def _add_step(self, step: schema.Step) -> None:
+    def _stepped(self, step: schema.Step) -> None:
+        """The viewer's side of a new step: its rate, the cursor, bounded history."""
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
-        self._add_late(step.late)
-        self.steps.append(step)
         self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)
-        for alert in step.alerts:
-            self._add_alert(step.step, alert)
-        if len(self.steps) > MAX_STEPS:
+        steps = self.steps
+        if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
             cut = MAX_STEPS // 10
-            del self.steps[:cut]
+            del steps[:cut]
             self.dropped_steps += cut
             if self.cursor is not None:
                 self.cursor = max(0, self.cursor - cut)
         if self.follow and not self.paused:
-            self.cursor = len(self.steps) - 1
-
-    def _add_alert(self, step: int, alert: schema.Alert) -> None:
-        self.alerts.append(AlertRow(step, alert.kind, alert.message, alert.where, alert.group))
-        if len(self.alerts) > MAX_ALERTS:
-            del self.alerts[: MAX_ALERTS // 10]
+            self.cursor = len(steps) - 1
 
     def mark_disconnected(self, reason: str) -> None:
         """The stream ended; without an `End` the job died or the socket broke."""

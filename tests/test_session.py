@@ -380,16 +380,23 @@ def test_thousand_steps_in_one_batch(
     assert len(session._step_times) <= 256
 
 
-def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first() -> None:
+def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first(
+    live_messages: list[schema.Message],
+) -> None:
     """Every step after the weights go NaN repeats the alerts; the first must stay visible."""
     from memtui.step_rows import folded_alerts
 
-    session = Session(live=False)
-    session._add_alert(3, schema.Alert(kind="nonfinite_loss", message="loss"))
-    session._add_alert(3, schema.Alert(kind="nonfinite_gradient", message="grads", where="w"))
+    def alert(step: int, kind: str, message: str, **extra: object) -> schema.AlertNow:
+        alert = schema.Alert(kind=kind, message=message, **extra)  # type: ignore[arg-type]
+        return schema.AlertNow(time=0.0, step=step, alert=alert)
+
+    session = ingested(live_messages[:1])
+    session.ingest(
+        [alert(3, "nonfinite_loss", "loss"), alert(3, "nonfinite_gradient", "grads", where="w")]
+    )
     for step in range(4, 40):
-        session._add_alert(step, schema.Alert(kind="nonfinite_loss", message="x", group=3))
-        session._add_alert(step, schema.Alert(kind="nonfinite_gradient", message="y", group=3))
+        session.ingest([alert(step, "nonfinite_loss", "x", group=3)])
+        session.ingest([alert(step, "nonfinite_gradient", "y", group=3)])
     rows = folded_alerts(session.alerts)
     assert [row.kind for row in rows] == ["grouped", "nonfinite_gradient", "nonfinite_loss"]
     assert rows[0].step == 3
