@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memtui.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
+from memtui.job_state import JobState, ending_text, exit_status
 from memtui.recording import Recording, apply
 from memtui.step_rows import (
     AlertRow,
@@ -26,6 +27,7 @@ from memtui.step_rows import (
     pile_rows,
 )
 from memtui_agent import schema
+from memtui_agent.schema import ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
@@ -39,6 +41,12 @@ class Snapshot:
     title: str
     job: str
     state: str
+    """The header's words for `status` (display only: test `status`, never this text)."""
+    status: JobState
+    exit_status: ExitStatus | None
+    """How the job ended, once `status` is ENDED (None: unknown, no agent ever spoke)."""
+    replay: bool
+    """A recording read back (the state already says which step of how many)."""
     source: str
     step: int | None
     steps_total: int
@@ -90,6 +98,8 @@ class Session:
     binary: bool = True
     disconnected: str | None = None
     exit_code: int | None = None
+    stopped: bool = False
+    """memtui itself stopped the job (quit from the TUI): no final frame, yet not killed."""
     warning: str | None = None
     dropped_steps: int = 0
     alloc_recorded: bool = False
@@ -241,33 +251,33 @@ class Session:
 
     # ----- output ---------------------------------------------------------------------------
 
-    def state_text(self) -> str:
-        """live / paused / replay step i of n / ended with its exit status."""
+    def job_state(self) -> JobState:
+        """Waiting, live, paused, or ended (a recording read to its end, a closed stream)."""
         if self.end is not None or self.disconnected is not None or not self.live:
-            ending = self._ending()
-            if not self.live:
-                position = (self.cursor or 0) + 1 if self.steps else 0
-                return f"replay step {position} of {len(self.steps)} · {ending}"
-            return ending
+            return JobState.ENDED
         if self.hello is None:
-            return "waiting for the job"
-        return "paused" if self.paused else "live"
+            return JobState.WAITING
+        return JobState.PAUSED if self.paused else JobState.LIVE
 
-    def _ending(self) -> str:
-        end = self.end
-        if end is None:
-            code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
-            reason = f": {self.disconnected}" if self.disconnected else ""
-            if self.hello is None:  # no agent ever spoke: nothing to call killed
-                return f"ended{code}{reason}"
-            return f"killed{code}, no final frame{reason}"
-        code = f" (exit {end.code})" if end.code is not None else ""
-        if end.status == "ok":
-            return f"ended: ok{code}"
-        detail = end.describe_error() or ""
-        where = f" in {end.phase}" if end.phase else ""
-        step = f" at step {end.step}" if end.step is not None else ""
-        return f"ended: {end.status}{code}{step}{where}: {detail}"
+    def status_text(self) -> str:
+        """live / paused / waiting, or how the job ended with its exit status."""
+        state = self.job_state()
+        if state is not JobState.ENDED:
+            return str(state)
+        return ending_text(
+            self.end,
+            self.hello,
+            exit_code=self.exit_code,
+            disconnected=self.disconnected,
+            stopped=self.stopped,
+        )
+
+    def state_text(self) -> str:
+        """The header's words: the status, after "replay step i of n" in a replay."""
+        if self.live:
+            return self.status_text()
+        position = (self.cursor or 0) + 1 if self.steps else 0
+        return f"replay step {position} of {len(self.steps)} · {self.status_text()}"
 
     def steps_per_second(self) -> float | None:
         """Closed steps per second over the last few seconds of the job's own clock."""
@@ -298,6 +308,11 @@ class Session:
             title=title,
             job=job,
             state=self.state_text(),
+            status=self.job_state(),
+            exit_status=exit_status(self.end, self.hello, self.stopped)
+            if self.job_state() is JobState.ENDED
+            else None,
+            replay=not self.live,
             source=self.source_label,
             step=step.step if step is not None else None,
             steps_total=self.steps[-1].step if self.steps else 0,

@@ -232,6 +232,33 @@ def test_state_text_killed_live_job(live_messages: list[schema.Message]) -> None
     assert session.end is None
 
 
+def test_the_snapshot_carries_the_state_as_data(
+    live_messages: list[schema.Message], demo_messages: list[schema.Message]
+) -> None:
+    """Widgets test `status`, `exit_status` and `replay`, never the header's words."""
+    from memtui.job_state import JobState
+    from memtui_agent.schema import ExitStatus
+
+    def state(session: Session) -> tuple[JobState, ExitStatus | None, bool]:
+        snap = session.snapshot()
+        return snap.status, snap.exit_status, snap.replay
+
+    assert state(Session(live=True)) == (JobState.WAITING, None, False)
+    live = ingested(live_messages, live=True)
+    assert state(live) == (JobState.LIVE, None, False)
+    live.toggle_pause()
+    assert state(live) == (JobState.PAUSED, None, False)
+    live.mark_disconnected("the job closed its socket")
+    assert state(live) == (JobState.ENDED, ExitStatus.KILLED, False)
+    assert state(ingested(demo_messages)) == (JobState.ENDED, ExitStatus.OK, True)
+    stopped = ingested(live_messages, live=True)
+    stopped.stopped = True
+    stopped.exit_code = 143
+    stopped.mark_disconnected("the job exited")
+    assert state(stopped) == (JobState.ENDED, ExitStatus.STOPPED, False)
+    assert stopped.state_text() == "stopped from memtui (SIGTERM) (exit 143)"
+
+
 def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
     demo_messages: list[schema.Message],
 ) -> None:

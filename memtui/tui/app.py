@@ -252,10 +252,7 @@ class MemtuiApp(App[int]):
         table.selected = self.selected
         table.entries = rank_rows(
             latest,
-            {
-                label: session.state_text().split(" · ")[-1]
-                for label, session in self.sessions.items()
-            },
+            {label: session.status_text() for label, session in self.sessions.items()},
         )
         line = f"rank {self.selected} of {len(self.ranks)} (r: next rank)"
         imbalance = imbalance_line(latest)

@@ -14,6 +14,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
+from memtui.job_state import JobState
 from memtui.session import Snapshot
 from memtui.step_rows import describe_rate
 from memtui.terminal_text import plain, terminal_safe
@@ -49,10 +50,10 @@ class JobHeader(Static):
         if snap is None:
             return Text("memtui · connecting…")
         width = max(self.size.width - 2, 10)
-        ended = "ended" in snap.state or "killed" in snap.state
+        ended = snap.status is JobState.ENDED
         first = Text(f" {snap.state} ", style="bold reverse" if ended else "bold reverse green")
         parts = [describe_rate(snap.steps_per_second), snap.title]
-        if not snap.state.startswith("replay"):  # replay's state already says which step
+        if not snap.replay:  # replay's state already says which step
             step = f"step {snap.step} of {snap.steps_total}" if snap.step is not None else None
             parts.insert(0, step or "no steps yet")
         first.append("  " + terminal_safe(" · ".join(parts)))
