@@ -13,6 +13,7 @@ from pathlib import Path
 
 from memtui.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.job_state import JobState, ending_text, exit_status
+from memtui.rank_rows import RankRow
 from memtui.recording import Recording, apply
 from memtui.step_rows import (
     AlertRow,
@@ -72,6 +73,10 @@ class Snapshot:
     alloc_recorded: bool = False
     """The job runs with `--alloc-events`: the allocations table is on screen."""
     alloc_rows: tuple[AllocRow, ...] = ()
+    ranks: tuple[RankRow, ...] = ()
+    """Every rank side by side (only with several ranks)."""
+    rank: str = ""
+    """The label of the rank on screen."""
     step_owner: str | None = None
     """Whose step the cursor is on, where that needs saying: the optimizer when several step,
     or that a backward closed it (a job without an optimizer)."""

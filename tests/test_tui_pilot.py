@@ -146,7 +146,7 @@ def test_stream_closed_without_end_shows_killed(tui: Any, live_messages: Message
 
     async def body(pilot: Pilot[Any]) -> None:
         assert app.session.state_text() == "live"
-        app._source_ended("the job closed its socket")
+        app._source_ended("the job closed its socket", app.selected)
         await pilot.pause()
         assert app.session.state_text() == "killed, no final frame: the job closed its socket"
         assert "killed, no final frame" in tui.plain(app.query_one(JobHeader))
@@ -409,10 +409,10 @@ def test_five_thousand_steps_in_batches_of_fifty(
                 while not source.delivered.is_set():
                     await pilot.pause(0.01)
                 for _ in range(20):  # let the app's own timer do the draining
-                    if not app._inbox:
+                    if not app.inboxes[app.selected]:
                         break
                     await pilot.pause(0.1)
-                assert not app._inbox
+                assert not app.inboxes[app.selected]
                 await pilot.pause()
                 assert len(app.session.steps) == 5000
                 assert shown_step(app) == 5000

@@ -21,7 +21,6 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
-from memtui.rank_rows import imbalance_line, rank_rows
 from memtui.session import Session, Snapshot
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
@@ -36,6 +35,7 @@ from memtui.tui.widgets import (
     PilesPanel,
     TopActivations,
 )
+from memtui.view_model import ViewModel
 from memtui_agent import schema
 
 TICK_SECONDS = 0.25
@@ -89,27 +89,31 @@ class MemtuiApp(App[int]):
         self.job = job
         # One Session per rank of a session folder (or a single one); `r` switches between them.
         self.ranks: dict[str, Source] = ranks or {"": source}
-        self.sessions = {
-            label: Session(source_label=rank.label, live=rank.live, warning=warning)
-            for label, rank in self.ranks.items()
-        }
+        self.model = ViewModel(
+            {label: (rank.label, rank.live) for label, rank in self.ranks.items()}, warning
+        )
         self.inboxes: dict[str, deque[list[schema.Message]]] = {
             label: deque() for label in self.ranks
         }
-        self.selected = next(iter(self.ranks))
         self._stop = threading.Event()
         self._rendered_version: object = -1
         self._rendered_width = -1
         self._job_code: int | None = None
 
     @property
-    def session(self) -> Session:
-        """The Session of the rank on screen."""
-        return self.sessions[self.selected]
+    def sessions(self) -> dict[str, Session]:
+        """Every rank's Session (owned by the model)."""
+        return self.model.sessions
 
     @property
-    def _inbox(self) -> deque[list[schema.Message]]:
-        return self.inboxes[self.selected]
+    def selected(self) -> str:
+        """The label of the rank on screen."""
+        return self.model.selected
+
+    @property
+    def session(self) -> Session:
+        """The Session of the rank on screen."""
+        return self.model.session
 
     # ----- layout ---------------------------------------------------------------------------
 
@@ -192,19 +196,11 @@ class MemtuiApp(App[int]):
             reason = f"{type(exc).__name__}: {exc}"
         self.call_from_thread(self._source_ended, reason, label)
 
-    def _source_ended(self, reason: str | None, label: str | None = None) -> None:
+    def _source_ended(self, reason: str | None, label: str) -> None:
         if not self.is_running or self._stop.is_set():
             return
         self.refresh_view()
-        session = self.sessions[label if label is not None else self.selected]
-        source = self.ranks[label if label is not None else self.selected]
-        if not source.live:
-            # A recording read to its end: damage on the way is a warning over what was read.
-            if reason is not None:
-                session.warning = reason
-                session.version += 1
-        elif reason is not None or session.end is None:
-            session.mark_disconnected(reason or "stream closed")
+        self.model.source_ended(label, reason)
         self.refresh_view()
 
     # ----- the tick -------------------------------------------------------------------------
@@ -215,7 +211,7 @@ class MemtuiApp(App[int]):
             return
         for label, inbox in self.inboxes.items():
             while inbox:
-                self.sessions[label].ingest(inbox.popleft())
+                self.model.ingest(label, inbox.popleft())
         if self.job is not None:
             lines = self.job.take_lines()
             if lines:
@@ -225,40 +221,15 @@ class MemtuiApp(App[int]):
             if self._job_code is None:
                 self._job_code = self.job.poll()
                 if self._job_code is not None:
-                    self.session.exit_code = self._job_code
-                    self.session.version += 1
+                    self.model.job_exited(self._job_code, self.job.stopped)
         timeline = self.query_one(PileTimeline)
         width = timeline.size.width
-        version = (self.selected, *(session.version for session in self.sessions.values()))
+        version = self.model.version
         if version == self._rendered_version and width == self._rendered_width:
             return
         self._rendered_version = version
         self._rendered_width = width
-        snap = self.session.snapshot(
-            timeline_width=max(timeline.size.width - 12, 20), extra_notes=self._rank_notes()
-        )
-        self.show(snap)
-
-    def _rank_notes(self) -> tuple[str, ...]:
-        """With several ranks: which one is shown, the imbalance, and the side-by-side table."""
-        if len(self.ranks) < 2:
-            return ()
-        latest = {
-            label: session.steps[-1] if session.steps else None
-            for label, session in self.sessions.items()
-        }
-        table = self.query_one(RanksTable)
-        table.binary = self.session.binary
-        table.selected = self.selected
-        table.entries = rank_rows(
-            latest,
-            {label: session.status_text() for label, session in self.sessions.items()},
-        )
-        line = f"rank {self.selected} of {len(self.ranks)} (r: next rank)"
-        imbalance = imbalance_line(latest)
-        if imbalance is not None:
-            line += " · max/min of each pile's high in the latest step: " + imbalance
-        return (line,)
+        self.show(self.model.snapshot(timeline_width=max(width - 12, 20)))
 
     def show(self, snap: Snapshot) -> None:
         """Hand the snapshot to every view."""
@@ -268,6 +239,8 @@ class MemtuiApp(App[int]):
         self.query_one(AlertsTable).snapshot = snap
         self.query_one(DtypeTable).snapshot = snap
         self.query_one(TopActivations).snapshot = snap
+        if snap.ranks:
+            self.query_one(RanksTable).snapshot = snap
         box = self.query_one("#allocations-box")
         if box.display != snap.alloc_recorded:
             box.display = snap.alloc_recorded
@@ -302,13 +275,11 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_toggle_units(self) -> None:
-        for session in self.sessions.values():
-            session.toggle_units()
+        self.model.toggle_units()
         self._changed()
 
     def action_next_rank(self) -> None:
-        labels = list(self.ranks)
-        self.selected = labels[(labels.index(self.selected) + 1) % len(labels)]
+        self.model.next_rank()
         self._changed()
 
     def action_toggle_pause(self) -> None:
