@@ -107,6 +107,8 @@ class Session:
     """memtui itself stopped the job (quit from the TUI): no final frame, yet not killed."""
     warning: str | None = None
     dropped_steps: int = 0
+    alerts_trimmed: int = 0
+    """Oldest alerts dropped past MAX_ALERTS (keeps every alert's key stable)."""
     alloc_recorded: bool = False
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
@@ -143,6 +145,7 @@ class Session:
         """Every alert in the order the stream carried it (an `End`'s without a step: 0)."""
         if self.recording is None:
             return []
+        first = self.alerts_trimmed
         return [
             AlertRow(
                 item.step or 0,
@@ -150,8 +153,9 @@ class Session:
                 item.alert.message,
                 item.alert.where,
                 item.alert.group,
+                key=f"alert-{first + index}",
             )
-            for item in self.recording.alerts
+            for index, item in enumerate(self.recording.alerts)
         ]
 
     # ----- input --------------------------------------------------------------------------
@@ -170,7 +174,9 @@ class Session:
             elif isinstance(message, schema.End):
                 self.alloc_recorded |= message.alloc_events is not None
         if self.recording is not None and len(self.recording.alerts) > MAX_ALERTS:
-            del self.recording.alerts[: len(self.recording.alerts) - MAX_ALERTS + MAX_ALERTS // 10]
+            cut = len(self.recording.alerts) - MAX_ALERTS + MAX_ALERTS // 10
+            del self.recording.alerts[:cut]
+            self.alerts_trimmed += cut
         if messages:
             self.version += 1
 

@@ -449,3 +449,46 @@ def test_replay_of_a_torn_recording_shows_what_was_read_and_a_warning(tmp_path: 
             assert notes is not None and any("partial frame" in note for note in notes.notes)
 
     asyncio.run(scenario())
+
+
+def test_the_alerts_table_keeps_its_cursor_while_alerts_arrive(
+    tui: Any, live_messages: Messages
+) -> None:
+    """Each new alert lands on top; the row under the cursor stays under it, on screen too."""
+
+    def alerts(first: int, count: int) -> Messages:
+        return [
+            schema.AlertNow(
+                time=0.0,
+                step=number,
+                alert=schema.Alert(kind="over_budget", message=f"alert {number}"),
+            )
+            for number in range(first, first + count)
+        ]
+
+    source = tui.source([*live_messages, *alerts(100, 30)], live=True)
+    app = MemtuiApp(source)
+
+    async def body(pilot: Pilot[Any]) -> None:
+        table = app.query_one(AlertsTable)
+        table.focus()
+        for _ in range(31):  # past the table's height (about 18 rows): it scrolls
+            await pilot.press("down")
+        await pilot.pause(0.1)
+        held = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        row, scroll = table.cursor_row, table.scroll_y
+        assert row == 31 and scroll > 0, (row, scroll)
+        assert table.step_of_row(held or "") == 9  # the fixture's skipped step, second oldest
+        assert source.feed(alerts(200, 5)).wait(5)
+        for _ in range(3):
+            await pilot.pause(0.05)
+            app.refresh_view()
+        await pilot.pause()
+        assert table.row_count == 33 + 5
+        assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == held
+        assert table.cursor_row == row + 5
+        assert table.scroll_y == scroll + 5  # the same rows stay in view
+        await pilot.press("enter")
+        assert cursor_step(app) == 9
+
+    tui.drive(app, body)

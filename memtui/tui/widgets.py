@@ -157,20 +157,42 @@ class GapPanel(Static):
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
-    """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding."""
+    """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding.
+
+    Keys are stable (an alert keeps its key as newer ones arrive above it), so when the rows
+    change the cursor goes back to the row it was on and that row keeps its place on screen:
+    a new alert does not throw the user back to the top of the table.
+    """
     wanted = list(rows)
     keys = [key for key, _ in wanted]
-    existing = {row_key.value for row_key in table.rows}
-    columns = list(table.columns)
-    if [row_key.value for row_key in table.rows] != keys:
-        table.clear()
-        for key, cells in wanted:
-            table.add_row(*cells, key=key)
+    current = [row_key.value for row_key in table.rows]
+    if current != keys:
+        _rebuild(table, wanted, current)
         return
+    columns = list(table.columns)
     for key, cells in wanted:
-        if key in existing:
-            for column, value in zip(columns, cells, strict=True):
-                table.update_cell(key, column, value, update_width=True)
+        for column, value in zip(columns, cells, strict=True):
+            table.update_cell(key, column, value, update_width=True)
+
+
+def _rebuild(
+    table: DataTable[Any], wanted: list[tuple[str, tuple[Any, ...]]], current: list[str | None]
+) -> None:
+    """Rows were added, removed or reordered: rebuild, then restore the cursor and the scroll."""
+    row = table.cursor_row
+    held = current[row] if 0 <= row < len(current) else None
+    scroll_y = table.scroll_y
+    table.clear()
+    for key, cells in wanted:
+        table.add_row(*cells, key=key)
+    keys = [key for key, _ in wanted]
+    if held is None or held not in keys:
+        return
+    moved_to = keys.index(held)
+    table.move_cursor(row=moved_to, scroll=False)
+    if scroll_y:  # at the very top the newest rows stay in view; scrolled, the rows stay put
+        target = max(0.0, scroll_y + moved_to - row)
+        table.call_after_refresh(table.scroll_to, y=target, animate=False)
 
 
 class PanelTable(DataTable):  # type: ignore[type-arg]
@@ -252,7 +274,7 @@ class AlertsTable(PanelTable):
             self,
             (
                 (
-                    f"{index}",
+                    alert.key,
                     (
                         Text(str(alert.step), justify="right"),
                         plain(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
@@ -260,20 +282,16 @@ class AlertsTable(PanelTable):
                         plain(alert.where or ""),
                     ),
                 )
-                for index, alert in enumerate(snap.alerts)
+                for alert in snap.alerts
             ),
         )
 
     def step_of_row(self, row_key: str) -> int | None:
-        """The step number shown in a row (the first cell)."""
-        try:
-            cell = self.get_row(row_key)[0]
-        except Exception:
+        """The step of the alert shown in a row, from the snapshot (never from a cell's text)."""
+        snap = self.snapshot
+        if snap is None:
             return None
-        try:
-            return int(str(cell))
-        except ValueError:
-            return None
+        return next((alert.step for alert in snap.alerts if alert.key == row_key), None)
 
 
 class NotesLine(Static):
