@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtui.errors import UserError
 from memtui.frame_stream import CHUNK, damage_warning, pump
 from memtui.input_files import InputFileError, open_input
 from memtui.step_rows import module_label
@@ -31,7 +32,7 @@ class StepAlert:
     """Raised by the job's last frame (an OOM, a crash), after every closed step."""
 
 
-class RecordingError(Exception):
+class RecordingError(UserError):
     """The file is unusable as a recording; `str()` is the one line to show."""
 
 

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtui import errors
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
 from memtui.terminal_text import terminal_safe
@@ -28,8 +29,8 @@ from memtui_agent.safe_open import refusal
 from memtui_agent.units import format_bytes
 
 
-class UsageError(Exception):
-    """A bad command line; `str()` is the one line to show."""
+class UsageError(errors.UsageError):
+    """A bad command line for `run` or `demo`; `str()` is the one line to show."""
 
 
 @dataclass

@@ -14,11 +14,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from memtui.errors import UserError
 from memtui.frame_stream import CHUNK, Sink, StreamEnd, pump
 from memtui_agent import schema, wire
 
 
-class SourceError(Exception):
+class SourceError(UserError):
     """The source cannot be opened; `str()` is the one line to show."""
 
 

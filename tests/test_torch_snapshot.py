@@ -23,7 +23,6 @@ from memtui.session import Session
 from memtui.snapshot_report import build_snapshot_report, render_snapshot_text
 from memtui.sources import ReplaySource, SnapshotSource, SourceError, replay_source
 from memtui.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
-from memtui.tui_commands import replay
 from memtui_agent import schema
 
 MiB = 1 << 20
@@ -301,7 +300,7 @@ def test_replay_refuses_a_foreign_pickle(
     path = write(tmp_path / "evil.pickle", NotPlainData())
     with pytest.raises(SourceError, match="not a PyTorch memory snapshot"):
         SnapshotSource(path).check()
-    assert replay(str(path)) == 1
+    assert main(["replay", str(path)]) == 1
     assert capsys.readouterr().err.count("\n") == 1
 
 
