@@ -165,7 +165,7 @@ def replay_open_and_seek(path: Path, steps: int, seeks: int) -> ReplayResult:
 
     Open is `ReplaySource.check()` (which validates the whole file) plus `ReplaySource.run()`
     feeding one Session, the path the app's worker takes. Seek is `jump_to_step(n)` plus the
-    `snapshot()` the screen renders from, for seeded random n.
+    `view_state()` the screen renders from, for seeded random n.
     """
     file_bytes = write_recording(path, steps)
     source = ReplaySource(path)
@@ -177,14 +177,14 @@ def replay_open_and_seek(path: Path, steps: int, seeks: int) -> ReplayResult:
     read = time.perf_counter()
     if reason is not None or len(session.steps) != steps:
         raise RuntimeError(f"replay read {len(session.steps)} of {steps} steps ({reason})")
-    session.snapshot()
+    session.view_state()
     chooser = random.Random(0)
     times = []
     for _ in range(seeks):
         target = chooser.randint(1, steps)
         begun = time.perf_counter()
         session.jump_to_step(target)
-        session.snapshot()
+        session.view_state()
         times.append(time.perf_counter() - begun)
         if session.steps[session.cursor or 0].step != target:
             raise RuntimeError(f"seek to step {target} landed elsewhere")

@@ -1,7 +1,7 @@
 """Where the viewed job is, as data: the screen styles and words it, nothing parses it back.
 
-The Snapshot carries a `JobState` (and, once the stream is over, an `ExitStatus`), so a widget
-asks `snap.status is JobState.ENDED`, never `"ended" in snap.state`.
+The ViewState carries a `JobState` (and, once the stream is over, an `ExitStatus`), so a widget
+asks `view.status is JobState.ENDED`, never `"ended" in view.state`.
 """
 
 from __future__ import annotations

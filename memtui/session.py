@@ -1,7 +1,7 @@
-"""The Session model: messages in, immutable snapshots out. No Textual, no torch.
+"""The Session model: messages in, immutable ViewStates out. No Textual, no torch.
 
 Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see a
-`Snapshot`, cannot tell them apart. Everything the screen shows is computed here by pure code and
+`ViewState`, cannot tell them apart. Everything the screen shows is computed here by pure code and
 tested without an app: the cursor, alerts navigation, units, the gap rows and their meaning.
 """
 
@@ -36,7 +36,7 @@ RATE_WINDOW_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ViewState:
     """Everything the screen shows, for one cursor position. Widgets only read this."""
 
     title: str
@@ -300,7 +300,7 @@ class Session:
             return None
         return (len(recent) - 1) / (recent[-1] - recent[0])
 
-    def snapshot(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> Snapshot:
+    def view_state(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> ViewState:
         """The immutable view of the cursor step, the timeline window and the alerts."""
         hello = self.hello
         step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
@@ -315,7 +315,7 @@ class Session:
         notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])
         if self.dropped_steps:
             notes.append(f"{self.dropped_steps} oldest steps dropped from the view")
-        return Snapshot(
+        return ViewState(
             title=title,
             job=job,
             state=self.state_text(),

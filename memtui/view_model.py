@@ -1,7 +1,7 @@
-"""The model behind the screen: every rank's Session, which one is shown, one Snapshot out.
+"""The model behind the screen: every rank's Session, which one is shown, one ViewState out.
 
 The app only forwards what happened (message batches, a source that ended, the job's exit, a
-key) and hands the Snapshot this model builds to its widgets; it keeps no state of its own about
+key) and hands the ViewState this model builds to its widgets; it keeps no state of its own about
 the job. With one rank this is a thin wrapper over its Session; with several it adds the
 side-by-side rows and the imbalance line, computed here, not set on widgets.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from memtui.rank_rows import imbalance_line, rank_rows
-from memtui.session import Session, Snapshot
+from memtui.session import Session, ViewState
 from memtui_agent import schema
 
 
@@ -76,10 +76,10 @@ class ViewModel:
 
     # ----- out -------------------------------------------------------------------------------
 
-    def snapshot(self, timeline_width: int) -> Snapshot:
-        """The shown rank's Snapshot, with the ranks side by side when there are several."""
+    def view_state(self, timeline_width: int) -> ViewState:
+        """The shown rank's ViewState, with the ranks side by side when there are several."""
         if len(self.sessions) < 2:
-            return self.session.snapshot(timeline_width=timeline_width)
+            return self.session.view_state(timeline_width=timeline_width)
         latest = {
             label: session.steps[-1] if session.steps else None
             for label, session in self.sessions.items()
@@ -91,5 +91,5 @@ class ViewModel:
         imbalance = imbalance_line(latest)
         if imbalance is not None:
             line += " · max/min of each pile's high in the latest step: " + imbalance
-        snap = self.session.snapshot(timeline_width=timeline_width, extra_notes=(line,))
-        return dataclasses.replace(snap, ranks=rows, rank=self.selected)
+        view = self.session.view_state(timeline_width=timeline_width, extra_notes=(line,))
+        return dataclasses.replace(view, ranks=rows, rank=self.selected)

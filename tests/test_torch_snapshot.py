@@ -287,7 +287,7 @@ def test_snapshot_source_feeds_the_session(snap: Path) -> None:
     for batch in batches:
         session.ingest(batch)
     session.home()
-    gap = {row.label: row for row in session.snapshot().gap}
+    gap = {row.label: row for row in session.view_state().gap}
     assert gap["torch allocated"].value == 26 * MiB
     assert gap["torch reserved"].value == 40 * MiB
     assert gap["torch reserved"].delta == 14 * MiB
@@ -339,7 +339,7 @@ def test_replay_ui_shows_the_snapshot_in_the_gap_panel(snap: Path, tui: Any) -> 
         app.refresh_view()
         await pilot.pause()
         panel = app.query_one(GapPanel)
-        gap = {row.label: row.value for row in panel.snapshot.gap}
+        gap = {row.label: row.value for row in panel.view.gap}
         assert (gap["torch allocated"], gap["torch reserved"]) == (26 * MiB, 40 * MiB)
         text = tui.plain(panel)
         assert "26.00 MiB" in text and "40.00 MiB" in text

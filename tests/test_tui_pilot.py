@@ -1,6 +1,6 @@
 """The app driven by keys through Textual's pilot, fed by a fake source (no sockets, no jobs).
 
-Assertions read the Session and the snapshot each widget was handed, plus the text a panel
+Assertions read the Session and the view state each widget was handed, plus the text a panel
 renders where the point is what the user sees (units, the ended state).
 """
 
@@ -33,7 +33,7 @@ def cursor_step(app: MemtuiApp) -> int:
 def shown_step(app: MemtuiApp) -> int | None:
     """The step every view was last handed; they must agree."""
     steps = {
-        app.query_one(widget).snapshot.step  # type: ignore[attr-defined]
+        app.query_one(widget).view.step  # type: ignore[attr-defined]
         for widget in (JobHeader, PilesPanel, GapPanel, AlertsTable, DtypeTable)
     }
     timeline = app.query_one(PileTimeline).data
@@ -65,7 +65,7 @@ def test_step_keys_move_every_view(tui: Any, demo_messages: Messages) -> None:
         assert cursor_step(app) == 22
         assert shown_step(app) == 22
         peak = app.session.steps[21].peak
-        at_peak = {row.name: row.at_peak for row in app.query_one(PilesPanel).snapshot.piles}
+        at_peak = {row.name: row.at_peak for row in app.query_one(PilesPanel).view.piles}
         assert at_peak["activations"] == peak.activations
         assert "replay step 22 of 24" in tui.plain(app.query_one(JobHeader))
         await pilot.press("home")
@@ -185,7 +185,7 @@ def test_space_pauses_a_live_view(tui: Any, live_messages: Messages, make_step: 
         await arrive(pilot, range(25, 28))
         assert len(app.session.steps) == 27
         assert shown_step(app) == 24
-        assert app.query_one(JobHeader).snapshot.steps_total == 27
+        assert app.query_one(JobHeader).view.steps_total == 27
         assert " paused " in tui.plain(app.query_one(JobHeader))
         await pilot.press("space")
         assert app.session.state_text() == "live"
@@ -445,7 +445,7 @@ def test_replay_of_a_torn_recording_shows_what_was_read_and_a_warning(tmp_path: 
                 await pilot.pause(0.05)
                 app.refresh_view()
             assert app.session.steps and app.session.steps[-1].step == 24
-            notes = app.query_one(NotesLine).snapshot
+            notes = app.query_one(NotesLine).view
             assert notes is not None and any("partial frame" in note for note in notes.notes)
 
     asyncio.run(scenario())

@@ -1,7 +1,7 @@
 """The memtui app: one screen over a Session, fed by any Source, redrawn at a fixed tick.
 
 The source runs in one thread worker and only appends message batches to an inbox; a 4 Hz timer
-drains the inbox into the Session, takes one immutable Snapshot and hands it to every widget.
+drains the inbox into the Session, takes one immutable ViewState and hands it to every widget.
 However fast frames arrive, the UI does one ingest and one redraw per tick, and memory is bounded
 by the Session's own limits.
 """
@@ -21,7 +21,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
-from memtui.session import Session, Snapshot
+from memtui.session import Session, ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
@@ -206,7 +206,7 @@ class MemtuiApp(App[int]):
     # ----- the tick -------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
-        """Drain the inbox, then redraw every widget from one snapshot if anything changed."""
+        """Drain the inbox, then redraw every widget from one view state if anything changed."""
         if not self.is_running or self._stop.is_set():
             return
         for label, inbox in self.inboxes.items():
@@ -229,23 +229,23 @@ class MemtuiApp(App[int]):
             return
         self._rendered_version = version
         self._rendered_width = width
-        self.show(self.model.snapshot(timeline_width=max(width - 12, 20)))
+        self.show(self.model.view_state(timeline_width=max(width - 12, 20)))
 
-    def show(self, snap: Snapshot) -> None:
-        """Hand the snapshot to every view."""
+    def show(self, view: ViewState) -> None:
+        """Hand the view state to every widget."""
         for widget_type in (JobHeader, NotesLine, PilesPanel, GapPanel):
-            self.query_one(widget_type).snapshot = snap
-        self.query_one(PileTimeline).data = TimelineData.from_snapshot(snap)
-        self.query_one(AlertsTable).snapshot = snap
-        self.query_one(DtypeTable).snapshot = snap
-        self.query_one(TopActivations).snapshot = snap
-        if snap.ranks:
-            self.query_one(RanksTable).snapshot = snap
+            self.query_one(widget_type).view = view
+        self.query_one(PileTimeline).data = TimelineData.from_view(view)
+        self.query_one(AlertsTable).view = view
+        self.query_one(DtypeTable).view = view
+        self.query_one(TopActivations).view = view
+        if view.ranks:
+            self.query_one(RanksTable).view = view
         box = self.query_one("#allocations-box")
-        if box.display != snap.alloc_recorded:
-            box.display = snap.alloc_recorded
-        if snap.alloc_recorded:
-            self.query_one(AllocationsTable).snapshot = snap
+        if box.display != view.alloc_recorded:
+            box.display = view.alloc_recorded
+        if view.alloc_recorded:
+            self.query_one(AllocationsTable).view = view
 
     # ----- actions ---------------------------------------------------------------------------
 

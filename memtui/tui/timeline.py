@@ -20,7 +20,7 @@ from textual.widget import Widget
 from memtui_agent.units import BINARY, DECIMAL, format_bytes
 
 if TYPE_CHECKING:
-    from memtui.session import Snapshot
+    from memtui.session import ViewState
 
 PILE_COLOURS = {
     "weights": "#4c8bf5",
@@ -50,7 +50,7 @@ Cell = tuple[str, str | None, str | None]
 
 @dataclass(frozen=True)
 class TimelineData:
-    """What the chart needs from a snapshot, kept apart so the widget never sees the rest."""
+    """What the chart needs from a view, kept apart so the widget never sees the rest."""
 
     steps: tuple[int, ...]
     piles: tuple[tuple[int, int, int, int], ...]
@@ -62,16 +62,16 @@ class TimelineData:
     """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
 
     @classmethod
-    def from_snapshot(cls, snapshot: Snapshot) -> TimelineData:
+    def from_view(cls, view: ViewState) -> TimelineData:
         """Take the timeline window the Session already cut for the cursor."""
         return cls(
-            steps=snapshot.timeline_steps,
-            piles=snapshot.timeline_piles,
-            alerts=snapshot.timeline_alerts,
-            cursor_step=snapshot.cursor_step,
-            binary=snapshot.binary,
-            allocated=snapshot.timeline_allocated,
-            reserved=snapshot.timeline_reserved,
+            steps=view.timeline_steps,
+            piles=view.timeline_piles,
+            alerts=view.timeline_alerts,
+            cursor_step=view.cursor_step,
+            binary=view.binary,
+            allocated=view.timeline_allocated,
+            reserved=view.timeline_reserved,
         )
 
 

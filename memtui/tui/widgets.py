@@ -1,6 +1,6 @@
-"""Passive views of a `Snapshot`: each widget has one reactive in and renders, nothing else.
+"""Passive views of a `ViewState`: each widget has one reactive in and renders, nothing else.
 
-No widget reads the Session or a source; the app hands every widget the same immutable snapshot
+No widget reads the Session or a source; the app hands every widget the same immutable view state
 at its tick, which is what lets live and replay look identical.
 """
 
@@ -15,7 +15,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.job_state import JobState
-from memtui.session import Snapshot
+from memtui.session import ViewState
 from memtui.step_rows import describe_rate
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.timeline import PILE_COLOURS
@@ -43,22 +43,22 @@ class JobHeader(Static):
 
     DEFAULT_CSS = "JobHeader { height: 2; padding: 0 1; background: $panel; }"
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def render(self) -> Text:
-        snap = self.snapshot
-        if snap is None:
+        view = self.view
+        if view is None:
             return Text("memtui · connecting…")
         width = max(self.size.width - 2, 10)
-        ended = snap.status is JobState.ENDED
-        first = Text(f" {snap.state} ", style="bold reverse" if ended else "bold reverse green")
-        parts = [describe_rate(snap.steps_per_second), snap.title]
-        if not snap.replay:  # replay's state already says which step
-            step = f"step {snap.step} of {snap.steps_total}" if snap.step is not None else None
+        ended = view.status is JobState.ENDED
+        first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
+        parts = [describe_rate(view.steps_per_second), view.title]
+        if not view.replay:  # replay's state already says which step
+            step = f"step {view.step} of {view.steps_total}" if view.step is not None else None
             parts.insert(0, step or "no steps yet")
         first.append("  " + terminal_safe(" · ".join(parts)))
-        second = plain(snap.job or "(waiting for the job)", style="bold")
-        second.append(f"  {terminal_safe(snap.source)}", style="dim")
+        second = plain(view.job or "(waiting for the job)", style="bold")
+        second.append(f"  {terminal_safe(view.source)}", style="dim")
         first.truncate(width, overflow="ellipsis")
         second.truncate(width, overflow="ellipsis")
         return Text("\n").join([first, second])
@@ -67,16 +67,16 @@ class JobHeader(Static):
 class PilesPanel(Static):
     """The step's peak composition as one stacked bar, then each pile's bytes, share and max."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Any:
-        snap = self.snapshot
-        if snap is None or not snap.piles:
+        view = self.view
+        if view is None or not view.piles:
             return Text("no piles yet: waiting for the first forward", style="dim")
         width = max(self.size.width, 10)
         bar = Text()
         used = 0
-        for row in snap.piles:
+        for row in view.piles:
             cells = round(row.share * width)
             cells = min(cells, width - used)
             if cells > 0:
@@ -95,7 +95,7 @@ class PilesPanel(Static):
             Text("share", style="bold"),
             Text("step max", style="bold"),
         )
-        for row in snap.piles:
+        for row in view.piles:
             name = Text("■ ", style=ROW_COLOURS[row.name])
             name.append(PILE_LABELS[row.name])
             if row.at_peak is None:
@@ -103,57 +103,57 @@ class PilesPanel(Static):
                 continue
             table.add_row(
                 name,
-                _size(row.at_peak, snap.binary),
+                _size(row.at_peak, view.binary),
                 f"{row.share * 100:.1f}%",
-                _size(row.step_max, snap.binary) if row.step_max is not None else "",
+                _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total = sum(row.at_peak or 0 for row in snap.piles)
-        table.add_row(Text("total at peak", style="bold"), _size(total, snap.binary), "", "")
-        extra = [snap.step_owner] if snap.step_owner else []
-        if snap.loss is not None:
-            extra.append(f"loss {snap.loss:.4g}")
-        if snap.microbatches:
-            extra.append(f"{snap.microbatches} microbatch{'es' if snap.microbatches > 1 else ''}")
-        if snap.skipped:
+        total = sum(row.at_peak or 0 for row in view.piles)
+        table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
+        extra = [view.step_owner] if view.step_owner else []
+        if view.loss is not None:
+            extra.append(f"loss {view.loss:.4g}")
+        if view.microbatches:
+            extra.append(f"{view.microbatches} microbatch{'es' if view.microbatches > 1 else ''}")
+        if view.skipped:
             extra.append("SKIPPED by GradScaler")
         from rich.console import Group
 
-        lines = [plain(line, style="dim") for line in snap.distributed_lines]
+        lines = [plain(line, style="dim") for line in view.distributed_lines]
         return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
 
 
 class GapPanel(Static):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Any:
-        snap = self.snapshot
-        if snap is None or not snap.gap:
+        view = self.view
+        if view is None or not view.gap:
             return Text("no data yet", style="dim")
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column("level", min_width=12, no_wrap=True, overflow="ellipsis")
         table.add_column("bytes", justify="right", width=11, no_wrap=True)
         table.add_column("gap", justify="right", width=12, no_wrap=True)
         table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
-        for row in snap.gap:
+        for row in view.gap:
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
                 continue
-            delta = "" if row.delta is None else "+" + _size(row.delta, snap.binary)
+            delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
             if row.delta is not None and row.delta < 0:
-                delta = _size(row.delta, snap.binary)
+                delta = _size(row.delta, view.binary)
             table.add_row(
                 row.label,
-                _size(row.value, snap.binary),
+                _size(row.value, view.binary),
                 delta,
                 Text(row.meaning, style="dim"),
             )
-        if not snap.allocator_lines:
+        if not view.allocator_lines:
             return table
         from rich.console import Group
 
-        return Group(table, *(plain(line, style="dim") for line in snap.allocator_lines))
+        return Group(table, *(plain(line, style="dim") for line in view.allocator_lines))
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
@@ -208,15 +208,15 @@ class PanelTable(DataTable):  # type: ignore[type-arg]
 class DtypeTable(PanelTable):
     """Pile x dtype -> bytes and number of unique storages."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("pile", "dtype", "bytes", "storages")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
@@ -226,11 +226,11 @@ class DtypeTable(PanelTable):
                     (
                         Text("■ ", style=PILE_COLOURS[pile]) + Text(PILE_LABELS[pile]),
                         plain(dtype),
-                        Text(_size(size, snap.binary), justify="right"),
+                        Text(_size(size, view.binary), justify="right"),
                         Text(str(count), justify="right"),
                     ),
                 )
-                for pile, dtype, size, count in snap.dtypes
+                for pile, dtype, size, count in view.dtypes
             ),
         )
 
@@ -238,21 +238,21 @@ class DtypeTable(PanelTable):
 class TopActivations(PanelTable):
     """Modules by saved-activation bytes live at once during the cursor step."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("module", "saved")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
             (
-                (name, (plain(name), Text(_size(size, snap.binary), justify="right")))
-                for name, size in snap.top_activations
+                (name, (plain(name), Text(_size(size, view.binary), justify="right")))
+                for name, size in view.top_activations
             ),
         )
 
@@ -260,15 +260,15 @@ class TopActivations(PanelTable):
 class AlertsTable(PanelTable):
     """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("step", "kind", "message", "where")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
@@ -282,16 +282,16 @@ class AlertsTable(PanelTable):
                         plain(alert.where or ""),
                     ),
                 )
-                for alert in snap.alerts
+                for alert in view.alerts
             ),
         )
 
     def step_of_row(self, row_key: str) -> int | None:
-        """The step of the alert shown in a row, from the snapshot (never from a cell's text)."""
-        snap = self.snapshot
-        if snap is None:
+        """The step of the alert shown in a row, from the view state (never from a cell's text)."""
+        view = self.view
+        if view is None:
             return None
-        return next((alert.step for alert in snap.alerts if alert.key == row_key), None)
+        return next((alert.step for alert in view.alerts if alert.key == row_key), None)
 
 
 class NotesLine(Static):
@@ -299,10 +299,10 @@ class NotesLine(Static):
 
     DEFAULT_CSS = "NotesLine { height: auto; color: $warning; padding: 0 1; }"
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Text:
-        snap = self.snapshot
-        if snap is None or not snap.notes:
+        view = self.view
+        if view is None or not view.notes:
             return Text("")
-        return plain(" · ".join(snap.notes))
+        return plain(" · ".join(view.notes))
