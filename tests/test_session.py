@@ -59,6 +59,7 @@ def test_ingest_puts_the_cursor_on_the_last_step(demo_messages: list[schema.Mess
         (1, "first_step_growth"),
         (9, "skipped_step"),
         (17, "nonfinite_loss"),
+        (17, "nonfinite_activation"),
     ]
     view = session.view_state()
     assert (view.step, view.steps_total, view.cursor_step) == (24, 24, 24)

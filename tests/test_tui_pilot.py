@@ -118,10 +118,11 @@ def test_enter_on_an_alert_row_jumps_to_its_step(tui: Any, demo_messages: Messag
 
     async def body(pilot: Pilot[Any]) -> None:
         table = app.query_one(AlertsTable)
-        assert [str(table.get_row_at(row)[0]) for row in range(table.row_count)] == ["17", "9", "1"]
+        steps = [str(table.get_row_at(row)[0]) for row in range(table.row_count)]
+        assert steps == ["17", "17", "9", "1"]
         table.focus()
         await pilot.pause()
-        await pilot.press("down", "enter")
+        await pilot.press("down", "down", "enter")
         await pilot.pause()
         assert shown_step(app) == 9
         await pilot.press("down", "enter")
@@ -362,7 +363,7 @@ def test_step_keys_still_work_after_choosing_an_alert(tui: Any, demo_messages: M
 
     async def body(pilot: Pilot[Any]) -> None:
         app.query_one(AlertsTable).focus()
-        await pilot.press("down", "enter")
+        await pilot.press("down", "down", "enter")
         assert cursor_step(app) == 9
         await pilot.press("right")
         assert cursor_step(app) == 10
@@ -472,23 +473,42 @@ def test_the_alerts_table_keeps_its_cursor_while_alerts_arrive(
     async def body(pilot: Pilot[Any]) -> None:
         table = app.query_one(AlertsTable)
         table.focus()
-        for _ in range(31):  # past the table's height (about 18 rows): it scrolls
+        for _ in range(32):  # past the table's height (about 18 rows): it scrolls
             await pilot.press("down")
         await pilot.pause(0.1)
         held = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
         row, scroll = table.cursor_row, table.scroll_y
-        assert row == 31 and scroll > 0, (row, scroll)
+        assert row == 32 and scroll > 0, (row, scroll)
         assert table.step_of_row(held or "") == 9  # the fixture's skipped step, second oldest
         assert source.feed(alerts(200, 5)).wait(5)
         for _ in range(3):
             await pilot.pause(0.05)
             app.refresh_view()
         await pilot.pause()
-        assert table.row_count == 33 + 5
+        assert table.row_count == 34 + 5
         assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == held
         assert table.cursor_row == row + 5
         assert table.scroll_y == scroll + 5  # the same rows stay in view
         await pilot.press("enter")
         assert cursor_step(app) == 9
+
+    tui.drive(app, body)
+
+
+def test_the_alerts_where_is_on_screen_at_normal_widths(tui: Any, demo_messages: Messages) -> None:
+    """The module or parameter names an alert points at fit without scrolling sideways."""
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        for size in ((160, 48), (100, 30)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+            table = app.query_one(AlertsTable)
+            labels = [str(column.label) for column in table.columns.values()]
+            assert labels[:3] == ["step", "kind", "where"]
+            widths = [column.get_render_width(table) for column in table.columns.values()]
+            assert sum(widths[:3]) <= table.size.width, (size, widths, table.size.width)
+            row = [str(cell) for cell in table.get_row_at(0)]
+            assert "blocks.1.attn" in row
 
     tui.drive(app, body)

@@ -257,6 +257,16 @@ class TopActivations(PanelTable):
         )
 
 
+WHERE_WIDTH = 32
+"""The `where` column's width: a module path or the first parameter names, then an ellipsis."""
+
+
+def _where_cell(where: str | None) -> Text:
+    cell = plain(where or "", style="cyan")
+    cell.truncate(WHERE_WIDTH, overflow="ellipsis")
+    return cell
+
+
 class AlertsTable(PanelTable):
     """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
 
@@ -265,7 +275,9 @@ class AlertsTable(PanelTable):
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
-        self.add_columns("step", "kind", "message", "where")
+        # `where` before the message: messages are long, and the module or parameter names
+        # are what the user acts on, so they must be on screen without scrolling sideways.
+        self.add_columns("step", "kind", "where", "message")
 
     def watch_view(self, view: ViewState | None) -> None:
         if view is None:
@@ -278,8 +290,8 @@ class AlertsTable(PanelTable):
                     (
                         Text(str(alert.step), justify="right"),
                         plain(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
+                        _where_cell(alert.where),
                         plain(alert.message),
-                        plain(alert.where or ""),
                     ),
                 )
                 for alert in view.alerts
