@@ -512,3 +512,40 @@ def test_the_alerts_where_is_on_screen_at_normal_widths(tui: Any, demo_messages:
             assert "blocks.1.attn" in row
 
     tui.drive(app, body)
+
+
+def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
+    tui: Any, demo_messages: Messages
+) -> None:
+    """At 80x24 the dialog is narrower than the longest key line: a description wraps under
+    itself, never under the keys, and a note's lines are filled, not cut at a hard break."""
+    import io
+
+    from rich.console import Console
+    from textual.widgets import Static
+
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = app.screen.query_one("#help-text", Static)
+        width = text.size.width
+        out = io.StringIO()
+        Console(width=width, file=out, color_system=None).print(text.content)
+        lines = [line.rstrip() for line in out.getvalue().splitlines()]
+        keys = lines[2 : lines.index("", 2)]
+        column = min(len(line) - len(line.lstrip()) for line in keys if line.startswith(" "))
+        assert column >= 6  # continuation lines sit under the descriptions
+        assert any(line.startswith(" ") for line in keys), "expected one description to wrap"
+        notes = lines[lines.index("", 2) + 1 :]
+        paragraphs = [[]]  # type: ignore[var-annotated]
+        for line in notes:
+            paragraphs[-1].append(line)
+            if line.endswith("."):
+                paragraphs.append([])
+        for paragraph in paragraphs:
+            for line in paragraph[:-1]:
+                assert len(line) >= width - 15, (line, width)
+
+    tui.drive(app, body, size=(80, 24))
