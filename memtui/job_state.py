@@ -53,6 +53,9 @@ def ending_text(
     code = f" (exit {end.code})" if end.code is not None else ""
     if end.status == ExitStatus.OK:
         return f"ended: ok{code}"
+    if end.status == ExitStatus.STOPPED:
+        at = f" at step {end.step}" if end.step is not None else ""
+        return f"stopped from memtui (SIGTERM){code}{at}"
     detail = end.describe_error() or ""
     where = f" in {end.phase}" if end.phase else ""
     step = f" at step {end.step}" if end.step is not None else ""
