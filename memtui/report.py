@@ -228,6 +228,21 @@ def pile_peaks(recording: Recording) -> dict[str, int]:
     }
 
 
+def activation_line(steps: list[Step]) -> str | None:
+    """How many steps' activations were measured, carried from a measured step, or not known
+    (`--activations auto` measures the steps that can differ); None when every step was."""
+    carried = sum(1 for s in steps if not s.activations_measured and s.activations_from is not None)
+    unknown = sum(1 for s in steps if not s.activations_measured and s.activations_from is None)
+    if not carried and not unknown:
+        return None
+    line = f"activations: measured on {len(steps) - carried - unknown} steps"
+    if carried:
+        line += f", carried on {carried} (each repeats a measured step's figures)"
+    if unknown:
+        line += f", not measured on {unknown}"
+    return line
+
+
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
@@ -256,6 +271,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         f"steps: {len(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
+    measured = activation_line(steps)
+    if measured is not None:
+        lines.append(measured)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))

@@ -63,12 +63,18 @@ class ViewState:
     timeline_allocated: tuple[int | None, ...]
     timeline_reserved: tuple[int | None, ...]
     timeline_alerts: frozenset[int]
+    timeline_carried: frozenset[int]
+    """Steps in the window whose activations were carried from a measured step."""
     cursor_step: int | None
     notes: tuple[str, ...] = ()
     allocator_lines: tuple[str, ...] = ()
     loss: float | None = None
     skipped: bool = False
     microbatches: int = 0
+    activations_measured: bool = True
+    """The cursor step's activations were measured (hooks armed); else carried or unknown."""
+    activations_from: int | None = None
+    """The measured step whose activation figures the cursor step carries."""
     distributed_lines: tuple[str, ...] = ()
     alloc_recorded: bool = False
     """The job runs with `--alloc-events`: the allocations table is on screen."""
@@ -345,12 +351,15 @@ class Session:
                 for s in window
             ),
             timeline_alerts=frozenset(alert.step for alert in self.alerts),
+            timeline_carried=frozenset(s.step for s in window if not s.activations_measured),
             cursor_step=step.step if step is not None else None,
             notes=tuple(notes),
             allocator_lines=allocator_lines(step, self.binary),
             loss=step.loss if step is not None else None,
             skipped=step.skipped if step is not None else False,
             microbatches=step.microbatches if step is not None else 0,
+            activations_measured=step.activations_measured if step is not None else True,
+            activations_from=step.activations_from if step is not None else None,
             distributed_lines=distributed_notes(step, self.binary),
             alloc_recorded=self.alloc_recorded,
             alloc_rows=self._alloc_rows(step),

@@ -549,3 +549,39 @@ def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
                 assert len(line) >= width - 15, (line, width)
 
     tui.drive(app, body, size=(80, 24))
+
+
+def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> None:
+    """A step that carries a measured step's activations says so by the activations row and
+    is drawn lighter in the timeline; a measured step is not marked."""
+    from memtui.tui.timeline import CARRIED_ACTIVATIONS, PILE_COLOURS, column_cells
+
+    def carried(message: schema.Message) -> schema.Message:
+        if isinstance(message, schema.Step) and message.step > 12:
+            source = 12 if message.step < 24 else None  # 24: not measured at all
+            return msgspec.structs.replace(
+                message, activations_measured=False, activations_from=source
+            )
+        return message
+
+    app = MemtuiApp(tui.source([carried(m) for m in demo_messages], live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        piles = app.query_one(PilesPanel)
+        assert "≈ activations not measured" in tui.plain(piles)
+        await pilot.press("left")
+        await pilot.pause()
+        text = tui.plain(piles)
+        assert "activations ≈" in text and "≈ activations from step 12" in text, text
+        data = app.query_one(PileTimeline).data
+        assert data is not None and data.carried == frozenset(range(13, 25))
+        for _ in range(11):
+            await pilot.press("left")
+        assert cursor_step(app) == 12
+        text = tui.plain(piles)
+        assert "≈" not in text and "not measured" not in text
+        activations_only = (0, 0, 0, 100)
+        assert column_cells(activations_only, 100, 2, carried=True)[0][1] == CARRIED_ACTIVATIONS
+        assert column_cells(activations_only, 100, 2)[0][1] == PILE_COLOURS["activations"]
+
+    tui.drive(app, body)

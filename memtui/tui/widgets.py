@@ -85,7 +85,7 @@ class PilesPanel(Static):
         if used < width:
             bar.append(" " * (width - used))
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column("pile", ratio=2)
+        table.add_column("pile", ratio=2, no_wrap=True, overflow="ellipsis")
         table.add_column("at peak", justify="right", ratio=1)
         table.add_column("share", justify="right", ratio=1)
         table.add_column("step max", justify="right", ratio=1)
@@ -98,6 +98,8 @@ class PilesPanel(Static):
         for row in view.piles:
             name = Text("■ ", style=ROW_COLOURS[row.name])
             name.append(PILE_LABELS[row.name])
+            if row.name == "activations" and not view.activations_measured:
+                name.append(" ≈", style="bold")
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
                 continue
@@ -119,7 +121,16 @@ class PilesPanel(Static):
         from rich.console import Group
 
         lines = [plain(line, style="dim") for line in view.distributed_lines]
+        if not view.activations_measured:  # its own line: it must not wrap into the others
+            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
         return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
+
+
+def _carried_label(source: int | None) -> str:
+    """Why the activations row (marked ≈) is not this step's own measurement."""
+    if source is None:
+        return "≈ activations not measured"
+    return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
 class GapPanel(Static):
