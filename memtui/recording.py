@@ -75,11 +75,13 @@ def apply(recording: Recording, message: schema.Message) -> None:
     and the screen cannot disagree about which alerts a job raised.
     """
     if isinstance(message, schema.Step):
-        _add_late(recording, message.late, message.t_end)
+        if message.late:
+            _add_late(recording, message.late, message.t_end)
         recording.steps.append(message)
-        recording.alerts.extend(
-            StepAlert(message.step, alert, message.t_end) for alert in message.alerts
-        )
+        if message.alerts:  # most steps have none: the TUI folds thousands a second
+            recording.alerts.extend(
+                StepAlert(message.step, alert, message.t_end) for alert in message.alerts
+            )
     elif isinstance(message, schema.AlertNow):
         recording.alerts.append(StepAlert(message.step, message.alert, message.time))
     elif isinstance(message, schema.Tick):

@@ -119,6 +119,9 @@ class Session:
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    _alert_rows: tuple[tuple[int, int], list[AlertRow]] = field(
+        default_factory=lambda: ((0, 0), [])
+    )
 
     # ----- the recording, read through ----------------------------------------------------
 
@@ -151,18 +154,22 @@ class Session:
         """Every alert in the order the stream carried it (an `End`'s without a step: 0)."""
         if self.recording is None:
             return []
-        first = self.alerts_trimmed
-        return [
-            AlertRow(
-                item.step or 0,
-                item.alert.kind,
-                item.alert.message,
-                item.alert.where,
-                item.alert.group,
-                key=f"alert-{first + index}",
-            )
-            for index, item in enumerate(self.recording.alerts)
-        ]
+        first, alerts = self.alerts_trimmed, self.recording.alerts
+        # Alerts are only appended (and trimmed at the front): rebuild the rows only then.
+        if self._alert_rows[0] != (first, len(alerts)):
+            rows = [
+                AlertRow(
+                    item.step or 0,
+                    item.alert.kind,
+                    item.alert.message,
+                    item.alert.where,
+                    item.alert.group,
+                    key=f"alert-{first + index}",
+                )
+                for index, item in enumerate(alerts)
+            ]
+            self._alert_rows = ((first, len(alerts)), rows)
+        return self._alert_rows[1]
 
     # ----- input --------------------------------------------------------------------------
 
@@ -175,8 +182,8 @@ class Session:
                     self.recording = Recording(path=Path(self.source_label), hello=message)
                 continue  # nothing comes before a hello in any stream memtui reads
             apply(recording, message)
-            if isinstance(message, schema.Step):
-                self._stepped(message)
+            if type(message) is schema.Step:
+                self._stepped(message, recording.steps)
             elif isinstance(message, schema.End):
                 self.alloc_recorded |= message.alloc_events is not None
         if self.recording is not None and len(self.recording.alerts) > MAX_ALERTS:
@@ -186,13 +193,12 @@ class Session:
         if messages:
             self.version += 1
 
-    def _stepped(self, step: schema.Step) -> None:
+    def _stepped(self, step: schema.Step, steps: list[schema.Step]) -> None:
         """The viewer's side of a new step: its rate, the cursor, bounded history."""
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
         self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)
-        steps = self.steps
         if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
             cut = MAX_STEPS // 10
