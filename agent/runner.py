@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import runpy
-import signal
 import sys
-from typing import Any
 
 from memtui_agent import api, autostart
 from memtui_agent.config import AgentConfig
 from memtui_agent.failures import exit_code_of, without_agent_frames
+from memtui_agent.stop_signal import record_stops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,29 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     api.stop(exit_code=0)
     return 0
-
-
-def record_stops(stop_file: str | None) -> None:
-    """On SIGTERM after `memtui run` asked for the stop (it creates `stop_file` first), write
-    `End(status=stopped)`, then die of SIGTERM as without memtui (exit 143).
-
-    A job that sets its own SIGTERM handler replaces this one and keeps its own behaviour; a
-    SIGTERM from anyone else finds no stop file and kills the job exactly as before.
-    """
-    if stop_file is None or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        try:
-            if os.path.exists(stop_file):
-                os.unlink(stop_file)
-                api.stop(exit_code=128 + signum, stopped=True)
-        except Exception:
-            pass  # never into the job: it dies of the signal either way
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def show_error(error: BaseException, as_module: bool) -> None:

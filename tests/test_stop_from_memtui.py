@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -67,37 +66,44 @@ def test_a_stopped_end_reads_stopped_everywhere(builder: object) -> None:
     )
 
 
+TRAIN = """
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100000):
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    if step == 2:
+        print("ready", flush=True)
+"""
+
+
 @pytest.mark.slow
-def test_the_runner_records_a_stop_from_memtui(tmp_path: Path) -> None:
-    """A real torch job under the runner: SIGTERM with the stop file -> End(status=stopped)."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent("""
-            import torch
-            model = torch.nn.Linear(4, 1)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for step in range(100000):
-                opt.zero_grad()
-                model(torch.randn(2, 4)).sum().backward()
-                opt.step()
-                if step == 2:
-                    print("ready", flush=True)
-        """)
-    )
-    recording = tmp_path / "run.memtui"
-    stop_file = tmp_path / "rt" / "stop-test"
-    config = AgentConfig(record=str(recording), socket=False, stop_file=str(stop_file))
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"), **config.to_env())
-    job = subprocess.Popen(
-        [sys.executable, "-m", "memtui_agent.runner", str(script)],
-        env=env, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert job.stdout is not None and job.stdout.readline().strip() == "ready"
-    stop_file.parent.mkdir(mode=0o700, exist_ok=True)
-    stop_file.touch()
-    job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) == -signal.SIGTERM  # dies of the signal, as without memtui
-    ending = read_recording(recording).end
+@pytest.mark.parametrize("through", ["script", "command"])
+def test_quitting_the_tui_records_a_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through: str
+) -> None:
+    """`memtui run train.py` (the runner) and `memtui run -- python train.py` (the bootstrap):
+    what the TUI's quit does (stop file, SIGTERM) ends the recording `stopped`."""
+    from memtui.run_command import build_job
+
+    monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(tmp_path / "rt"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(TRAIN)
+    target = ["train.py"] if through == "script" else [sys.executable, "train.py"]
+    spec = build_job(target, None, str(tmp_path / "out.memtui"), False, AgentConfig(socket=False))
+    job = JobProcess(spec.command, spec.env, None)
+    deadline = time.monotonic() + 120
+    while "ready" not in job.lines and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "ready" in job.lines, list(job.lines)
+    job.terminate()
+    assert job.wait() == 128 + signal.SIGTERM  # dies of the signal, as without memtui
+    assert spec.recording is not None
+    path = spec.recording if spec.recording.is_file() else spec.recording / "proc-0.memtui"
+    ending = read_recording(path).end
     assert ending is not None and ending.status == schema.ExitStatus.STOPPED
     assert ending.code == 143 and ending.step is not None and ending.step >= 3
-    assert not stop_file.exists()
+    assert "stopped from memtui (SIGTERM)" in render_text(read_recording(path))
+    assert not list((tmp_path / "rt").glob("stop-*"))  # memtui removed its stop file
