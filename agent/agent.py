@@ -203,7 +203,9 @@ class Agent:
             tracker.registry.add_optimizer(optimizer)
         tracker._on_new_objects()
 
-    def finish(self, exit_code: int | None = 0, error: BaseException | None = None) -> None:
+    def finish(
+        self, exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
+    ) -> None:
         """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once."""
         if self._finished or self._forked_child or os.getpid() != self.pid:
             return
@@ -229,7 +231,10 @@ class Agent:
             except Exception as exc:
                 self.report_failure("health", exc)
         try:
-            end = msgspec.structs.replace(self._end_message(exit_code, error), late=late)
+            end = (
+                self._stopped_message(exit_code) if stopped else self._end_message(exit_code, error)
+            )
+            end = msgspec.structs.replace(end, late=late)
         except Exception as exc:
             end = schema.End(time=time.time(), status="error", error=f"agent: {exc}")
         if self.emitter is not None:
@@ -246,6 +251,19 @@ class Agent:
                 self.sidecar.unlink()
             except OSError:
                 pass
+
+    def _stopped_message(self, exit_code: int | None) -> schema.End:
+        """memtui stopped the job: where it was, and that nothing went wrong in it."""
+        tracker = self.tracker
+        return schema.End(
+            time=time.time(),
+            status=schema.ExitStatus.STOPPED,
+            code=exit_code,
+            error="stopped from memtui (SIGTERM)",
+            step=tracker.closed_steps + 1 if tracker is not None else None,
+            phase=tracker.phase() if tracker is not None else None,
+            piles=tracker.ledger.current() if tracker is not None else None,
+        )
 
     def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
         tracker = self.tracker

@@ -117,13 +117,18 @@ def _stop_at_exit() -> None:
     stop(exit_code=1 if error is not None else 0, error=error)
 
 
-def stop(exit_code: int | None = 0, error: BaseException | None = None) -> None:
-    """Record how the job ended, flush the recording and remove every hook."""
+def stop(
+    exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
+) -> None:
+    """Record how the job ended, flush the recording and remove every hook.
+
+    `stopped`: memtui itself ended the job (SIGTERM after the user quit the TUI).
+    """
     global _agent
     with _lock:
         agent, _agent = _agent, None
     if agent is not None and agent.pid == os.getpid():
-        agent.finish(exit_code=exit_code, error=error)
+        agent.finish(exit_code=exit_code, error=error, stopped=stopped)
 
 
 def current() -> Any:

@@ -31,6 +31,7 @@ SNAPSHOT_ON_OOM = "MEMTUI_SNAPSHOT_ON_OOM"
 ALLOC_EVENTS = "MEMTUI_ALLOC_EVENTS"
 ACTIVATIONS = "MEMTUI_ACTIVATIONS"
 SESSION = "MEMTUI_SESSION"
+STOP_FILE = "MEMTUI_STOP_FILE"
 VARIABLES = (
     RECORD,
     SOCKET,
@@ -42,6 +43,7 @@ VARIABLES = (
     ALLOC_EVENTS,
     ACTIVATIONS,
     SESSION,
+    STOP_FILE,
 )
 """Every variable `to_env` writes (a child that must not inherit a config drops these)."""
 
@@ -63,6 +65,8 @@ class AgentConfig:
         alloc_events: CUDA: record the allocator's history into each step's frame.
         activations: when the saved-tensor hooks are armed (issue 15).
         session: the `memtui run` that started the job (groups ranks; finds the socket).
+        stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
+            the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
     """
 
     record: str | None = None
@@ -75,6 +79,7 @@ class AgentConfig:
     alloc_events: bool = False
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
+    stop_file: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -97,6 +102,8 @@ class AgentConfig:
             env[BUDGET] = str(self.budget)
         if self.session is not None:
             env[SESSION] = self.session
+        if self.stop_file is not None:
+            env[STOP_FILE] = self.stop_file
         return env
 
     @classmethod
@@ -125,6 +132,7 @@ class AgentConfig:
             alloc_events=environ.get(ALLOC_EVENTS) == "1",
             activations=_member(ActivationMode, environ.get(ACTIVATIONS), ActivationMode.AUTO),
             session=environ.get(SESSION) or None,
+            stop_file=environ.get(STOP_FILE) or None,
         )
 
     def oom_snapshot_path(self) -> str | None:

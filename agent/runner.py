@@ -14,7 +14,9 @@ import runpy
 import sys
 
 from memtui_agent import api, autostart
+from memtui_agent.config import AgentConfig
 from memtui_agent.failures import exit_code_of, without_agent_frames
+from memtui_agent.stop_signal import record_stops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, arguments = argv[0], argv[1:]
     autostart.arm_from_environment(install_exit_handlers=False)
+    record_stops(AgentConfig.from_env(os.environ).stop_file)
     try:
         if as_module:
             sys.argv = [target, *arguments]

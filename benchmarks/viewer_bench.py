@@ -116,11 +116,13 @@ def ingest_throughput(frames: int, repeats: int, batch: int = 256) -> IngestResu
     ingest, decode = [], []
     for _ in range(repeats):
         session = Session(live=True)
+        session.ingest([hello(), names()])  # a Session folds nothing before the job's hello
         started = time.perf_counter()
         for messages in batches:
             session.ingest(messages)
         ingest.append(frames / (time.perf_counter() - started))
         session = Session(live=True)
+        session.ingest([hello(), names()])
         decoder = wire.FrameDecoder()
         started = time.perf_counter()
         for offset in range(0, len(data), chunk):
@@ -165,7 +167,7 @@ def replay_open_and_seek(path: Path, steps: int, seeks: int) -> ReplayResult:
 
     Open is `ReplaySource.check()` (which validates the whole file) plus `ReplaySource.run()`
     feeding one Session, the path the app's worker takes. Seek is `jump_to_step(n)` plus the
-    `snapshot()` the screen renders from, for seeded random n.
+    `view_state()` the screen renders from, for seeded random n.
     """
     file_bytes = write_recording(path, steps)
     source = ReplaySource(path)
@@ -177,14 +179,14 @@ def replay_open_and_seek(path: Path, steps: int, seeks: int) -> ReplayResult:
     read = time.perf_counter()
     if reason is not None or len(session.steps) != steps:
         raise RuntimeError(f"replay read {len(session.steps)} of {steps} steps ({reason})")
-    session.snapshot()
+    session.view_state()
     chooser = random.Random(0)
     times = []
     for _ in range(seeks):
         target = chooser.randint(1, steps)
         begun = time.perf_counter()
         session.jump_to_step(target)
-        session.snapshot()
+        session.view_state()
         times.append(time.perf_counter() - begun)
         if session.steps[session.cursor or 0].step != target:
             raise RuntimeError(f"seek to step {target} landed elsewhere")

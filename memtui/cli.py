@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL, EXIT_USAGE
+from memtui.errors import UsageError, UserError
+from memtui.exit_codes import EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
 from memtui_agent.config import AgentConfig
 from memtui_agent.fake_step import Autocast, OptimizerKind
@@ -268,14 +269,10 @@ def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`memtui run`: the job as a child, the TUI in this process (or a summary, headless)."""
-    from memtui.run_command import UsageError, build_job, run_headless
+    from memtui.run_command import build_job, run_headless
 
     target = list(args.target)
-    try:
-        job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
-    except UsageError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+    job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
@@ -299,17 +296,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     In the TUI the demo runs a little slower (a pause per step) so it can be watched live.
     """
-    from memtui.run_command import UsageError, build_job, default_recording_name, run_headless
+    from memtui.run_command import build_job, default_recording_name, run_headless
 
     extra = list(args.demo_args)
     output = args.output or str(default_recording_name("demo"))
-    try:
-        if not args.headless:
-            extra = demo_pace(extra)
-        job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
-    except UsageError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+    if not args.headless:
+        extra = demo_pace(extra)
+    job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
     if args.headless:
         return run_headless(job)
     from memtui.tui_commands import run_tui
@@ -366,7 +359,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
-    from memtui.recording import RecordingError, read_recording
+    from memtui.recording import read_recording
     from memtui.report import render_text, report_of
     from memtui.report_format import strict_json
     from memtui.torch_snapshot import looks_like_snapshot
@@ -377,11 +370,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         return report_snapshot(args.path, args.json, binary=not args.decimal)
     if Path(args.path).is_dir():
         return report_session(Path(args.path), args.json, binary=not args.decimal)
-    try:
-        recording = read_recording(args.path)
-    except RecordingError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    recording = read_recording(args.path)
     if args.json:
         print(strict_json(report_of(recording)))
     else:
@@ -396,14 +385,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def report_session(folder: Path, as_json: bool, binary: bool) -> int:
     """`memtui report DIR`: a session folder with one recording per rank."""
     from memtui.rank_report import build_session_report, read_session, render_session_text
-    from memtui.recording import RecordingError
     from memtui.report_format import strict_json
 
-    try:
-        recordings, warnings = read_session(folder)
-    except RecordingError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    recordings, warnings = read_session(folder)
     if as_json:
         print(strict_json(build_session_report(recordings)))
     else:
@@ -440,7 +424,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             params = parse_count(args.params)
         result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
     except (ValueError, ModelCountError) as exc:
-        return _usage(str(exc))
+        raise UsageError(str(exc)) from None
     print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
     return 0
 
@@ -538,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return handlers[args.command](args)
+    except UserError as exc:  # the one place a command's failure reaches the user
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
-from memtui.recording import Recording, RecordingError, read_recording
+from memtui.errors import UserError
+from memtui.exit_codes import EXIT_PARTIAL
+from memtui.recording import Recording, read_recording
 from memtui.terminal_text import terminal_safe
 from memtui_agent.schema import PILES, Alert, Step
 
@@ -108,11 +109,7 @@ def chrome_trace(recording: Recording) -> dict[str, Any]:
                 events.append(_counter(recording, step, key, {key: value}))
         if step.host.rss:
             events.append(_counter(recording, step, "rss", {"rss": step.host.rss}))
-        events.extend(_instant(recording, step.t_end, step.step, a) for a in step.alerts)
-    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.early_alerts)
-    end = recording.end
-    if end is not None:
-        events.extend(_instant(recording, end.time, end.step, alert) for alert in end.alerts)
+    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.alerts)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -177,24 +174,18 @@ def run_export(path: str, fmt: str, output: str | None) -> int:
 
     A damaged recording exports its valid prefix and exits 3 with a warning, like `report`.
     """
-    try:
-        recording = read_recording(path)
-    except RecordingError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    recording = read_recording(path)
     text = render(recording, fmt)
     if output == "-":
         sys.stdout.write(text)
     else:
         target = Path(output) if output else default_output(path, fmt)
         if target.resolve() == Path(path).resolve():
-            print(f"memtui: error: {target}: would overwrite the recording", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise UserError(f"{target}: would overwrite the recording")
         try:
             target.write_text(text, encoding="utf-8")
         except OSError as exc:
-            print(f"memtui: error: {target}: cannot write ({exc.strerror or exc})", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
         print(f"memtui: wrote {target} ({len(recording.steps)} steps)", file=sys.stderr)
     if recording.warning:
         print(f"memtui: warning: {terminal_safe(f'{path}: {recording.warning}')}", file=sys.stderr)

@@ -13,8 +13,10 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from memtui.errors import UserError
 
-class InputFileError(Exception):
+
+class InputFileError(UserError):
     """The path is not a readable regular file; `str()` is the one line to show."""
 
 

@@ -8,19 +8,31 @@ the damage, with a warning: nothing already recorded is lost.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtui.errors import UserError
+from memtui.frame_stream import CHUNK, damage_warning, pump
 from memtui.input_files import InputFileError, open_input
 from memtui.step_rows import module_label
 from memtui_agent import schema, wire
 from memtui_agent.runtime_dir import pid_alive
 
-CHUNK = 1 << 20
+
+@dataclass(frozen=True)
+class StepAlert:
+    """An alert with the step it belongs to, in the order the stream carried it."""
+
+    step: int | None
+    alert: schema.Alert
+    time: float
+    """When the job raised it, by its own clock (the frame's time)."""
+    final: bool = False
+    """Raised by the job's last frame (an OOM, a crash), after every closed step."""
 
 
-class RecordingError(Exception):
+class RecordingError(UserError):
     """The file is unusable as a recording; `str()` is the one line to show."""
 
 
@@ -34,7 +46,7 @@ class Recording:
     steps: list[schema.Step] = field(default_factory=list)
     last_tick: schema.Tick | None = None
     agent_errors: list[schema.AgentError] = field(default_factory=list)
-    early_alerts: list[schema.AlertNow] = field(default_factory=list)
+    alerts: list[StepAlert] = field(default_factory=list)
     end: schema.End | None = None
     warning: str | None = None
     names_dropped: int = 0
@@ -56,12 +68,22 @@ class Recording:
 
 
 def apply(recording: Recording, message: schema.Message) -> None:
-    """Fold one message into a recording (also used for live streams)."""
+    """Fold one message into a recording: the one fold behind the report, export and the TUI.
+
+    Every alert lands in `recording.alerts` as it arrives, wherever the stream carried it (an
+    early `AlertNow`, a step, a late device value of an earlier step, the `End`), so the report
+    and the screen cannot disagree about which alerts a job raised.
+    """
     if isinstance(message, schema.Step):
-        schema.apply_late(recording.steps, message.late)
+        if message.late:
+            _add_late(recording, message.late, message.t_end)
         recording.steps.append(message)
+        if message.alerts:  # most steps have none: the TUI folds thousands a second
+            recording.alerts.extend(
+                StepAlert(message.step, alert, message.t_end) for alert in message.alerts
+            )
     elif isinstance(message, schema.AlertNow):
-        recording.early_alerts.append(message)
+        recording.alerts.append(StepAlert(message.step, message.alert, message.time))
     elif isinstance(message, schema.Tick):
         recording.last_tick = message
     elif isinstance(message, schema.Names):
@@ -73,8 +95,20 @@ def apply(recording: Recording, message: schema.Message) -> None:
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
     elif isinstance(message, schema.End):
-        schema.apply_late(recording.steps, message.late)
+        _add_late(recording, message.late, message.time)
         recording.end = message
+        recording.alerts.extend(
+            StepAlert(message.step, alert, message.time, final=True) for alert in message.alerts
+        )
+    elif isinstance(message, schema.Hello):
+        recording.hello = message  # a job that said hello again (a reconnecting agent)
+
+
+def _add_late(recording: Recording, late: list[schema.StepLate], time: float) -> None:
+    """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
+    recording.alerts.extend(
+        StepAlert(number, alert, time) for number, alert in schema.apply_late(recording.steps, late)
+    )
 
 
 def read_head(path: str | os.PathLike[str]) -> schema.Hello:
@@ -116,71 +150,33 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
     """
     path = Path(path)
     decoder = wire.FrameDecoder(resync=True)
-    recording: Recording | None = None
-    warning = None
+    folded: list[Recording] = []
+
+    def take(batch: list[schema.Message]) -> None:
+        for message in batch:
+            if folded:
+                apply(folded[0], message)
+            elif isinstance(message, schema.Hello):
+                folded.append(Recording(path=path, hello=message))
+            else:
+                raise RecordingError(f"{path}: damaged (first message is not the job's hello)")
+
     try:
         with open_input(path) as handle:
-            while chunk := handle.read(CHUNK):
-                recording, warning = _feed(recording, path, decoder, decoder.feed(chunk))
-                if warning:
-                    break
-            else:
-                recording, warning = _feed(recording, path, decoder, decoder.finish())
+            warning = pump(lambda: handle.read(CHUNK), decoder, take, threading.Event())
     except InputFileError as exc:
         raise RecordingError(str(exc)) from None
     except OSError as exc:
         raise RecordingError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if recording is None:
+    if not folded:
+        if warning is not None and warning != damage_warning(decoder):
+            raise RecordingError(f"{path}: {warning}")  # a frame it refused, not a torn tail
         if decoder.bytes_consumed == 0 and decoder.pending == 0:
             raise RecordingError(f"{path}: empty file, not a recording")
         raise RecordingError(f"{path}: truncated before its header was complete")
-    recording.warning = warning or damage_warning(decoder)
+    recording = folded[0]
+    recording.warning = warning
     if recording.names_dropped:
         dropped = f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
         recording.warning = f"{recording.warning}; {dropped}" if recording.warning else dropped
-    return recording
-
-
-def damage_warning(decoder: wire.FrameDecoder) -> str | None:
-    """What a resynchronising decoder skipped and what it left unread, in one line."""
-    parts = []
-    if decoder.damaged:
-        regions = (
-            "1 damaged region" if decoder.damaged == 1 else f"{decoder.damaged} damaged regions"
-        )
-        parts.append(
-            f"{decoder.first_damage}; skipped {decoder.skipped_bytes} bytes ({regions}) and "
-            "showed every valid frame around them"
-        )
-    if decoder.pending:
-        parts.append(
-            f"the last {decoder.pending} bytes are a partial frame (the writer stopped "
-            "mid-frame); everything before them is shown"
-        )
-    return "; ".join(parts) or None
-
-
-def _feed(
-    recording: Recording | None,
-    path: Path,
-    decoder: wire.FrameDecoder,
-    messages: Iterator[schema.Message],
-) -> tuple[Recording | None, str | None]:
-    """Fold decoded messages in; a warning when the decoder had to stop early."""
-    try:
-        for message in messages:
-            recording = _take(recording, path, message)
-    except wire.WireError as exc:
-        if recording is None:
-            raise RecordingError(f"{path}: {exc}") from None
-        return recording, f"{exc}; showing the {decoder.frames} frames before it"
-    return recording, None
-
-
-def _take(recording: Recording | None, path: Path, message: schema.Message) -> Recording:
-    if recording is None:
-        if not isinstance(message, schema.Hello):
-            raise RecordingError(f"{path}: damaged (first message is not the job's hello)")
-        return Recording(path=path, hello=message)
-    apply(recording, message)
     return recording

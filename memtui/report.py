@@ -53,7 +53,7 @@ def _piles(piles: Piles) -> PileBytes:
     return PileBytes(**piles.as_dict())
 
 
-def step_report(step: Step, recording: Recording) -> StepEntry:
+def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEntry:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
     return StepEntry(
         step=step.step,
@@ -87,10 +87,7 @@ def step_report(step: Step, recording: Recording) -> StepEntry:
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
         alerts=[
             AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
-            for alert in [
-                *(early.alert for early in recording.early_alerts if early.step == step.step),
-                *step.alerts,
-            ]
+            for alert in alerts
         ],
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
@@ -150,19 +147,25 @@ def alert_entry(step: int | None, alert: Alert) -> RunAlert:
 def all_alerts(recording: Recording) -> list[RunAlert]:
     """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
     before their step's own alerts, the job's fatal alerts (OOM) last."""
-    alerts = [alert_entry(early.step, early.alert) for early in recording.early_alerts]
-    alerts.extend(
-        alert_entry(step.step, alert) for step in recording.steps for alert in step.alerts
-    )
+    alerts = [alert_entry(item.step, item.alert) for item in recording.alerts if not item.final]
     alerts.sort(key=lambda entry: entry.step or 0)
-    if recording.end is not None:
-        alerts.extend(alert_entry(recording.end.step, alert) for alert in recording.end.alerts)
+    alerts.extend(alert_entry(item.step, item.alert) for item in recording.alerts if item.final)
     return alerts
+
+
+def step_alerts(recording: Recording) -> dict[int, list[Alert]]:
+    """Each closed step's alerts: raised early, with the step, or when its late values came."""
+    by_step: dict[int, list[Alert]] = {}
+    for item in recording.alerts:
+        if item.step is not None and not item.final:
+            by_step.setdefault(item.step, []).append(item.alert)
+    return by_step
 
 
 def report_of(recording: Recording) -> Report:
     """The `memtui report --json` document (docs/report-format.md, extra keys allowed)."""
     hello = recording.hello
+    alerts = step_alerts(recording)
     return Report(
         job=JobEntry(
             argv=hello.argv,
@@ -172,7 +175,7 @@ def report_of(recording: Recording) -> Report:
             started=hello.started,
             recording=str(recording.path),
         ),
-        steps=[step_report(step, recording) for step in recording.steps],
+        steps=[step_report(step, recording, alerts.get(step.step, [])) for step in recording.steps],
         optimizers=optimizer_steps(recording.steps),
         step_rule=step_rule(recording.steps),
         alerts=all_alerts(recording),
@@ -243,6 +246,21 @@ def pile_peaks(recording: Recording) -> dict[str, int]:
     }
 
 
+def activation_line(steps: list[Step]) -> str | None:
+    """How many steps' activations were measured, carried from a measured step, or not known
+    (`--activations auto` measures the steps that can differ); None when every step was."""
+    carried = sum(1 for s in steps if not s.activations_measured and s.activations_from is not None)
+    unknown = sum(1 for s in steps if not s.activations_measured and s.activations_from is None)
+    if not carried and not unknown:
+        return None
+    line = f"activations: measured on {len(steps) - carried - unknown} steps"
+    if carried:
+        line += f", carried on {carried} (each repeats a measured step's figures)"
+    if unknown:
+        line += f", not measured on {unknown}"
+    return line
+
+
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
@@ -271,6 +289,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         f"steps: {len(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
+    measured = activation_line(steps)
+    if measured is not None:
+        lines.append(measured)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))

@@ -20,16 +20,18 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtui import errors
 from memtui.recording import RecordingError, read_recording
 from memtui.report import pile_peaks
 from memtui.terminal_text import terminal_safe
 from memtui_agent.config import VARIABLES, AgentConfig
+from memtui_agent.runtime_dir import runtime_dir
 from memtui_agent.safe_open import refusal
 from memtui_agent.units import format_bytes
 
 
-class UsageError(Exception):
-    """A bad command line; `str()` is the one line to show."""
+class UsageError(errors.UsageError):
+    """A bad command line for `run` or `demo`; `str()` is the one line to show."""
 
 
 @dataclass
@@ -151,10 +153,13 @@ def build_job(
             recording.mkdir()
         recording = recording.resolve()
     # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
+    session = uuid.uuid4().hex
     config = (config or AgentConfig()).replace(
         record=str(recording) if recording is not None else None,
         argv=tuple(display),
-        session=uuid.uuid4().hex,
+        session=session,
+        # In the private runtime folder: no one else can make a SIGTERM read as our stop.
+        stop_file=str(runtime_dir() / f"stop-{session}"),
     )
     env.update(config.to_env())
     notes = None

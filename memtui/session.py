@@ -1,7 +1,7 @@
-"""The Session model: messages in, immutable snapshots out. No Textual, no torch.
+"""The Session model: messages in, immutable ViewStates out. No Textual, no torch.
 
 Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see a
-`Snapshot`, cannot tell them apart. Everything the screen shows is computed here by pure code and
+`ViewState`, cannot tell them apart. Everything the screen shows is computed here by pure code and
 tested without an app: the cursor, alerts navigation, units, the gap rows and their meaning.
 """
 
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from memtui.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
+from memtui.job_state import JobState, ending_text, exit_status
+from memtui.rank_rows import RankRow
+from memtui.recording import Recording, apply
 from memtui.step_rows import (
     AlertRow,
     GapRow,
@@ -24,6 +28,7 @@ from memtui.step_rows import (
     pile_rows,
 )
 from memtui_agent import schema
+from memtui_agent.schema import ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
@@ -31,12 +36,18 @@ RATE_WINDOW_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ViewState:
     """Everything the screen shows, for one cursor position. Widgets only read this."""
 
     title: str
     job: str
     state: str
+    """The header's words for `status` (display only: test `status`, never this text)."""
+    status: JobState
+    exit_status: ExitStatus | None
+    """How the job ended, once `status` is ENDED (None: unknown, no agent ever spoke)."""
+    replay: bool
+    """A recording read back (the state already says which step of how many)."""
     source: str
     step: int | None
     steps_total: int
@@ -52,16 +63,26 @@ class Snapshot:
     timeline_allocated: tuple[int | None, ...]
     timeline_reserved: tuple[int | None, ...]
     timeline_alerts: frozenset[int]
+    timeline_carried: frozenset[int]
+    """Steps in the window whose activations were carried from a measured step."""
     cursor_step: int | None
     notes: tuple[str, ...] = ()
     allocator_lines: tuple[str, ...] = ()
     loss: float | None = None
     skipped: bool = False
     microbatches: int = 0
+    activations_measured: bool = True
+    """The cursor step's activations were measured (hooks armed); else carried or unknown."""
+    activations_from: int | None = None
+    """The measured step whose activation figures the cursor step carries."""
     distributed_lines: tuple[str, ...] = ()
     alloc_recorded: bool = False
     """The job runs with `--alloc-events`: the allocations table is on screen."""
     alloc_rows: tuple[AllocRow, ...] = ()
+    ranks: tuple[RankRow, ...] = ()
+    """Every rank side by side (only with several ranks)."""
+    rank: str = ""
+    """The label of the rank on screen."""
     step_owner: str | None = None
     """Whose step the cursor is on, where that needs saying: the optimizer when several step,
     or that a backward closed it (a job without an optimizer)."""
@@ -69,17 +90,18 @@ class Snapshot:
 
 @dataclass
 class Session:
-    """Accumulated state of one job, plus the viewer's cursor, pause and unit choices."""
+    """One job's Recording (the one fold of its stream), plus the viewer's cursor, pause and
+    unit choices.
+
+    The stream is folded by `recording.apply`, the same function `memtui report` and `export`
+    use, so the screen and the report cannot disagree; the Session adds only what a viewer
+    needs on top (the cursor, bounded history, the step rate).
+    """
 
     source_label: str = ""
     live: bool = True
-    hello: schema.Hello | None = None
-    module_names: dict[int, str] = field(default_factory=dict)
-    steps: list[schema.Step] = field(default_factory=list)
-    alerts: list[AlertRow] = field(default_factory=list)
-    agent_errors: list[schema.AgentError] = field(default_factory=list)
-    end: schema.End | None = None
-    last_tick: schema.Tick | None = None
+    recording: Recording | None = None
+    """None until the job's hello arrives (every stream starts with it)."""
     cursor: int | None = None
     optimizer_names: set[str] = field(default_factory=set)
     follow: bool = True
@@ -87,68 +109,105 @@ class Session:
     binary: bool = True
     disconnected: str | None = None
     exit_code: int | None = None
+    stopped: bool = False
+    """memtui itself stopped the job (quit from the TUI): no final frame, yet not killed."""
     warning: str | None = None
     dropped_steps: int = 0
+    alerts_trimmed: int = 0
+    """Oldest alerts dropped past MAX_ALERTS (keeps every alert's key stable)."""
     alloc_recorded: bool = False
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    _alert_rows: tuple[tuple[int, int], list[AlertRow]] = field(
+        default_factory=lambda: ((0, 0), [])
+    )
+
+    # ----- the recording, read through ----------------------------------------------------
+
+    @property
+    def hello(self) -> schema.Hello | None:
+        return self.recording.hello if self.recording is not None else None
+
+    @property
+    def steps(self) -> list[schema.Step]:
+        return self.recording.steps if self.recording is not None else []
+
+    @property
+    def end(self) -> schema.End | None:
+        return self.recording.end if self.recording is not None else None
+
+    @property
+    def module_names(self) -> dict[int, str]:
+        return self.recording.module_names if self.recording is not None else {}
+
+    @property
+    def agent_errors(self) -> list[schema.AgentError]:
+        return self.recording.agent_errors if self.recording is not None else []
+
+    @property
+    def last_tick(self) -> schema.Tick | None:
+        return self.recording.last_tick if self.recording is not None else None
+
+    @property
+    def alerts(self) -> list[AlertRow]:
+        """Every alert in the order the stream carried it (an `End`'s without a step: 0)."""
+        if self.recording is None:
+            return []
+        first, alerts = self.alerts_trimmed, self.recording.alerts
+        # Alerts are only appended (and trimmed at the front): rebuild the rows only then.
+        if self._alert_rows[0] != (first, len(alerts)):
+            rows = [
+                AlertRow(
+                    item.step or 0,
+                    item.alert.kind,
+                    item.alert.message,
+                    item.alert.where,
+                    item.alert.group,
+                    key=f"alert-{first + index}",
+                )
+                for index, item in enumerate(alerts)
+            ]
+            self._alert_rows = ((first, len(alerts)), rows)
+        return self._alert_rows[1]
 
     # ----- input --------------------------------------------------------------------------
 
     def ingest(self, messages: list[schema.Message]) -> None:
         """Fold a batch of messages in, in order (from a socket or a recording)."""
         for message in messages:
-            if isinstance(message, schema.Step):
-                self._add_step(message)
-            elif isinstance(message, schema.Tick):
-                self.last_tick = message
-            elif isinstance(message, schema.AlertNow):
-                self._add_alert(message.step, message.alert)
-            elif isinstance(message, schema.Names):
-                for offset, name in enumerate(message.names):
-                    self.module_names[message.first_id + offset] = name
-            elif isinstance(message, schema.Hello):
-                self.hello = message
-            elif isinstance(message, schema.AgentError):
-                self.agent_errors.append(message)
+            recording = self.recording
+            if recording is None:
+                if isinstance(message, schema.Hello):
+                    self.recording = Recording(path=Path(self.source_label), hello=message)
+                continue  # nothing comes before a hello in any stream memtui reads
+            apply(recording, message)
+            if type(message) is schema.Step:
+                self._stepped(message, recording.steps)
             elif isinstance(message, schema.End):
-                self._add_late(message.late)
-                self.end = message
                 self.alloc_recorded |= message.alloc_events is not None
-                for alert in message.alerts:
-                    self._add_alert(message.step or 0, alert)
+        if self.recording is not None and len(self.recording.alerts) > MAX_ALERTS:
+            cut = len(self.recording.alerts) - MAX_ALERTS + MAX_ALERTS // 10
+            del self.recording.alerts[:cut]
+            self.alerts_trimmed += cut
         if messages:
             self.version += 1
 
-    def _add_late(self, late: list[schema.StepLate]) -> None:
-        """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
-        for number, alert in schema.apply_late(self.steps, late):
-            self._add_alert(number, alert)
-
-    def _add_step(self, step: schema.Step) -> None:
+    def _stepped(self, step: schema.Step, steps: list[schema.Step]) -> None:
+        """The viewer's side of a new step: its rate, the cursor, bounded history."""
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
-        self._add_late(step.late)
-        self.steps.append(step)
         self.alloc_recorded |= step.alloc_events is not None
         self._step_times.append(step.t_end)
-        for alert in step.alerts:
-            self._add_alert(step.step, alert)
-        if len(self.steps) > MAX_STEPS:
+        if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
             cut = MAX_STEPS // 10
-            del self.steps[:cut]
+            del steps[:cut]
             self.dropped_steps += cut
             if self.cursor is not None:
                 self.cursor = max(0, self.cursor - cut)
         if self.follow and not self.paused:
-            self.cursor = len(self.steps) - 1
-
-    def _add_alert(self, step: int, alert: schema.Alert) -> None:
-        self.alerts.append(AlertRow(step, alert.kind, alert.message, alert.where, alert.group))
-        if len(self.alerts) > MAX_ALERTS:
-            del self.alerts[: MAX_ALERTS // 10]
+            self.cursor = len(steps) - 1
 
     def mark_disconnected(self, reason: str) -> None:
         """The stream ended; without an `End` the job died or the socket broke."""
@@ -215,35 +274,33 @@ class Session:
 
     # ----- output ---------------------------------------------------------------------------
 
-    def state_text(self) -> str:
-        """live / paused / replay step i of n / ended with its exit status."""
+    def job_state(self) -> JobState:
+        """Waiting, live, paused, or ended (a recording read to its end, a closed stream)."""
         if self.end is not None or self.disconnected is not None or not self.live:
-            ending = self._ending()
-            if not self.live:
-                position = (self.cursor or 0) + 1 if self.steps else 0
-                return f"replay step {position} of {len(self.steps)} · {ending}"
-            return ending
+            return JobState.ENDED
         if self.hello is None:
-            return "waiting for the job"
-        return "paused" if self.paused else "live"
+            return JobState.WAITING
+        return JobState.PAUSED if self.paused else JobState.LIVE
 
-    def _ending(self) -> str:
-        end = self.end
-        if end is None:
-            code = f" (exit {self.exit_code})" if self.exit_code is not None else ""
-            reason = f": {self.disconnected}" if self.disconnected else ""
-            if self.hello is None:  # no agent ever spoke: nothing to call killed
-                return f"ended{code}{reason}"
-            return f"killed{code}, no final frame{reason}"
-        code = f" (exit {end.code})" if end.code is not None else ""
-        if end.status == schema.ExitStatus.DETACHED:  # `memtui detach`: the job carries on
-            return f"detached after step {end.step}; the job carries on"
-        if end.status == "ok":
-            return f"ended: ok{code}"
-        detail = end.describe_error() or ""
-        where = f" in {end.phase}" if end.phase else ""
-        step = f" at step {end.step}" if end.step is not None else ""
-        return f"ended: {end.status}{code}{step}{where}: {detail}"
+    def status_text(self) -> str:
+        """live / paused / waiting, or how the job ended with its exit status."""
+        state = self.job_state()
+        if state is not JobState.ENDED:
+            return str(state)
+        return ending_text(
+            self.end,
+            self.hello,
+            exit_code=self.exit_code,
+            disconnected=self.disconnected,
+            stopped=self.stopped,
+        )
+
+    def state_text(self) -> str:
+        """The header's words: the status, after "replay step i of n" in a replay."""
+        if self.live:
+            return self.status_text()
+        position = (self.cursor or 0) + 1 if self.steps else 0
+        return f"replay step {position} of {len(self.steps)} · {self.status_text()}"
 
     def steps_per_second(self) -> float | None:
         """Closed steps per second over the last few seconds of the job's own clock."""
@@ -255,7 +312,7 @@ class Session:
             return None
         return (len(recent) - 1) / (recent[-1] - recent[0])
 
-    def snapshot(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> Snapshot:
+    def view_state(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> ViewState:
         """The immutable view of the cursor step, the timeline window and the alerts."""
         hello = self.hello
         step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
@@ -270,10 +327,15 @@ class Session:
         notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])
         if self.dropped_steps:
             notes.append(f"{self.dropped_steps} oldest steps dropped from the view")
-        return Snapshot(
+        return ViewState(
             title=title,
             job=job,
             state=self.state_text(),
+            status=self.job_state(),
+            exit_status=exit_status(self.end, self.hello, self.stopped)
+            if self.job_state() is JobState.ENDED
+            else None,
+            replay=not self.live,
             source=self.source_label,
             step=step.step if step is not None else None,
             steps_total=self.steps[-1].step if self.steps else 0,
@@ -295,12 +357,15 @@ class Session:
                 for s in window
             ),
             timeline_alerts=frozenset(alert.step for alert in self.alerts),
+            timeline_carried=frozenset(s.step for s in window if not s.activations_measured),
             cursor_step=step.step if step is not None else None,
             notes=tuple(notes),
             allocator_lines=allocator_lines(step, self.binary),
             loss=step.loss if step is not None else None,
             skipped=step.skipped if step is not None else False,
             microbatches=step.microbatches if step is not None else 0,
+            activations_measured=step.activations_measured if step is not None else True,
+            activations_from=step.activations_from if step is not None else None,
             distributed_lines=distributed_notes(step, self.binary),
             alloc_recorded=self.alloc_recorded,
             alloc_rows=self._alloc_rows(step),

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
-from memtui.exit_codes import EXIT_BAD_INPUT
 from memtui.terminal_text import terminal_safe
-from memtui.torch_snapshot import DeviceSummary, SnapshotError, SnapshotSummary, load_snapshot
+from memtui.torch_snapshot import DeviceSummary, SnapshotSummary, load_snapshot
 from memtui_agent.units import format_bytes
 
 
@@ -90,11 +88,7 @@ def render_snapshot_text(summary: SnapshotSummary, binary: bool = True) -> str:
 
 def report_snapshot(path: str | os.PathLike[str], as_json: bool, binary: bool = True) -> int:
     """`memtui report` for a snapshot file: prints the report, returns the exit code."""
-    try:
-        summary = load_snapshot(path)
-    except SnapshotError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    summary = load_snapshot(path)
     if as_json:
         print(json.dumps(build_snapshot_report(summary), indent=2, default=str))
     else:

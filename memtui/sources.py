@@ -14,13 +14,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from memtui.errors import UserError
+from memtui.frame_stream import CHUNK, Sink, StreamEnd, pump
 from memtui_agent import schema, wire
 
-Sink = Callable[[list[schema.Message]], None]
-CHUNK = 1 << 20
 
-
-class SourceError(Exception):
+class SourceError(UserError):
     """The source cannot be opened; `str()` is the one line to show."""
 
 
@@ -50,25 +49,13 @@ class ReplaySource:
     def run(self, sink: Sink, stop: threading.Event) -> str | None:
         """Decode the file into `sink`; returns what went wrong on the way (None: clean)."""
         from memtui.input_files import InputFileError, open_input
-        from memtui.recording import damage_warning
 
-        decoder = wire.FrameDecoder(resync=True)
         try:
             handle = open_input(self.path)
         except InputFileError as exc:
             return str(exc)
         with handle:
-            while not stop.is_set():
-                chunk = handle.read(CHUNK)
-                try:
-                    batch = list(decoder.feed(chunk) if chunk else decoder.finish())
-                except wire.WireError as exc:
-                    return f"{exc}; showing the {decoder.frames} frames before it"
-                if batch:
-                    sink(batch)
-                if not chunk:
-                    break
-        return damage_warning(decoder)
+            return pump(lambda: handle.read(CHUNK), wire.FrameDecoder(resync=True), sink, stop)
 
 
 class LiveSource:
@@ -108,35 +95,34 @@ class LiveSource:
         sock = self._sock
         assert sock is not None
         sock.settimeout(0.2)
-        decoder = wire.FrameDecoder()
+
+        def read() -> bytes | None:
+            try:
+                data = sock.recv(CHUNK)
+            except TimeoutError:
+                return None
+            except OSError as exc:
+                raise StreamEnd(f"connection lost ({exc.strerror or exc})") from None
+            if not data:
+                raise StreamEnd("the job closed its socket")
+            return data
+
+        def deliver(batch: list[schema.Message]) -> None:
+            for index, message in enumerate(batch):
+                # The job's last word to a viewer it refuses or drops: the line to show.
+                if (
+                    isinstance(message, schema.AgentError)
+                    and message.component == schema.VIEWER_CLOSED
+                ):
+                    if index:
+                        sink(batch[:index])
+                    raise StreamEnd(f"the job closed this connection: {message.message}")
+            sink(batch)
+
         try:
-            while not stop.is_set():
-                try:
-                    data = sock.recv(CHUNK)
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    return f"connection lost ({exc.strerror or exc})"
-                if not data:
-                    return "the job closed its socket"
-                try:
-                    batch = list(decoder.feed(data))
-                except wire.WireError as exc:
-                    return f"bad frame from the job: {exc}"
-                for index, message in enumerate(batch):
-                    # The job's last word to a viewer it refuses or drops: the line to show.
-                    if (
-                        isinstance(message, schema.AgentError)
-                        and message.component == schema.VIEWER_CLOSED
-                    ):
-                        if index:
-                            sink(batch[:index])
-                        return f"the job closed this connection: {message.message}"
-                if batch:
-                    sink(batch)
+            return pump(read, wire.FrameDecoder(), deliver, stop)
         finally:
             sock.close()
-        return None
 
 
 class TailSource:
@@ -161,37 +147,39 @@ class TailSource:
 
     def run(self, sink: Sink, stop: threading.Event) -> str | None:
         """Follow the file until the job's `End`, its exit, or `stop`."""
-        decoder = wire.FrameDecoder()
         handle = None
+
+        def read() -> bytes | None:
+            nonlocal handle
+            if handle is None:
+                try:
+                    handle = open(self.path, "rb")  # noqa: SIM115
+                except FileNotFoundError:
+                    if self._job_exited():
+                        raise StreamEnd(
+                            "the job ended before its agent started (did it import torch?)"
+                        ) from None
+                    stop.wait(self._poll)
+                    return None
+            exited = self._job_exited()
+            chunk = handle.read(CHUNK)
+            if chunk:
+                return chunk
+            if exited:
+                raise StreamEnd("the job exited without a final frame (killed?)")
+            stop.wait(self._poll)
+            return None
+
+        def deliver(batch: list[schema.Message]) -> None:
+            sink(batch)
+            if isinstance(batch[-1], schema.End):
+                raise StreamEnd(None)
+
         try:
-            while not stop.is_set():
-                if handle is None:
-                    try:
-                        handle = open(self.path, "rb")  # noqa: SIM115
-                    except FileNotFoundError:
-                        if self._job_exited():
-                            return "the job ended before its agent started (did it import torch?)"
-                        stop.wait(self._poll)
-                        continue
-                exited = self._job_exited()
-                chunk = handle.read(CHUNK)
-                if chunk:
-                    try:
-                        batch = list(decoder.feed(chunk))
-                    except wire.WireError as exc:
-                        return f"bad frame in the recording: {exc}"
-                    if batch:
-                        sink(batch)
-                        if isinstance(batch[-1], schema.End):
-                            return None
-                    continue
-                if exited:
-                    return "the job exited without a final frame (killed?)"
-                stop.wait(self._poll)
+            return pump(read, wire.FrameDecoder(), deliver, stop)
         finally:
             if handle is not None:
                 handle.close()
-        return None
 
 
 class SnapshotSource:

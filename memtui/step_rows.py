@@ -55,6 +55,8 @@ class AlertRow:
     message: str
     where: str | None
     group: int | None = None
+    key: str = ""
+    """Stable while the alert is on screen: the table keeps its cursor on it as alerts come."""
 
 
 def module_label(names: dict[int, str], module_id: int) -> str:
@@ -94,6 +96,7 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
                 f"from step {alert.group} (weights non-finite since then)",
                 where=None,
                 group=alert.group,
+                key=f"group-{alert.group}",
             )
         )
     return tuple(reversed(folded))

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from memtui.errors import UserError
 from memtui.input_files import InputFileError, open_input
 from memtui_agent import schema
 from memtui_agent.units import format_bytes
@@ -44,7 +45,7 @@ INT_RANGE = (-(1 << 63), 1 << 64)
 NOT_SNAPSHOT = "not a PyTorch memory snapshot"
 
 
-class SnapshotError(Exception):
+class SnapshotError(UserError):
     """The file is unusable as a memory snapshot; `str()` is the one line to show."""
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memtui.errors import UsageError
 from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
 from memtui.run_command import (
     JobSpec,
@@ -93,8 +94,7 @@ def run_tui(job_spec: JobSpec) -> int:
     problem = _need_terminal("run")
     if problem:
         take_notes(job_spec)
-        print(f"memtui: error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
     from memtui.job_process import JobProcess
     from memtui.tui.app import MemtuiApp, recording_log_path, run_app
 
@@ -181,16 +181,12 @@ def replay(path: str) -> int:
     """`memtui replay PATH`: the recording at its last step, the cursor free; a session
     folder opens every rank (`r` switches)."""
     ranks = None
-    try:
-        if Path(path).is_dir():
-            ranks = session_sources(Path(path))
-            source = next(iter(ranks.values()))
-        else:
-            source = replay_source(Path(path))
-            source.check()
-    except SourceError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    if Path(path).is_dir():
+        ranks = session_sources(Path(path))
+        source = next(iter(ranks.values()))
+    else:
+        source = replay_source(Path(path))
+        source.check()
     return _open_app("replay", source, ranks=ranks, warning=source.warning)
 
 
@@ -202,8 +198,7 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
     """
     problem = _need_terminal(command)
     if problem:
-        print(f"memtui: error: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(problem)
     from memtui.tui.app import MemtuiApp, run_app
 
     app = MemtuiApp(source, **options)

@@ -121,6 +121,7 @@ class FakeJob:
         self.code: int | None = None
         self.lines = list(lines or [])
         self.terminated = False
+        self.stopped = False
 
     def poll(self) -> int | None:
         return self.code
@@ -131,6 +132,7 @@ class FakeJob:
 
     def terminate(self) -> None:
         self.terminated = True
+        self.stopped = True
         self.code = 143
 
     def wait(self) -> int:

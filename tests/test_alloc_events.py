@@ -501,7 +501,7 @@ def recorded_messages(builder: Any, with_events: bool = True) -> list[schema.Mes
 def test_session_lists_the_cursor_steps_events_and_the_unfinished_step(builder: Any) -> None:
     session = Session(live=False)
     session.ingest(recorded_messages(builder))
-    rows = session.snapshot().alloc_rows
+    rows = session.view_state().alloc_rows
     kinds = [row.kind for row in rows]
     # The newest step, then the step the job died in, OOM first among its rows.
     assert kinds[:4] == ["step", "alloc", "alloc", "ring full"]
@@ -510,7 +510,7 @@ def test_session_lists_the_cursor_steps_events_and_the_unfinished_step(builder: 
     assert oom.size == 6 * 2**30 and "model.py:57 forward" in oom.where
     assert "512.00 MiB free on the device" in oom.where
     session.move(-2)
-    rows = session.snapshot().alloc_rows
+    rows = session.view_state().alloc_rows
     assert [row.kind for row in rows] == ["step", "alloc", "alloc", "segment +"]
     assert rows[1].size == 2 * 64 * MIB and rows[1].count == 12
 
@@ -518,7 +518,7 @@ def test_session_lists_the_cursor_steps_events_and_the_unfinished_step(builder: 
 def test_session_without_events_has_no_allocation_rows(builder: Any) -> None:
     session = Session(live=False)
     session.ingest(recorded_messages(builder, with_events=False))
-    snap = session.snapshot()
+    snap = session.view_state()
     assert not snap.alloc_recorded and snap.alloc_rows == ()
 
 

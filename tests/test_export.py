@@ -99,6 +99,7 @@ def test_chrome_trace_instant_alerts(recording: Path, builder: ModuleType, tmp_p
         (1, "first_step_growth"),
         (6, "over_budget"),
         (builder.SKIPPED_STEP, "skipped_step"),
+        (builder.NAN_STEP, "nonfinite_activation"),
         (builder.NAN_STEP, "nonfinite_loss"),
     ]
     assert all(e["s"] == "g" for e in instants)

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from memtui.cli import main
+from memtui.exit_codes import EXIT_BAD_INPUT
 from memtui_agent import schema
 from memtui_agent.failures import without_agent_frames
 
@@ -202,3 +203,32 @@ def test_a_job_stopped_from_the_tui_is_not_called_killed(
     line = summary_line(job, 143, stopped=True)
     assert "stopped from memtui (SIGTERM)" in line and "killed" not in line
     assert "killed" in summary_line(job, 137)
+
+
+def test_command_errors_are_printed_in_one_place() -> None:
+    """Commands raise `UserError`; only `cli.main` (and argparse's hook) word `memtui: error:`.
+
+    `attach`'s listing errors in tui_commands.py are the one exception left: that command is
+    being rewritten for injection (memtui/attach*.py)."""
+    import memtui
+
+    package = Path(memtui.__file__).parent
+    printing = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if 'print(f"memtui: error:' in path.read_text(encoding="utf-8")
+    )
+    assert printing == ["cli.py", "tui_commands.py"]
+    attach_only = Path(package, "tui_commands.py").read_text(encoding="utf-8")
+    assert attach_only.count('print(f"memtui: error:') == 4  # attach and its listing
+
+
+def test_a_command_error_is_one_escaped_line_with_its_exit_code(
+    tmp_path: Path, builder: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, builder, builder.demo_messages())
+    assert main(["export", str(path), "--format", "csv", "-o", str(path)]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err == f"memtui: error: {path}: would overwrite the recording\n"
+    assert main(["report", str(tmp_path / "no\x1bsuch")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and err.startswith("memtui: error: ")

@@ -119,7 +119,7 @@ def _summary(recording: Recording) -> tuple[Any, ...]:
         recording.hello,
         recording.module_names,
         recording.steps,
-        recording.early_alerts,
+        recording.alerts,
         recording.last_tick,
         recording.agent_errors,
         recording.end,

@@ -97,24 +97,65 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
                 await pilot.pause(0.05)
                 app.refresh_view()
             panel = app.query_one(PilesPanel)
-            assert app.selected == "0" and panel.snapshot is not None
-            assert panel.snapshot.piles[0].at_peak == 1000
-            assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.snapshot.notes)
-            assert "gradients equal" in " ".join(panel.snapshot.notes)
+            assert app.selected == "0" and panel.view is not None
+            assert panel.view.piles[0].at_peak == 1000
+            assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.view.notes)
+            assert "gradients equal" in " ".join(panel.view.notes)
             table = app.query_one(RanksTable)
             assert table.display and table.row_count == 2
-            assert [row.piles[0] for row in table.entries] == [1000, 2000]
-            assert "weights" in table.entries[1].heaviest  # marked as the heaviest rank
-            assert "weights" not in table.entries[0].heaviest
+            assert table.view is not None
+            entries = table.view.ranks
+            assert [row.piles[0] for row in entries] == [1000, 2000]
+            assert "weights" in entries[1].heaviest  # marked as the heaviest rank
+            assert "weights" not in entries[0].heaviest
             assert str(table.get_row_at(0)[0]).startswith("▶")
             await pilot.press("r")
             assert app.selected == "1"
-            assert app.query_one(PilesPanel).snapshot.piles[0].at_peak == 2000
+            assert app.query_one(PilesPanel).view.piles[0].at_peak == 2000
             await pilot.pause(0.3)
             assert str(table.get_row_at(1)[0]).startswith("▶")
             assert not str(table.get_row_at(0)[0]).startswith("▶")
 
     asyncio.run(scenario())
+
+
+def test_the_view_model_owns_every_rank_and_emits_one_view_state() -> None:
+    """No widget or app state: ranks, the shown rank, the job's exit all live in the model."""
+    from memtui.job_state import JobState
+    from memtui.view_model import ViewModel
+    from memtui_agent import schema
+    from memtui_agent.schema import ExitStatus
+
+    model = ViewModel({"0": ("rank-0", True), "1": ("rank-1", True)})
+    for rank, weights in (("0", 1000), ("1", 3000)):
+        piles = schema.Piles(weights, 0, 0, 0)
+        hello = schema.Hello(
+            format_version=schema.FORMAT_VERSION,
+            agent_version="t",
+            pid=1,
+            argv=["train.py"],
+            started="2026-11-29T09:00:00+00:00",
+            started_unix=0.0,
+            rank=int(rank),
+        )
+        step = schema.Step(step=1, t_start=0, t_end=1, end=piles, max=piles, peak=piles)
+        model.ingest(rank, [hello, step])
+    before = model.version
+    view = model.view_state(timeline_width=40)
+    assert view.rank == "0" and [row.label for row in view.ranks] == ["0", "1"]
+    assert "weights 3.00x (heaviest rank 1)" in " ".join(view.notes)
+    model.next_rank()
+    assert model.version != before
+    assert model.view_state(timeline_width=40).rank == "1"
+    model.source_ended("0", None)
+    model.job_exited(143, stopped=True)
+    rows = model.view_state(timeline_width=40).ranks
+    assert rows[0].state == "stopped from memtui (SIGTERM) (exit 143)"
+    shown = model.view_state(timeline_width=40)
+    assert (shown.status, shown.exit_status) == (JobState.LIVE, None)  # rank 1 still streams
+    model.source_ended("1", "the job closed its socket")
+    shown = model.view_state(timeline_width=40)
+    assert (shown.status, shown.exit_status) == (JobState.ENDED, ExitStatus.STOPPED)
 
 
 def test_attach_groups_the_ranks_of_one_job() -> None:

@@ -397,9 +397,7 @@ def test_checkpointed_blocks_raise_the_limit_alert_and_count_state_exactly(
     assert job.results["tensors"] == tensors
     # AdamW: two fp32 moments per value and a 4-byte step tensor per parameter tensor.
     optimizer_state = 2 * weights + 4 * tensors
-    checkpoint = [
-        early for early in recording.early_alerts if early.alert.kind == "checkpoint_limit"
-    ]
+    checkpoint = [item for item in recording.alerts if item.alert.kind == "checkpoint_limit"]
     assert len(checkpoint) == 1 and checkpoint[0].step == 1
     assert [step.step for step in recording.steps] == [1, 2, 3]
     for step in recording.steps:

@@ -59,14 +59,15 @@ def test_ingest_puts_the_cursor_on_the_last_step(demo_messages: list[schema.Mess
         (1, "first_step_growth"),
         (9, "skipped_step"),
         (17, "nonfinite_loss"),
+        (17, "nonfinite_activation"),
     ]
-    snap = session.snapshot()
-    assert (snap.step, snap.steps_total, snap.cursor_step) == (24, 24, 24)
-    assert snap.job == "python train.py"
-    assert snap.title == "pid 4242 · cpu · torch 2.13.0+cpu"
-    assert snap.steps_per_second == pytest.approx(4.0)
-    assert snap.top_activations[0][0] == "blocks.0.mlp"
-    assert snap.microbatches == 2
+    view = session.view_state()
+    assert (view.step, view.steps_total, view.cursor_step) == (24, 24, 24)
+    assert view.job == "python train.py"
+    assert view.title == "pid 4242 · cpu · torch 2.13.0+cpu"
+    assert view.steps_per_second == pytest.approx(4.0)
+    assert view.top_activations[0][0] == "blocks.0.mlp"
+    assert view.microbatches == 2
 
 
 def test_version_moves_only_when_something_changed(demo_messages: list[schema.Message]) -> None:
@@ -106,8 +107,8 @@ def test_moving_without_steps_is_harmless() -> None:
     session.end_key()
     session.next_alert(1)
     assert session.cursor is None
-    snap = session.snapshot()
-    assert snap.step is None and snap.piles == () and snap.gap == ()
+    view = session.view_state()
+    assert view.step is None and view.piles == () and view.gap == ()
 
 
 def test_alert_navigation_lands_on_alert_steps(demo_messages: list[schema.Message]) -> None:
@@ -127,19 +128,19 @@ def test_alert_navigation_lands_on_alert_steps(demo_messages: list[schema.Messag
 def test_alert_steps_carry_their_flags(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
     session.jump_to_step(9)
-    assert session.snapshot().skipped
+    assert session.view_state().skipped
     session.jump_to_step(17)
-    loss = session.snapshot().loss
+    loss = session.view_state().loss
     assert loss is not None and math.isnan(loss)
 
 
 def test_toggle_units_flips_binary(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
-    assert session.snapshot().binary
+    assert session.view_state().binary
     session.toggle_units()
-    assert not session.snapshot().binary
+    assert not session.view_state().binary
     session.toggle_units()
-    assert session.snapshot().binary
+    assert session.view_state().binary
 
 
 def test_pause_freezes_the_cursor_and_resume_jumps_to_newest(
@@ -152,7 +153,7 @@ def test_pause_freezes_the_cursor_and_resume_jumps_to_newest(
     session.ingest([make_step(25), make_step(26)])
     assert len(session.steps) == 26
     assert cursor_step(session) == 24
-    assert session.snapshot().steps_total == 26
+    assert session.view_state().steps_total == 26
     session.toggle_pause()
     assert session.state_text() == "live"
     assert cursor_step(session) == 26
@@ -221,7 +222,7 @@ def test_end_alerts_are_listed_under_their_step(live_messages: list[schema.Messa
     session = ingested(live_messages, live=True)
     session.ingest([schema.End(time=0.0, status="error", code=1, step=25, alerts=[oom])])
     assert session.alerts[-1].step == 25
-    assert session.snapshot().alerts[0].kind == "oom"
+    assert session.view_state().alerts[0].kind == "oom"
 
 
 def test_state_text_killed_live_job(live_messages: list[schema.Message]) -> None:
@@ -232,11 +233,38 @@ def test_state_text_killed_live_job(live_messages: list[schema.Message]) -> None
     assert session.end is None
 
 
+def test_the_view_state_carries_the_state_as_data(
+    live_messages: list[schema.Message], demo_messages: list[schema.Message]
+) -> None:
+    """Widgets test `status`, `exit_status` and `replay`, never the header's words."""
+    from memtui.job_state import JobState
+    from memtui_agent.schema import ExitStatus
+
+    def state(session: Session) -> tuple[JobState, ExitStatus | None, bool]:
+        view = session.view_state()
+        return view.status, view.exit_status, view.replay
+
+    assert state(Session(live=True)) == (JobState.WAITING, None, False)
+    live = ingested(live_messages, live=True)
+    assert state(live) == (JobState.LIVE, None, False)
+    live.toggle_pause()
+    assert state(live) == (JobState.PAUSED, None, False)
+    live.mark_disconnected("the job closed its socket")
+    assert state(live) == (JobState.ENDED, ExitStatus.KILLED, False)
+    assert state(ingested(demo_messages)) == (JobState.ENDED, ExitStatus.OK, True)
+    stopped = ingested(live_messages, live=True)
+    stopped.stopped = True
+    stopped.exit_code = 143
+    stopped.mark_disconnected("the job exited")
+    assert state(stopped) == (JobState.ENDED, ExitStatus.STOPPED, False)
+    assert stopped.state_text() == "stopped from memtui (SIGTERM) (exit 143)"
+
+
 def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
     demo_messages: list[schema.Message],
 ) -> None:
     session = ingested(demo_messages)
-    rows = session.snapshot().gap
+    rows = session.view_state().gap
     assert [row.label for row in rows] == [
         "tracked at step end",
         "process RSS",
@@ -303,7 +331,7 @@ def test_pile_rows_shares_sum_to_one(demo_messages: list[schema.Message]) -> Non
     session = ingested(demo_messages)
     for index in (0, 8, 12, 23):
         session.cursor = index
-        rows = session.snapshot().piles
+        rows = session.view_state().piles
         assert [row.name for row in rows] == [
             "weights",
             "gradients",
@@ -330,7 +358,7 @@ def test_first_step_peak_has_no_optimizer_state(demo_messages: list[schema.Messa
     """The state appears when step 1 closes: in `end` and `max`, not at the step's peak."""
     session = ingested(demo_messages)
     session.home()
-    rows = {row.name: row for row in session.snapshot().piles}
+    rows = {row.name: row for row in session.view_state().piles}
     assert rows["optimizer_state"].at_peak == 0
     assert rows["optimizer_state"].step_max == session.steps[0].end.optimizer_state > 0
 
@@ -338,9 +366,9 @@ def test_first_step_peak_has_no_optimizer_state(demo_messages: list[schema.Messa
 def test_bf16_phase_shows_in_dtypes(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
     session.jump_to_step(12)
-    assert ("activations", "bfloat16") not in {row[:2] for row in session.snapshot().dtypes}
+    assert ("activations", "bfloat16") not in {row[:2] for row in session.view_state().dtypes}
     session.jump_to_step(13)
-    dtypes = session.snapshot().dtypes
+    dtypes = session.view_state().dtypes
     assert ("activations", "bfloat16") in {row[:2] for row in dtypes}
     activations = [row for row in dtypes if row[0] == "activations"]
     assert [row[2] for row in activations] == sorted((row[2] for row in activations), reverse=True)
@@ -355,7 +383,7 @@ def test_history_is_bounded(
     assert [step.step for step in session.steps] == list(range(5, 25))
     assert session.dropped_steps == 4
     assert cursor_step(session) == 24
-    assert "4 oldest steps dropped from the view" in session.snapshot().notes
+    assert "4 oldest steps dropped from the view" in session.view_state().notes
 
     session.jump_to_step(10)
     session.ingest([make_step(number) for number in (25, 26, 27)])
@@ -373,23 +401,30 @@ def test_thousand_steps_in_one_batch(
     session.ingest([make_step(number) for number in range(1, 1001)])
     assert len(session.steps) == 1000
     assert cursor_step(session) == 1000
-    snap = session.snapshot(timeline_width=100)
-    assert len(snap.timeline_steps) == 100
-    assert snap.timeline_steps[-1] == 1000
-    assert snap.steps_per_second == pytest.approx(4.0)
+    view = session.view_state(timeline_width=100)
+    assert len(view.timeline_steps) == 100
+    assert view.timeline_steps[-1] == 1000
+    assert view.steps_per_second == pytest.approx(4.0)
     assert len(session._step_times) <= 256
 
 
-def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first() -> None:
+def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first(
+    live_messages: list[schema.Message],
+) -> None:
     """Every step after the weights go NaN repeats the alerts; the first must stay visible."""
     from memtui.step_rows import folded_alerts
 
-    session = Session(live=False)
-    session._add_alert(3, schema.Alert(kind="nonfinite_loss", message="loss"))
-    session._add_alert(3, schema.Alert(kind="nonfinite_gradient", message="grads", where="w"))
+    def alert(step: int, kind: str, message: str, **extra: object) -> schema.AlertNow:
+        alert = schema.Alert(kind=kind, message=message, **extra)  # type: ignore[arg-type]
+        return schema.AlertNow(time=0.0, step=step, alert=alert)
+
+    session = ingested(live_messages[:1])
+    session.ingest(
+        [alert(3, "nonfinite_loss", "loss"), alert(3, "nonfinite_gradient", "grads", where="w")]
+    )
     for step in range(4, 40):
-        session._add_alert(step, schema.Alert(kind="nonfinite_loss", message="x", group=3))
-        session._add_alert(step, schema.Alert(kind="nonfinite_gradient", message="y", group=3))
+        session.ingest([alert(step, "nonfinite_loss", "x", group=3)])
+        session.ingest([alert(step, "nonfinite_gradient", "y", group=3)])
     rows = folded_alerts(session.alerts)
     assert [row.kind for row in rows] == ["grouped", "nonfinite_gradient", "nonfinite_loss"]
     assert rows[0].step == 3

@@ -166,16 +166,16 @@ def test_tiny_sizes_and_empty_data_give_one_line() -> None:
     assert [line.plain for line in render_lines(empty, 40, 10)] == ["no steps yet"]
 
 
-def test_from_snapshot_copies_the_timeline_window() -> None:
-    snapshot = dataclasses.replace(
-        Session().snapshot(),
+def test_from_view_copies_the_timeline_window() -> None:
+    view = dataclasses.replace(
+        Session().view_state(),
         timeline_steps=(7, 8),
         timeline_piles=((1, 2, 3, 4), (5, 6, 7, 8)),
         timeline_alerts=frozenset({8}),
         cursor_step=8,
         binary=False,
     )
-    assert TimelineData.from_snapshot(snapshot) == TimelineData(
+    assert TimelineData.from_view(view) == TimelineData(
         (7, 8), ((1, 2, 3, 4), (5, 6, 7, 8)), frozenset({8}), 8, False
     )
 

@@ -23,7 +23,6 @@ from memtui.session import Session
 from memtui.snapshot_report import build_snapshot_report, render_snapshot_text
 from memtui.sources import ReplaySource, SnapshotSource, SourceError, replay_source
 from memtui.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
-from memtui.tui_commands import replay
 from memtui_agent import schema
 
 MiB = 1 << 20
@@ -288,7 +287,7 @@ def test_snapshot_source_feeds_the_session(snap: Path) -> None:
     for batch in batches:
         session.ingest(batch)
     session.home()
-    gap = {row.label: row for row in session.snapshot().gap}
+    gap = {row.label: row for row in session.view_state().gap}
     assert gap["torch allocated"].value == 26 * MiB
     assert gap["torch reserved"].value == 40 * MiB
     assert gap["torch reserved"].delta == 14 * MiB
@@ -301,7 +300,7 @@ def test_replay_refuses_a_foreign_pickle(
     path = write(tmp_path / "evil.pickle", NotPlainData())
     with pytest.raises(SourceError, match="not a PyTorch memory snapshot"):
         SnapshotSource(path).check()
-    assert replay(str(path)) == 1
+    assert main(["replay", str(path)]) == 1
     assert capsys.readouterr().err.count("\n") == 1
 
 
@@ -340,7 +339,7 @@ def test_replay_ui_shows_the_snapshot_in_the_gap_panel(snap: Path, tui: Any) -> 
         app.refresh_view()
         await pilot.pause()
         panel = app.query_one(GapPanel)
-        gap = {row.label: row.value for row in panel.snapshot.gap}
+        gap = {row.label: row.value for row in panel.view.gap}
         assert (gap["torch allocated"], gap["torch reserved"]) == (26 * MiB, 40 * MiB)
         text = tui.plain(panel)
         assert "26.00 MiB" in text and "40.00 MiB" in text

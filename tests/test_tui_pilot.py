@@ -1,6 +1,6 @@
 """The app driven by keys through Textual's pilot, fed by a fake source (no sockets, no jobs).
 
-Assertions read the Session and the snapshot each widget was handed, plus the text a panel
+Assertions read the Session and the view state each widget was handed, plus the text a panel
 renders where the point is what the user sees (units, the ended state).
 """
 
@@ -33,7 +33,7 @@ def cursor_step(app: MemtuiApp) -> int:
 def shown_step(app: MemtuiApp) -> int | None:
     """The step every view was last handed; they must agree."""
     steps = {
-        app.query_one(widget).snapshot.step  # type: ignore[attr-defined]
+        app.query_one(widget).view.step  # type: ignore[attr-defined]
         for widget in (JobHeader, PilesPanel, GapPanel, AlertsTable, DtypeTable)
     }
     timeline = app.query_one(PileTimeline).data
@@ -65,7 +65,7 @@ def test_step_keys_move_every_view(tui: Any, demo_messages: Messages) -> None:
         assert cursor_step(app) == 22
         assert shown_step(app) == 22
         peak = app.session.steps[21].peak
-        at_peak = {row.name: row.at_peak for row in app.query_one(PilesPanel).snapshot.piles}
+        at_peak = {row.name: row.at_peak for row in app.query_one(PilesPanel).view.piles}
         assert at_peak["activations"] == peak.activations
         assert "replay step 22 of 24" in tui.plain(app.query_one(JobHeader))
         await pilot.press("home")
@@ -118,10 +118,11 @@ def test_enter_on_an_alert_row_jumps_to_its_step(tui: Any, demo_messages: Messag
 
     async def body(pilot: Pilot[Any]) -> None:
         table = app.query_one(AlertsTable)
-        assert [str(table.get_row_at(row)[0]) for row in range(table.row_count)] == ["17", "9", "1"]
+        steps = [str(table.get_row_at(row)[0]) for row in range(table.row_count)]
+        assert steps == ["17", "17", "9", "1"]
         table.focus()
         await pilot.pause()
-        await pilot.press("down", "enter")
+        await pilot.press("down", "down", "enter")
         await pilot.pause()
         assert shown_step(app) == 9
         await pilot.press("down", "enter")
@@ -146,7 +147,7 @@ def test_stream_closed_without_end_shows_killed(tui: Any, live_messages: Message
 
     async def body(pilot: Pilot[Any]) -> None:
         assert app.session.state_text() == "live"
-        app._source_ended("the job closed its socket")
+        app._source_ended("the job closed its socket", app.selected)
         await pilot.pause()
         assert app.session.state_text() == "killed, no final frame: the job closed its socket"
         assert "killed, no final frame" in tui.plain(app.query_one(JobHeader))
@@ -185,7 +186,7 @@ def test_space_pauses_a_live_view(tui: Any, live_messages: Messages, make_step: 
         await arrive(pilot, range(25, 28))
         assert len(app.session.steps) == 27
         assert shown_step(app) == 24
-        assert app.query_one(JobHeader).snapshot.steps_total == 27
+        assert app.query_one(JobHeader).view.steps_total == 27
         assert " paused " in tui.plain(app.query_one(JobHeader))
         await pilot.press("space")
         assert app.session.state_text() == "live"
@@ -362,7 +363,7 @@ def test_step_keys_still_work_after_choosing_an_alert(tui: Any, demo_messages: M
 
     async def body(pilot: Pilot[Any]) -> None:
         app.query_one(AlertsTable).focus()
-        await pilot.press("down", "enter")
+        await pilot.press("down", "down", "enter")
         assert cursor_step(app) == 9
         await pilot.press("right")
         assert cursor_step(app) == 10
@@ -409,10 +410,10 @@ def test_five_thousand_steps_in_batches_of_fifty(
                 while not source.delivered.is_set():
                     await pilot.pause(0.01)
                 for _ in range(20):  # let the app's own timer do the draining
-                    if not app._inbox:
+                    if not app.inboxes[app.selected]:
                         break
                     await pilot.pause(0.1)
-                assert not app._inbox
+                assert not app.inboxes[app.selected]
                 await pilot.pause()
                 assert len(app.session.steps) == 5000
                 assert shown_step(app) == 5000
@@ -445,7 +446,142 @@ def test_replay_of_a_torn_recording_shows_what_was_read_and_a_warning(tmp_path: 
                 await pilot.pause(0.05)
                 app.refresh_view()
             assert app.session.steps and app.session.steps[-1].step == 24
-            notes = app.query_one(NotesLine).snapshot
+            notes = app.query_one(NotesLine).view
             assert notes is not None and any("partial frame" in note for note in notes.notes)
 
     asyncio.run(scenario())
+
+
+def test_the_alerts_table_keeps_its_cursor_while_alerts_arrive(
+    tui: Any, live_messages: Messages
+) -> None:
+    """Each new alert lands on top; the row under the cursor stays under it, on screen too."""
+
+    def alerts(first: int, count: int) -> Messages:
+        return [
+            schema.AlertNow(
+                time=0.0,
+                step=number,
+                alert=schema.Alert(kind="over_budget", message=f"alert {number}"),
+            )
+            for number in range(first, first + count)
+        ]
+
+    source = tui.source([*live_messages, *alerts(100, 30)], live=True)
+    app = MemtuiApp(source)
+
+    async def body(pilot: Pilot[Any]) -> None:
+        table = app.query_one(AlertsTable)
+        table.focus()
+        for _ in range(32):  # past the table's height (about 18 rows): it scrolls
+            await pilot.press("down")
+        await pilot.pause(0.1)
+        held = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        row, scroll = table.cursor_row, table.scroll_y
+        assert row == 32 and scroll > 0, (row, scroll)
+        assert table.step_of_row(held or "") == 9  # the fixture's skipped step, second oldest
+        assert source.feed(alerts(200, 5)).wait(5)
+        for _ in range(3):
+            await pilot.pause(0.05)
+            app.refresh_view()
+        await pilot.pause()
+        assert table.row_count == 34 + 5
+        assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == held
+        assert table.cursor_row == row + 5
+        assert table.scroll_y == scroll + 5  # the same rows stay in view
+        await pilot.press("enter")
+        assert cursor_step(app) == 9
+
+    tui.drive(app, body)
+
+
+def test_the_alerts_where_is_on_screen_at_normal_widths(tui: Any, demo_messages: Messages) -> None:
+    """The module or parameter names an alert points at fit without scrolling sideways."""
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        for size in ((160, 48), (100, 30)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+            table = app.query_one(AlertsTable)
+            labels = [str(column.label) for column in table.columns.values()]
+            assert labels[:3] == ["step", "kind", "where"]
+            widths = [column.get_render_width(table) for column in table.columns.values()]
+            assert sum(widths[:3]) <= table.size.width, (size, widths, table.size.width)
+            row = [str(cell) for cell in table.get_row_at(0)]
+            assert "blocks.1.attn" in row
+
+    tui.drive(app, body)
+
+
+def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
+    tui: Any, demo_messages: Messages
+) -> None:
+    """At 80x24 the dialog is narrower than the longest key line: a description wraps under
+    itself, never under the keys, and a note's lines are filled, not cut at a hard break."""
+    import io
+
+    from rich.console import Console
+    from textual.widgets import Static
+
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = app.screen.query_one("#help-text", Static)
+        width = text.size.width
+        out = io.StringIO()
+        Console(width=width, file=out, color_system=None).print(text.content)
+        lines = [line.rstrip() for line in out.getvalue().splitlines()]
+        keys = lines[2 : lines.index("", 2)]
+        column = min(len(line) - len(line.lstrip()) for line in keys if line.startswith(" "))
+        assert column >= 6  # continuation lines sit under the descriptions
+        assert any(line.startswith(" ") for line in keys), "expected one description to wrap"
+        notes = lines[lines.index("", 2) + 1 :]
+        paragraphs = [[]]  # type: ignore[var-annotated]
+        for line in notes:
+            paragraphs[-1].append(line)
+            if line.endswith("."):
+                paragraphs.append([])
+        for paragraph in paragraphs:
+            for line in paragraph[:-1]:
+                assert len(line) >= width - 15, (line, width)
+
+    tui.drive(app, body, size=(80, 24))
+
+
+def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> None:
+    """A step that carries a measured step's activations says so by the activations row and
+    is drawn lighter in the timeline; a measured step is not marked."""
+    from memtui.tui.timeline import CARRIED_ACTIVATIONS, PILE_COLOURS, column_cells
+
+    def carried(message: schema.Message) -> schema.Message:
+        if isinstance(message, schema.Step) and message.step > 12:
+            source = 12 if message.step < 24 else None  # 24: not measured at all
+            return msgspec.structs.replace(
+                message, activations_measured=False, activations_from=source
+            )
+        return message
+
+    app = MemtuiApp(tui.source([carried(m) for m in demo_messages], live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        piles = app.query_one(PilesPanel)
+        assert "≈ activations not measured" in tui.plain(piles)
+        await pilot.press("left")
+        await pilot.pause()
+        text = tui.plain(piles)
+        assert "activations ≈" in text and "≈ activations from step 12" in text, text
+        data = app.query_one(PileTimeline).data
+        assert data is not None and data.carried == frozenset(range(13, 25))
+        for _ in range(11):
+            await pilot.press("left")
+        assert cursor_step(app) == 12
+        text = tui.plain(piles)
+        assert "≈" not in text and "not measured" not in text
+        activations_only = (0, 0, 0, 100)
+        assert column_cells(activations_only, 100, 2, carried=True)[0][1] == CARRIED_ACTIVATIONS
+        assert column_cells(activations_only, 100, 2)[0][1] == PILE_COLOURS["activations"]
+
+    tui.drive(app, body)

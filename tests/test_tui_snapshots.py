@@ -70,12 +70,34 @@ def test_live_main_screen(
     assert snap_compare(live_app(tui, live_messages), terminal_size=size, run_before=settled(tui))
 
 
+def carried_messages(messages: list[schema.Message]) -> list[schema.Message]:
+    """The fixture run as `--activations auto` records it: steps 13-24 repeat step 12's
+    shapes and carry its activation figures."""
+    import msgspec
+
+    return [
+        msgspec.structs.replace(m, activations_measured=False, activations_from=12)
+        if isinstance(m, schema.Step) and m.step > 12
+        else m
+        for m in messages
+    ]
+
+
+def test_replay_with_carried_activations(
+    snap_compare: Any, tui: Any, demo_messages: list[schema.Message]
+) -> None:
+    """Carried steps: "≈ from step 12" by the activations row, a lighter green in the chart."""
+    source = tui.source(carried_messages(demo_messages), live=False, label=FIXTURE)
+    app = MemtuiApp(source)
+    assert snap_compare(app, terminal_size=(160, 48), run_before=settled(tui))
+
+
 def test_snapshots_hold_nothing_from_this_machine() -> None:
     """No checkout path, home directory or host name in the committed SVGs."""
     snapshots = sorted(
         (Path(__file__).parent / "__snapshots__" / Path(__file__).stem).glob("*.svg")
     )
-    assert len(snapshots) == 4
+    assert len(snapshots) == 5
     leaks = {str(Path(__file__).parents[1]), os.path.expanduser("~"), os.uname().nodename}
     for svg in snapshots:
         text = svg.read_text()

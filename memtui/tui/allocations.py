@@ -1,4 +1,4 @@
-"""The allocations table (`--alloc-events`): a passive view of the snapshot's allocation rows.
+"""The allocations table (`--alloc-events`): a passive view of the view state's allocation rows.
 
 Its box is on screen only when the recording has allocator events, so jobs run without the flag
 keep the usual layout.
@@ -11,7 +11,7 @@ from typing import Any
 from rich.text import Text
 from textual.reactive import reactive
 
-from memtui.session import Snapshot
+from memtui.session import ViewState
 from memtui.terminal_text import plain
 from memtui.tui.widgets import PanelTable, sync_rows
 from memtui_agent.units import format_bytes
@@ -22,18 +22,18 @@ KIND_STYLES = {"OOM": "bold red", "ring full": "yellow", "none": "dim"}
 class AllocationsTable(PanelTable):
     """The cursor step's largest allocations, segment growth and OOM, with their source lines."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("event", "size", "count", "source line")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
-            self, (_row(index, row, snap.binary) for index, row in enumerate(snap.alloc_rows))
+            self, (_row(index, row, view.binary) for index, row in enumerate(view.alloc_rows))
         )
 
 

@@ -1,7 +1,7 @@
 """The memtui app: one screen over a Session, fed by any Source, redrawn at a fixed tick.
 
 The source runs in one thread worker and only appends message batches to an inbox; a 4 Hz timer
-drains the inbox into the Session, takes one immutable Snapshot and hands it to every widget.
+drains the inbox into the Session, takes one immutable ViewState and hands it to every widget.
 However fast frames arrive, the UI does one ingest and one redraw per tick, and memory is bounded
 by the Session's own limits.
 """
@@ -21,8 +21,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.job_process import JobProcess
-from memtui.rank_rows import imbalance_line, rank_rows
-from memtui.session import Session, Snapshot
+from memtui.session import Session, ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
@@ -36,6 +35,7 @@ from memtui.tui.widgets import (
     PilesPanel,
     TopActivations,
 )
+from memtui.view_model import ViewModel
 from memtui_agent import schema
 
 TICK_SECONDS = 0.25
@@ -89,27 +89,31 @@ class MemtuiApp(App[int]):
         self.job = job
         # One Session per rank of a session folder (or a single one); `r` switches between them.
         self.ranks: dict[str, Source] = ranks or {"": source}
-        self.sessions = {
-            label: Session(source_label=rank.label, live=rank.live, warning=warning)
-            for label, rank in self.ranks.items()
-        }
+        self.model = ViewModel(
+            {label: (rank.label, rank.live) for label, rank in self.ranks.items()}, warning
+        )
         self.inboxes: dict[str, deque[list[schema.Message]]] = {
             label: deque() for label in self.ranks
         }
-        self.selected = next(iter(self.ranks))
         self._stop = threading.Event()
         self._rendered_version: object = -1
         self._rendered_width = -1
         self._job_code: int | None = None
 
     @property
-    def session(self) -> Session:
-        """The Session of the rank on screen."""
-        return self.sessions[self.selected]
+    def sessions(self) -> dict[str, Session]:
+        """Every rank's Session (owned by the model)."""
+        return self.model.sessions
 
     @property
-    def _inbox(self) -> deque[list[schema.Message]]:
-        return self.inboxes[self.selected]
+    def selected(self) -> str:
+        """The label of the rank on screen."""
+        return self.model.selected
+
+    @property
+    def session(self) -> Session:
+        """The Session of the rank on screen."""
+        return self.model.session
 
     # ----- layout ---------------------------------------------------------------------------
 
@@ -192,30 +196,22 @@ class MemtuiApp(App[int]):
             reason = f"{type(exc).__name__}: {exc}"
         self.call_from_thread(self._source_ended, reason, label)
 
-    def _source_ended(self, reason: str | None, label: str | None = None) -> None:
+    def _source_ended(self, reason: str | None, label: str) -> None:
         if not self.is_running or self._stop.is_set():
             return
         self.refresh_view()
-        session = self.sessions[label if label is not None else self.selected]
-        source = self.ranks[label if label is not None else self.selected]
-        if not source.live:
-            # A recording read to its end: damage on the way is a warning over what was read.
-            if reason is not None:
-                session.warning = reason
-                session.version += 1
-        elif reason is not None or session.end is None:
-            session.mark_disconnected(reason or "stream closed")
+        self.model.source_ended(label, reason)
         self.refresh_view()
 
     # ----- the tick -------------------------------------------------------------------------
 
     def refresh_view(self) -> None:
-        """Drain the inbox, then redraw every widget from one snapshot if anything changed."""
+        """Drain the inbox, then redraw every widget from one view state if anything changed."""
         if not self.is_running or self._stop.is_set():
             return
         for label, inbox in self.inboxes.items():
             while inbox:
-                self.sessions[label].ingest(inbox.popleft())
+                self.model.ingest(label, inbox.popleft())
         if self.job is not None:
             lines = self.job.take_lines()
             if lines:
@@ -225,57 +221,31 @@ class MemtuiApp(App[int]):
             if self._job_code is None:
                 self._job_code = self.job.poll()
                 if self._job_code is not None:
-                    self.session.exit_code = self._job_code
-                    self.session.version += 1
+                    self.model.job_exited(self._job_code, self.job.stopped)
         timeline = self.query_one(PileTimeline)
         width = timeline.size.width
-        version = (self.selected, *(session.version for session in self.sessions.values()))
+        version = self.model.version
         if version == self._rendered_version and width == self._rendered_width:
             return
         self._rendered_version = version
         self._rendered_width = width
-        snap = self.session.snapshot(
-            timeline_width=max(timeline.size.width - 12, 20), extra_notes=self._rank_notes()
-        )
-        self.show(snap)
+        self.show(self.model.view_state(timeline_width=max(width - 12, 20)))
 
-    def _rank_notes(self) -> tuple[str, ...]:
-        """With several ranks: which one is shown, the imbalance, and the side-by-side table."""
-        if len(self.ranks) < 2:
-            return ()
-        latest = {
-            label: session.steps[-1] if session.steps else None
-            for label, session in self.sessions.items()
-        }
-        table = self.query_one(RanksTable)
-        table.binary = self.session.binary
-        table.selected = self.selected
-        table.entries = rank_rows(
-            latest,
-            {
-                label: session.state_text().split(" · ")[-1]
-                for label, session in self.sessions.items()
-            },
-        )
-        line = f"rank {self.selected} of {len(self.ranks)} (r: next rank)"
-        imbalance = imbalance_line(latest)
-        if imbalance is not None:
-            line += " · max/min of each pile's high in the latest step: " + imbalance
-        return (line,)
-
-    def show(self, snap: Snapshot) -> None:
-        """Hand the snapshot to every view."""
+    def show(self, view: ViewState) -> None:
+        """Hand the view state to every widget."""
         for widget_type in (JobHeader, NotesLine, PilesPanel, GapPanel):
-            self.query_one(widget_type).snapshot = snap
-        self.query_one(PileTimeline).data = TimelineData.from_snapshot(snap)
-        self.query_one(AlertsTable).snapshot = snap
-        self.query_one(DtypeTable).snapshot = snap
-        self.query_one(TopActivations).snapshot = snap
+            self.query_one(widget_type).view = view
+        self.query_one(PileTimeline).data = TimelineData.from_view(view)
+        self.query_one(AlertsTable).view = view
+        self.query_one(DtypeTable).view = view
+        self.query_one(TopActivations).view = view
+        if view.ranks:
+            self.query_one(RanksTable).view = view
         box = self.query_one("#allocations-box")
-        if box.display != snap.alloc_recorded:
-            box.display = snap.alloc_recorded
-        if snap.alloc_recorded:
-            self.query_one(AllocationsTable).snapshot = snap
+        if box.display != view.alloc_recorded:
+            box.display = view.alloc_recorded
+        if view.alloc_recorded:
+            self.query_one(AllocationsTable).view = view
 
     # ----- actions ---------------------------------------------------------------------------
 
@@ -305,13 +275,11 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_toggle_units(self) -> None:
-        for session in self.sessions.values():
-            session.toggle_units()
+        self.model.toggle_units()
         self._changed()
 
     def action_next_rank(self) -> None:
-        labels = list(self.ranks)
-        self.selected = labels[(labels.index(self.selected) + 1) % len(labels)]
+        self.model.next_rank()
         self._changed()
 
     def action_toggle_pause(self) -> None:

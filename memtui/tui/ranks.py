@@ -12,6 +12,7 @@ from rich.text import Text
 from textual.reactive import reactive
 
 from memtui.rank_rows import RankRow
+from memtui.session import ViewState
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.widgets import PanelTable, sync_rows
 from memtui_agent.schema import PILES
@@ -23,34 +24,26 @@ HEAVIEST_STYLE = "bold #f85149"
 class RanksTable(PanelTable):
     """Per rank: the latest step and each pile's high in it; `▶` marks the rank on screen."""
 
-    entries: reactive[tuple[RankRow, ...]] = reactive(())
-    selected: reactive[str] = reactive("")
-    binary: reactive[bool] = reactive(True)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("rank", "step", "weights", "gradients", "optimizer", "activations", "")
 
-    def watch_entries(self) -> None:
-        self._sync()
-
-    def watch_selected(self) -> None:
-        self._sync()
-
-    def _sync(self) -> None:
-        if not self.is_mounted:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
-        sync_rows(self, (self._row(row) for row in self.entries))
+        sync_rows(self, (self._row(row, view) for row in view.ranks))
 
-    def _row(self, row: RankRow) -> tuple[str, tuple[Any, ...]]:
-        marker = "▶ " if row.label == self.selected else "  "
+    def _row(self, row: RankRow, view: ViewState) -> tuple[str, tuple[Any, ...]]:
+        marker = "▶ " if row.label == view.rank else "  "
         cells: list[Any] = [
             Text(marker + terminal_safe(row.label)),
             Text(str(row.step or "-"), justify="right"),
         ]
         for pile, value in zip(PILES, row.piles, strict=True):
-            shown = format_bytes(value, self.binary) if value is not None else "-"
+            shown = format_bytes(value, view.binary) if value is not None else "-"
             style = HEAVIEST_STYLE if pile in row.heaviest else ""
             cells.append(Text(shown, style=style, justify="right"))
         cells.append(plain(row.state, style="dim"))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -14,21 +17,35 @@ from textual.widgets import Button, DataTable, Static
 from memtui.step_rows import format_age
 from memtui.terminal_text import plain
 
-HELP_TEXT = """\
-[b]memtui keys[/b]
+HELP_KEYS = (
+    ("q", "quit (asks first while the job still runs)"),
+    ("space", "pause / resume the live view"),
+    ("← / →", "previous / next step"),
+    ("Home / End", "first / newest step (End follows live frames again)"),
+    ("n / N", "next / previous step with an alert"),
+    ("u", "binary units (GiB) / decimal units (GB)"),
+    ("r", "next rank (a job with several ranks)"),
+    ("Tab", "move focus between panels; Enter on an alert jumps to its step"),
+    ("?", "this help; Esc closes it"),
+)
+HELP_NOTES = (
+    'Piles are counted once per storage. "other" (GPU only) is the allocator\'s peak minus the '
+    "tracked peak. Gap rows name what each difference is made of.",
+    "≈ next to activations: the step repeated a measured one and carries its figures.",
+)
+"""Paragraphs, one string each: the dialog wraps them at word boundaries to its own width
+(hard line breaks cut phrases in two as soon as the dialog is narrower than the text)."""
 
-  q            quit (asks first while the job still runs)
-  space        pause / resume the live view
-  ← / →        previous / next step
-  Home / End   first / newest step (End follows live frames again)
-  n / N        next / previous step with an alert
-  u            binary units (GiB) / decimal units (GB)
-  Tab          move focus between panels; Enter on an alert jumps to its step
-  ?            this help; Esc closes it
 
-Piles are counted once per storage. "other" (GPU only) is the allocator's peak
-minus the tracked peak. Gap rows name what each difference is made of.
-"""
+def help_renderable() -> Group:
+    """The keys as a two-column grid (descriptions wrap under themselves), then the notes."""
+    keys = Table.grid(padding=(0, 2))
+    keys.add_column(no_wrap=True, style="bold")
+    keys.add_column(ratio=1)
+    for key, meaning in HELP_KEYS:
+        keys.add_row(key, meaning)
+    notes = [Text(note) for note in HELP_NOTES]
+    return Group(Text("memtui keys", style="bold"), Text(""), keys, Text(""), *notes)
 
 
 class HelpScreen(ModalScreen[None]):
@@ -38,7 +55,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="help-dialog", classes="dialog"):
-            yield Static(HELP_TEXT, id="help-text")
+            yield Static(help_renderable(), id="help-text")
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss(None)

@@ -20,7 +20,7 @@ from textual.widget import Widget
 from memtui_agent.units import BINARY, DECIMAL, format_bytes
 
 if TYPE_CHECKING:
-    from memtui.session import Snapshot
+    from memtui.session import ViewState
 
 PILE_COLOURS = {
     "weights": "#4c8bf5",
@@ -29,6 +29,8 @@ PILE_COLOURS = {
     "activations": "#3fb950",
     "other": "#8b949e",
 }
+CARRIED_ACTIVATIONS = "#a6e3b0"
+"""A lighter green for activations a step carries from a measured step (not measured itself)."""
 PILE_ORDER = tuple(PILE_COLOURS)
 """Bottom-up stacking order; a value's index in a column picks its colour."""
 BLOCKS = " ▁▂▃▄▅▆▇█"
@@ -50,7 +52,7 @@ Cell = tuple[str, str | None, str | None]
 
 @dataclass(frozen=True)
 class TimelineData:
-    """What the chart needs from a snapshot, kept apart so the widget never sees the rest."""
+    """What the chart needs from a view, kept apart so the widget never sees the rest."""
 
     steps: tuple[int, ...]
     piles: tuple[tuple[int, int, int, int], ...]
@@ -60,18 +62,21 @@ class TimelineData:
     allocated: tuple[int | None, ...] = ()
     reserved: tuple[int | None, ...] = ()
     """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
+    carried: frozenset[int] = frozenset()
+    """Steps whose activations were not measured (carried from a measured step)."""
 
     @classmethod
-    def from_snapshot(cls, snapshot: Snapshot) -> TimelineData:
+    def from_view(cls, view: ViewState) -> TimelineData:
         """Take the timeline window the Session already cut for the cursor."""
         return cls(
-            steps=snapshot.timeline_steps,
-            piles=snapshot.timeline_piles,
-            alerts=snapshot.timeline_alerts,
-            cursor_step=snapshot.cursor_step,
-            binary=snapshot.binary,
-            allocated=snapshot.timeline_allocated,
-            reserved=snapshot.timeline_reserved,
+            steps=view.timeline_steps,
+            piles=view.timeline_piles,
+            alerts=view.timeline_alerts,
+            cursor_step=view.cursor_step,
+            binary=view.binary,
+            allocated=view.timeline_allocated,
+            reserved=view.timeline_reserved,
+            carried=view.timeline_carried,
         )
 
 
@@ -95,13 +100,16 @@ def nice_scale(value: float, binary: bool = True) -> float:
     return float(nice)
 
 
-def column_cells(values: tuple[int, ...], scale: float, height: int) -> list[Cell]:
+def column_cells(
+    values: tuple[int, ...], scale: float, height: int, carried: bool = False
+) -> list[Cell]:
     """The cells of one column, top to bottom, as (character, fg colour, bg colour).
 
     Pile boundaries are rounded to eighths of a row. A cell that holds one pile is a full block;
     a cell that holds a boundary draws the lower pile as a partial block over the upper pile's
     colour as background, so each pile stays visible at 1/8 resolution. A third pile inside the
     same cell cannot be drawn and is skipped. Empty space has no colours (widget background).
+    `carried`: the step's activations were carried, not measured: drawn in a lighter green.
     """
     eighths = height * 8
     boundaries: list[int] = []
@@ -116,7 +124,10 @@ def column_cells(values: tuple[int, ...], scale: float, height: int) -> list[Cel
         return index if index < len(boundaries) else None
 
     def colour(index: int | None) -> str | None:
-        return None if index is None else PILE_COLOURS[PILE_ORDER[min(index, 4)]]
+        if index is None:
+            return None
+        pile = PILE_ORDER[min(index, 4)]
+        return CARRIED_ACTIVATIONS if carried and pile == "activations" else PILE_COLOURS[pile]
 
     cells: list[Cell] = []
     for row in range(height - 1, -1, -1):
@@ -218,8 +229,10 @@ def render_lines(
     # Few steps get wider columns (up to MAX_REPEAT cells each) so a short run is readable.
     repeat = max(1, min(max_repeat, (width - AXIS_WIDTH) // len(piles)))
     columns = [
-        _with_levels(column_cells(p, scale, plot_height), lv, scale, plot_height)
-        for p, lv in zip(piles, levels, strict=True)
+        _with_levels(
+            column_cells(p, scale, plot_height, step in data.carried), lv, scale, plot_height
+        )
+        for p, lv, step in zip(piles, levels, steps, strict=True)
         for _ in range(repeat)
     ]
     steps = [step for step in steps for _ in range(repeat)]

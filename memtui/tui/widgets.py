@@ -1,6 +1,6 @@
-"""Passive views of a `Snapshot`: each widget has one reactive in and renders, nothing else.
+"""Passive views of a `ViewState`: each widget has one reactive in and renders, nothing else.
 
-No widget reads the Session or a source; the app hands every widget the same immutable snapshot
+No widget reads the Session or a source; the app hands every widget the same immutable view state
 at its tick, which is what lets live and replay look identical.
 """
 
@@ -14,7 +14,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from memtui.session import Snapshot
+from memtui.job_state import JobState
+from memtui.session import ViewState
 from memtui.step_rows import describe_rate
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.timeline import PILE_COLOURS
@@ -42,22 +43,22 @@ class JobHeader(Static):
 
     DEFAULT_CSS = "JobHeader { height: 2; padding: 0 1; background: $panel; }"
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def render(self) -> Text:
-        snap = self.snapshot
-        if snap is None:
+        view = self.view
+        if view is None:
             return Text("memtui · connecting…")
         width = max(self.size.width - 2, 10)
-        ended = "ended" in snap.state or "killed" in snap.state
-        first = Text(f" {snap.state} ", style="bold reverse" if ended else "bold reverse green")
-        parts = [describe_rate(snap.steps_per_second), snap.title]
-        if not snap.state.startswith("replay"):  # replay's state already says which step
-            step = f"step {snap.step} of {snap.steps_total}" if snap.step is not None else None
+        ended = view.status is JobState.ENDED
+        first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
+        parts = [describe_rate(view.steps_per_second), view.title]
+        if not view.replay:  # replay's state already says which step
+            step = f"step {view.step} of {view.steps_total}" if view.step is not None else None
             parts.insert(0, step or "no steps yet")
         first.append("  " + terminal_safe(" · ".join(parts)))
-        second = plain(snap.job or "(waiting for the job)", style="bold")
-        second.append(f"  {terminal_safe(snap.source)}", style="dim")
+        second = plain(view.job or "(waiting for the job)", style="bold")
+        second.append(f"  {terminal_safe(view.source)}", style="dim")
         first.truncate(width, overflow="ellipsis")
         second.truncate(width, overflow="ellipsis")
         return Text("\n").join([first, second])
@@ -66,16 +67,16 @@ class JobHeader(Static):
 class PilesPanel(Static):
     """The step's peak composition as one stacked bar, then each pile's bytes, share and max."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Any:
-        snap = self.snapshot
-        if snap is None or not snap.piles:
+        view = self.view
+        if view is None or not view.piles:
             return Text("no piles yet: waiting for the first forward", style="dim")
         width = max(self.size.width, 10)
         bar = Text()
         used = 0
-        for row in snap.piles:
+        for row in view.piles:
             cells = round(row.share * width)
             cells = min(cells, width - used)
             if cells > 0:
@@ -84,7 +85,7 @@ class PilesPanel(Static):
         if used < width:
             bar.append(" " * (width - used))
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column("pile", ratio=2)
+        table.add_column("pile", ratio=2, no_wrap=True, overflow="ellipsis")
         table.add_column("at peak", justify="right", ratio=1)
         table.add_column("share", justify="right", ratio=1)
         table.add_column("step max", justify="right", ratio=1)
@@ -94,82 +95,115 @@ class PilesPanel(Static):
             Text("share", style="bold"),
             Text("step max", style="bold"),
         )
-        for row in snap.piles:
+        for row in view.piles:
             name = Text("■ ", style=ROW_COLOURS[row.name])
             name.append(PILE_LABELS[row.name])
+            if row.name == "activations" and not view.activations_measured:
+                name.append(" ≈", style="bold")
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
                 continue
             table.add_row(
                 name,
-                _size(row.at_peak, snap.binary),
+                _size(row.at_peak, view.binary),
                 f"{row.share * 100:.1f}%",
-                _size(row.step_max, snap.binary) if row.step_max is not None else "",
+                _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total = sum(row.at_peak or 0 for row in snap.piles)
-        table.add_row(Text("total at peak", style="bold"), _size(total, snap.binary), "", "")
-        extra = [snap.step_owner] if snap.step_owner else []
-        if snap.loss is not None:
-            extra.append(f"loss {snap.loss:.4g}")
-        if snap.microbatches:
-            extra.append(f"{snap.microbatches} microbatch{'es' if snap.microbatches > 1 else ''}")
-        if snap.skipped:
+        total = sum(row.at_peak or 0 for row in view.piles)
+        table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
+        extra = [view.step_owner] if view.step_owner else []
+        if view.loss is not None:
+            extra.append(f"loss {view.loss:.4g}")
+        if view.microbatches:
+            extra.append(f"{view.microbatches} microbatch{'es' if view.microbatches > 1 else ''}")
+        if view.skipped:
             extra.append("SKIPPED by GradScaler")
         from rich.console import Group
 
-        lines = [plain(line, style="dim") for line in snap.distributed_lines]
+        lines = [plain(line, style="dim") for line in view.distributed_lines]
+        if not view.activations_measured:  # its own line: it must not wrap into the others
+            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
         return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
+
+
+def _carried_label(source: int | None) -> str:
+    """Why the activations row (marked ≈) is not this step's own measurement."""
+    if source is None:
+        return "≈ activations not measured"
+    return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
 class GapPanel(Static):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Any:
-        snap = self.snapshot
-        if snap is None or not snap.gap:
+        view = self.view
+        if view is None or not view.gap:
             return Text("no data yet", style="dim")
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column("level", min_width=12, no_wrap=True, overflow="ellipsis")
         table.add_column("bytes", justify="right", width=11, no_wrap=True)
         table.add_column("gap", justify="right", width=12, no_wrap=True)
         table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
-        for row in snap.gap:
+        for row in view.gap:
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
                 continue
-            delta = "" if row.delta is None else "+" + _size(row.delta, snap.binary)
+            delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
             if row.delta is not None and row.delta < 0:
-                delta = _size(row.delta, snap.binary)
+                delta = _size(row.delta, view.binary)
             table.add_row(
                 row.label,
-                _size(row.value, snap.binary),
+                _size(row.value, view.binary),
                 delta,
                 Text(row.meaning, style="dim"),
             )
-        if not snap.allocator_lines:
+        if not view.allocator_lines:
             return table
         from rich.console import Group
 
-        return Group(table, *(plain(line, style="dim") for line in snap.allocator_lines))
+        return Group(table, *(plain(line, style="dim") for line in view.allocator_lines))
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
-    """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding."""
+    """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding.
+
+    Keys are stable (an alert keeps its key as newer ones arrive above it), so when the rows
+    change the cursor goes back to the row it was on and that row keeps its place on screen:
+    a new alert does not throw the user back to the top of the table.
+    """
     wanted = list(rows)
     keys = [key for key, _ in wanted]
-    existing = {row_key.value for row_key in table.rows}
-    columns = list(table.columns)
-    if [row_key.value for row_key in table.rows] != keys:
-        table.clear()
-        for key, cells in wanted:
-            table.add_row(*cells, key=key)
+    current = [row_key.value for row_key in table.rows]
+    if current != keys:
+        _rebuild(table, wanted, current)
         return
+    columns = list(table.columns)
     for key, cells in wanted:
-        if key in existing:
-            for column, value in zip(columns, cells, strict=True):
-                table.update_cell(key, column, value, update_width=True)
+        for column, value in zip(columns, cells, strict=True):
+            table.update_cell(key, column, value, update_width=True)
+
+
+def _rebuild(
+    table: DataTable[Any], wanted: list[tuple[str, tuple[Any, ...]]], current: list[str | None]
+) -> None:
+    """Rows were added, removed or reordered: rebuild, then restore the cursor and the scroll."""
+    row = table.cursor_row
+    held = current[row] if 0 <= row < len(current) else None
+    scroll_y = table.scroll_y
+    table.clear()
+    for key, cells in wanted:
+        table.add_row(*cells, key=key)
+    keys = [key for key, _ in wanted]
+    if held is None or held not in keys:
+        return
+    moved_to = keys.index(held)
+    table.move_cursor(row=moved_to, scroll=False)
+    if scroll_y:  # at the very top the newest rows stay in view; scrolled, the rows stay put
+        target = max(0.0, scroll_y + moved_to - row)
+        table.call_after_refresh(table.scroll_to, y=target, animate=False)
 
 
 class PanelTable(DataTable):  # type: ignore[type-arg]
@@ -185,15 +219,15 @@ class PanelTable(DataTable):  # type: ignore[type-arg]
 class DtypeTable(PanelTable):
     """Pile x dtype -> bytes and number of unique storages."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("pile", "dtype", "bytes", "storages")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
@@ -203,11 +237,11 @@ class DtypeTable(PanelTable):
                     (
                         Text("■ ", style=PILE_COLOURS[pile]) + Text(PILE_LABELS[pile]),
                         plain(dtype),
-                        Text(_size(size, snap.binary), justify="right"),
+                        Text(_size(size, view.binary), justify="right"),
                         Text(str(count), justify="right"),
                     ),
                 )
-                for pile, dtype, size, count in snap.dtypes
+                for pile, dtype, size, count in view.dtypes
             ),
         )
 
@@ -215,64 +249,72 @@ class DtypeTable(PanelTable):
 class TopActivations(PanelTable):
     """Modules by saved-activation bytes live at once during the cursor step."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
         self.add_columns("module", "saved")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
             (
-                (name, (plain(name), Text(_size(size, snap.binary), justify="right")))
-                for name, size in snap.top_activations
+                (name, (plain(name), Text(_size(size, view.binary), justify="right")))
+                for name, size in view.top_activations
             ),
         )
+
+
+WHERE_WIDTH = 32
+"""The `where` column's width: a module path or the first parameter names, then an ellipsis."""
+
+
+def _where_cell(where: str | None) -> Text:
+    cell = plain(where or "", style="cyan")
+    cell.truncate(WHERE_WIDTH, overflow="ellipsis")
+    return cell
 
 
 class AlertsTable(PanelTable):
     """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
 
-    snapshot: reactive[Snapshot | None] = reactive(None)
+    view: reactive[ViewState | None] = reactive(None)
 
     def on_mount(self) -> None:
         self.cursor_type = "row"
         self.show_cursor = False
-        self.add_columns("step", "kind", "message", "where")
+        # `where` before the message: messages are long, and the module or parameter names
+        # are what the user acts on, so they must be on screen without scrolling sideways.
+        self.add_columns("step", "kind", "where", "message")
 
-    def watch_snapshot(self, snap: Snapshot | None) -> None:
-        if snap is None:
+    def watch_view(self, view: ViewState | None) -> None:
+        if view is None:
             return
         sync_rows(
             self,
             (
                 (
-                    f"{index}",
+                    alert.key,
                     (
                         Text(str(alert.step), justify="right"),
                         plain(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
+                        _where_cell(alert.where),
                         plain(alert.message),
-                        plain(alert.where or ""),
                     ),
                 )
-                for index, alert in enumerate(snap.alerts)
+                for alert in view.alerts
             ),
         )
 
     def step_of_row(self, row_key: str) -> int | None:
-        """The step number shown in a row (the first cell)."""
-        try:
-            cell = self.get_row(row_key)[0]
-        except Exception:
+        """The step of the alert shown in a row, from the view state (never from a cell's text)."""
+        view = self.view
+        if view is None:
             return None
-        try:
-            return int(str(cell))
-        except ValueError:
-            return None
+        return next((alert.step for alert in view.alerts if alert.key == row_key), None)
 
 
 class NotesLine(Static):
@@ -280,10 +322,10 @@ class NotesLine(Static):
 
     DEFAULT_CSS = "NotesLine { height: auto; color: $warning; padding: 0 1; }"
 
-    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    view: reactive[ViewState | None] = reactive(None, layout=True)
 
     def render(self) -> Text:
-        snap = self.snapshot
-        if snap is None or not snap.notes:
+        view = self.view
+        if view is None or not view.notes:
             return Text("")
-        return plain(" · ".join(snap.notes))
+        return plain(" · ".join(view.notes))

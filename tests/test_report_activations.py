@@ -1,0 +1,37 @@
+"""The text report says how many steps' activations were measured and how many carried."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import msgspec
+
+from memtui.report import render_text
+from memtui.session import Session
+from memtui_agent import schema
+
+
+def _report(messages: list[schema.Message]) -> str:
+    session = Session(live=False)
+    session.ingest(messages)
+    assert session.recording is not None
+    return render_text(session.recording)
+
+
+def test_the_report_counts_measured_and_carried_steps(builder: ModuleType) -> None:
+    messages = builder.demo_messages()
+    assert "activations:" not in _report(messages)  # every step measured: nothing to say
+
+    def carried(message: schema.Message) -> schema.Message:
+        if isinstance(message, schema.Step) and message.step > 4:
+            source = 4 if message.step < 24 else None
+            return msgspec.structs.replace(
+                message, activations_measured=False, activations_from=source
+            )
+        return message
+
+    text = _report([carried(m) for m in messages])
+    assert (
+        "activations: measured on 4 steps, carried on 19 (each repeats a measured step's "
+        "figures), not measured on 1"
+    ) in text
