@@ -222,7 +222,7 @@ class Ledger:
             self._peak_pending = False
             self._module_max = dict(self._module_live)
 
-    def snapshot(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
+    def at_close(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
         """(current, max, peak, dtypes) for the step that is closing."""
         with self._lock:
             self._settle()

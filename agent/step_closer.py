@@ -124,7 +124,7 @@ class StepCloser:
 
         `gradients` are the ones the caller's resync just counted; the health check reads them.
         """
-        end, high, peak, dtypes = self.ledger.snapshot()
+        end, high, peak, dtypes = self.ledger.at_close()
         alerts = list(extra_alerts)
         self.allocator.phase_ended("optimizer")
         allocator = self.allocator.read()

@@ -63,6 +63,7 @@ def _saved(stdout: str) -> list[int]:
     return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("SAVED")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "every"])
 def test_changing_batch_sizes_are_exact_on_every_step(
     tmp_path: Path, run_python: Any, mode: str
@@ -100,6 +101,7 @@ def test_changing_batch_sizes_are_exact_on_every_step(
             assert step.top_activations == source.top_activations
 
 
+@pytest.mark.slow
 def test_off_counts_no_activations_and_says_so(tmp_path: Path, run_python: Any) -> None:
     result = run_python(VARYING_BATCH, "off", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -207,6 +209,7 @@ print("END WAITS", LandsAtNextClose.waits)
 """
 
 
+@pytest.mark.slow
 def test_a_device_step_close_reads_nothing_back_and_its_alarm_arrives_late(
     tmp_path: Path, run_python: Any
 ) -> None:

@@ -10,9 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from memtui.recording import read_recording
 from memtui_agent import runtime_dir
 from memtui_agent.failures import is_oom
+
+pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
 BROKEN_PACK = """
 import torch, memtui_agent, memtui_agent.ledger as ledger

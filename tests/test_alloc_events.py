@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from textual.pilot import Pilot
 
 from memtui.alloc_rows import alloc_rows, events_dict, events_text
@@ -616,6 +617,7 @@ for _ in range(3):
 """
 
 
+@pytest.mark.slow
 def test_cli_flag_on_a_cpu_job_runs_and_records_one_note(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(CPU_JOB)
     env = _job_env(tmp_path)
@@ -706,6 +708,7 @@ except BaseException as exc:
 """
 
 
+@pytest.mark.slow
 def test_agent_records_each_steps_events_and_the_oom_through_the_real_closer(
     tmp_path: Path,
 ) -> None:

@@ -31,6 +31,8 @@ from memtui.attach_target import (
 )
 from memtui.recording import read_recording
 
+pytestmark = pytest.mark.slow  # each test starts a torch job or two
+
 FIXTURES = Path(__file__).parent / "fixtures"
 TRAIN = FIXTURES / "plain_train.py"
 BOOT = Path(__file__).parents[1] / "agent" / "attach_boot.py"

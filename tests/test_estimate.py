@@ -264,11 +264,13 @@ def _counted(models: Path, spec: str, *extra: str) -> dict[str, int]:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_model_tied_weights_count_once(models: Path) -> None:
     params = 1000 * 64 + 1000  # one shared matrix plus the head's bias
     assert _counted(models, "my_models:tied") == estimate(params).as_dict()
 
 
+@pytest.mark.slow
 def test_model_frozen_part_is_not_trainable(models: Path) -> None:
     assert _counted(models, "my_models:adapter") == estimate(11_110, 1_010).as_dict()
     assert (
@@ -281,6 +283,7 @@ def test_model_is_built_on_the_meta_device(models: Path) -> None:
     assert _counted(models, "my_models:huge")["weights"] == 2 * 10_000_100_000
 
 
+@pytest.mark.slow
 def test_model_text_names_its_source(models: Path) -> None:
     result = _memtui("--model", "my_models:tied", cwd=models)
     assert "65,000 parameters, 65,000 trainable (counted from my_models:tied" in result.stdout
@@ -299,6 +302,7 @@ def test_model_errors_are_one_line(models: Path, spec: str, fragment: str) -> No
     _assert_one_line_error(_memtui("--model", spec, cwd=models), fragment)
 
 
+@pytest.mark.slow
 def test_estimate_never_imports_torch(models: Path) -> None:
     """Even `--model` keeps torch out of this process: the child does the counting."""
     code = (

@@ -31,6 +31,8 @@ from memtui.model_estimate import (
 )
 from memtui_agent.fake_step import Autocast, FakeStepRequest, OptimizerKind, Variant, run_variant
 
+pytestmark = pytest.mark.slow  # each test starts a torch job or two
+
 FIXTURES = Path(__file__).parent / "fixtures"
 GB = 10**9
 PERSISTENT = ("weights", "gradients", "optimizer_state")

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from memtui.recording import read_recording
 from memtui.step_rows import gap_rows, pile_rows
 from memtui_agent import schema
@@ -192,6 +194,7 @@ with memtui_agent.monitor(record="rec.memtui", socket=False) as agent:
 """
 
 
+@pytest.mark.slow
 def test_oom_observer_details_reach_the_final_frame(tmp_path: Path) -> None:
     env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
     result = subprocess.run(

@@ -634,7 +634,7 @@ def test_high_water_marks_match_an_eager_replay_of_random_event_sequences() -> N
             best_pile = [max(a, b) for a, b in zip(best_pile, piles, strict=True)]
             if sum(piles) > best_total:
                 best_total, best_piles = sum(piles), list(piles)
-        current, high, peak, dtypes = ledger.snapshot()
+        current, high, peak, dtypes = ledger.at_close()
         assert as_list(current) == piles, seed
         assert as_list(high) == best_pile, seed
         assert as_list(peak) == best_piles and sum(best_piles) == best_total, seed

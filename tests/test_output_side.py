@@ -64,6 +64,7 @@ def _env(folder: Path) -> dict[str, str]:
 # ----- D1: a completed step is in the file before control returns to the job -----------------
 
 
+@pytest.mark.slow
 def test_sigkill_right_after_a_step_never_loses_that_step(tmp_path: Path) -> None:
     """The job kills itself right after step N's `optimizer.step()`: N steps, every run."""
     runs = {}
@@ -282,6 +283,7 @@ with memtui_agent.monitor(record="rec.memtui"):
 """
 
 
+@pytest.mark.slow
 def test_agent_faults_reach_the_recording_once(tmp_path: Path) -> None:
     """A fault building a step frame, and a refused runtime folder (reported before the
     recording existed), are in the recording's agent errors, each once."""
@@ -300,6 +302,7 @@ def test_agent_faults_reach_the_recording_once(tmp_path: Path) -> None:
     assert recording.end is not None and recording.end.status == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare to mount a tmpfs")
 def test_a_full_disk_is_reported_as_such_not_as_killed(tmp_path: Path) -> None:
     """A job that exits 0 on a full tmpfs: `memtui run` says the recording is incomplete

@@ -13,7 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from memtui_agent import schema, wire
+
+pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
 JOB = """
 import sys, time, torch, memtui_agent

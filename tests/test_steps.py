@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from memtui.recording import Recording, read_recording
+
+pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
 GRAD_SCALER = """
 import torch, memtui_agent
