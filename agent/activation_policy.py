@@ -106,7 +106,7 @@ class ActivationPolicy:
         self._references: OrderedDict[tuple[Any, ...], Figures] = OrderedDict()
         self._measure_next = 0
         """Steps still to measure whatever their signature (first steps, after a surprise)."""
-        self._start: tuple[int, int, int] = (0, 0, 0)
+        self._start: tuple[Any, ...] = (0, 0, 0, ())
         self._calls: list[Signature] = []
         self._armed_at_start = False
         self._armed_late = False
@@ -118,8 +118,9 @@ class ActivationPolicy:
         self._measure_next = max(self._measure_next, steps)
 
     def begin(self, start: schema.Piles) -> None:
-        """A new step starts from these persistent piles (the previous step's close)."""
-        self._start = (start.weights, start.gradients, start.optimizer_state)
+        """A new step starts from these persistent piles (the previous step's close); the
+        live optimizers join the key at its first root call."""
+        self._start = (start.weights, start.gradients, start.optimizer_state, ())
         self._calls = []
         self._armed_at_start = False
         self._armed_late = False
@@ -128,9 +129,22 @@ class ActivationPolicy:
         """The step is armed before its first root call (the agent's very first step)."""
         self._armed_at_start = True
 
-    def root_call(self, signature: Signature, step: int, must_measure: bool) -> bool:
-        """A top-level call of a root module; True when the hooks must be armed from now on."""
+    def root_call(
+        self,
+        signature: Signature,
+        step: int,
+        must_measure: bool,
+        optimizers: tuple[tuple[int, bool], ...] = (),
+    ) -> bool:
+        """A top-level call of a root module; True when the hooks must be armed from now on.
+
+        `optimizers` (id of each live optimizer, and whether it holds state yet) is read at the
+        step's first call: one built since the last close (a second training stage), or its
+        first step, makes the step new.
+        """
         first = not self._calls
+        if first:
+            self._start = (*self._start[:3], optimizers)
         self._calls.append(signature)
         if self.mode is not schema.ActivationMode.AUTO or self._armed_at_start or self._armed_late:
             return False  # `every` is always armed, `off` never; an armed step stays armed
@@ -194,7 +208,8 @@ class ActivationPolicy:
         message = (
             f"step {step} repeats step {known.step} (same calls, shapes and piles) but its "
             f"activations differ (max {figures.high.activations:,} B vs "
-            f"{known.high.activations:,} B): they depend on the data (routing, masks), so every "
+            f"{known.high.activations:,} B, peak {figures.peak.total:,} B vs "
+            f"{known.peak.total:,} B): they depend on the data (routing, masks), so every "
             "step is measured from now on"
         )
         return Verdict(measured=True, alert=schema.Alert(kind="activations_vary", message=message))

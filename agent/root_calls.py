@@ -57,6 +57,7 @@ class RootCalls:
     _stack: list[int]
     _in_optimizer: bool
     _fsdp: bool
+    gradient_summary: Any
 
     def _hook_roots(self) -> None:
         """A forward pre/post hook on each root module: one call per top-level forward, which
@@ -82,7 +83,10 @@ class RootCalls:
             self._in_optimizer = False
             step = self.closed_steps + 1
             must = self._must_measure(step)
-            if self.policy.root_call(call_signature(module, args, kwargs), step, must):
+            # Which optimizers live, and whether each has its state yet: a new optimizer's
+            # first step (state allocated) differs from its later ones at equal piles.
+            alive = tuple(sorted((id(o), bool(o.state)) for o in self.registry.live_optimizers()))
+            if self.policy.root_call(call_signature(module, args, kwargs), step, must, alive):
                 self._arm_now(module)
         except Exception as exc:
             self._disable("activations", exc)
@@ -114,7 +118,13 @@ class RootCalls:
     def _arm_now(self, root: Any) -> None:
         """Arm the costly hooks from inside a root's pre-hook: the root's own global pre-hook
         has already been skipped, so it goes on the module stack here."""
-        self.arming.arm(self.registry.parameters())
+        parameters = self.registry.parameters()
+        self.arming.arm(parameters)
+        # Gradients still alive from the last step (a job that zeroes them after its forward,
+        # Lightning's closure) left the ledger when it disarmed: they are back in the piles from
+        # here, so this step's peak composition holds them as a measured-every-step run's does.
+        self.ledger.sync(GRADIENTS, self.registry.gradients(parameters))
+        self.gradient_summary = None
         if self.enabled["modules"]:
             self._stack.append(self.registry.lookup(root))
 

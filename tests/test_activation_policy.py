@@ -229,3 +229,57 @@ def test_a_device_step_close_reads_nothing_back_and_its_alarm_arrives_late(
     assert "nonfinite_gradient" in kinds[4]  # folded into step 4 from a later frame's `late`
     assert not any(kinds[n] for n in (1, 2, 3))
     assert any(late.step == 4 for step in steps for late in step.late)
+
+
+SECOND_STAGE = """
+import sys, torch, memtui_agent
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False, activations=sys.argv[1]):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for stage in range(2):  # a tuning pass, then training with a new optimizer of equal state
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(6):
+            def closure():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()  # after the forward: last step's gradients live through it
+                loss.backward()
+                return loss
+            opt.step(closure)
+"""
+
+
+@pytest.mark.slow
+def test_auto_equals_every_through_a_second_stage_and_late_zero_grad(
+    tmp_path: Path, run_python: Any
+) -> None:
+    """Lightning's shape: forward and backward in a closure, gradients zeroed after the forward
+    (so the previous step's are alive in it), and a second optimizer with state of the same
+    size. `auto` gives every figure `every` gives, carries only true repeats, and raises no
+    `activations_vary`."""
+    figures = {}
+    for mode in ("every", "auto"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        result = run_python(SECOND_STAGE, mode, cwd=folder)
+        assert result.returncode == 0, result.stderr
+        recording = read_recording(folder / "rec.memtui")
+        assert not [a for a in recording.alerts if a.alert.kind == "activations_vary"]
+        figures[mode] = [(s.max, s.peak, s.end, s.dtypes) for s in recording.steps]
+        if mode == "auto":
+            carried = [s.step for s in recording.steps if not s.activations_measured]
+            assert carried and 7 not in carried and 8 not in carried  # the new optimizer's
+    assert figures["auto"] == figures["every"]
+
+
+def test_a_new_optimizer_makes_a_step_new_even_at_equal_piles() -> None:
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=1000)
+    start = schema.Piles(weights=100, optimizer_state=50)
+    policy.begin(start)
+    assert policy.root_call(("a",), 1, must_measure=False, optimizers=((1, True),))
+    policy.close(1, _figures(1, 10))
+    policy.begin(start)
+    assert not policy.root_call(("a",), 2, must_measure=False, optimizers=((1, True),))
+    policy.close(2, _figures(2, 0))
+    policy.begin(start)  # the same piles, but another optimizer, without state yet
+    assert policy.root_call(("a",), 3, must_measure=False, optimizers=((2, False),))
