@@ -414,7 +414,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     step_only = ("--optimizer", "--autocast", "--checkpointing", "--device-memory", "--fsdp")
     given = [flag for flag in step_only if getattr(args, flag[2:].replace("-", "_"))]
     if given:
-        return _usage(f"{given[0]} needs --model and --batch (a training step to measure)")
+        raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
     try:
         trainable = None if args.trainable is None else parse_count(args.trainable)
         if args.model:
@@ -450,15 +450,15 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     from memtui_agent.fake_step import FakeStepRequest
 
     if args.model is None:
-        return _usage("--batch needs --model (the module whose step it feeds)")
+        raise UsageError("--batch needs --model (the module whose step it feeds)")
     scheme = args.scheme if args.scheme != DEFAULT_SCHEME else None
     for flag, value in (("--scheme", scheme), ("--trainable", args.trainable)):
         if value is not None:
-            return _usage(f"{flag} is for parameter counts; with --batch the step is measured")
+            raise UsageError(f"{flag} is for parameter counts; with --batch the step is measured")
     if args.gpus < 1:
-        return _usage(f"--gpus must be at least 1, not {args.gpus}")
+        raise UsageError(f"--gpus must be at least 1, not {args.gpus}")
     if args.fsdp and args.zero is not None:
-        return _usage("give --fsdp or --zero, not both")
+        raise UsageError("give --fsdp or --zero, not both")
     request = FakeStepRequest(
         model=args.model,
         batch=args.batch,
@@ -470,7 +470,7 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     try:
         runs = measure(request)
     except ModelEstimateError as exc:
-        return _usage(str(exc))
+        raise UsageError(str(exc)) from None
     sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
     result = build_result(request, runs, sharding, args.device_memory)
     if args.json:
@@ -478,11 +478,6 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     else:
         print(terminal_safe(render_model_text(result), keep_newlines=True))
     return 0
-
-
-def _usage(message: str) -> int:
-    print(f"memtui: error: {terminal_safe(message)}", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memtui.errors import UsageError
-from memtui.exit_codes import EXIT_BAD_INPUT, EXIT_PARTIAL
+from memtui.errors import UsageError, UserError
+from memtui.exit_codes import EXIT_PARTIAL
 from memtui.run_command import (
     JobSpec,
     launches_ranks,
@@ -257,15 +257,17 @@ def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
 
 
-def trusted_live_jobs() -> list[dict[str, Any]] | None:
-    """The live jobs, grouped; None (after one line on stderr) where the runtime directory is
-    not ours alone. A sidecar skipped as untrustworthy is one warning line each."""
+def trusted_live_jobs() -> list[dict[str, Any]]:
+    """The live jobs, grouped. A sidecar skipped as untrustworthy is one warning line each.
+
+    Raises:
+        UserError: the runtime directory is not ours alone.
+    """
     problems: list[str] = []
     try:
         jobs = group_ranks(live_sidecars(problems=problems))
     except RuntimeDirError as exc:
-        print(f"memtui: error: {terminal_safe(str(exc))}; refusing to use it", file=sys.stderr)
-        return None
+        raise UserError(f"{exc}; refusing to use it") from None
     for problem in problems:
         print(f"memtui: warning: {terminal_safe(problem)}", file=sys.stderr)
     return jobs
@@ -279,11 +281,8 @@ def list_live_jobs() -> int:
     """`memtui attach --list`: each live job, then one socket path per rank (what to forward
     with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
     jobs = trusted_live_jobs()
-    if jobs is None:
-        return EXIT_BAD_INPUT
     if not jobs:
-        print(f"memtui: {_no_jobs_line()}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UserError(_no_jobs_line())
     for job in jobs:
         print(terminal_safe(list_jobs_text([job])))
         for member in job.get("ranks", [job]):
@@ -300,10 +299,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
-        found = trusted_live_jobs()
-        if found is None:
-            return EXIT_BAD_INPUT
-        jobs = found
+        jobs = trusted_live_jobs()
         if pid is not None:
             jobs = [
                 job
@@ -311,11 +307,9 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
                 if pid in {int(member["pid"]) for member in job.get("ranks", [job])}
             ]
             if not jobs:
-                print(f"memtui: error: no live memtui job with pid {pid}", file=sys.stderr)
-                return EXIT_BAD_INPUT
+                raise UserError(f"no live memtui job with pid {pid}")
         if not jobs:
-            print(f"memtui: error: {_no_jobs_line()}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise UserError(_no_jobs_line())
         chosen = jobs[0] if len(jobs) == 1 else None
         if chosen is None:
             problem = _need_terminal("attach")
@@ -336,12 +330,8 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
                 for member in chosen["ranks"]
             }
             source = next(iter(ranks.values()))
-    try:
-        for member in (ranks or {"": source}).values():
-            member.check()
-    except SourceError as exc:
-        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    for member in (ranks or {"": source}).values():
+        member.check()  # a SourceError is the user's one line (cli.main)
     return _open_app("attach", source, ranks=ranks)
 
 

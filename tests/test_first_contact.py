@@ -208,8 +208,7 @@ def test_a_job_stopped_from_the_tui_is_not_called_killed(
 def test_command_errors_are_printed_in_one_place() -> None:
     """Commands raise `UserError`; only `cli.main` (and argparse's hook) word `memtui: error:`.
 
-    `attach`'s listing errors in tui_commands.py are the one exception left: that command is
-    being rewritten for injection (memtui/attach*.py)."""
+    Only cli.py prints them (`main`'s handler)."""
     import memtui
 
     package = Path(memtui.__file__).parent
@@ -218,9 +217,7 @@ def test_command_errors_are_printed_in_one_place() -> None:
         for path in package.rglob("*.py")
         if 'print(f"memtui: error:' in path.read_text(encoding="utf-8")
     )
-    assert printing == ["cli.py", "tui_commands.py"]
-    attach_only = Path(package, "tui_commands.py").read_text(encoding="utf-8")
-    assert attach_only.count('print(f"memtui: error:') == 4  # attach and its listing
+    assert printing == ["cli.py"]
 
 
 def test_a_command_error_is_one_escaped_line_with_its_exit_code(
