@@ -73,8 +73,11 @@ class RootCalls:
             ]
             hooked[id(root)] = (forget_when_freed(root, hooked), handles)
 
-    def _root_pre(self, module: Any, args: Any, kwargs: Any) -> None:
-        if is_compiling() or get_ident() != self.owner_thread:
+    def _root_pre(self, module: Any, args: Any, kwargs: Any = None) -> None:
+        # `kwargs` may be missing: when the agent is removed (detach) from a global pre-hook of
+        # the same call, torch still calls this hook from its copied list, but without the
+        # keyword arguments (its with-kwargs mark left with the handle). Never an error then.
+        if is_compiling() or get_ident() != self.owner_thread or not self._root_hooked:
             return
         self._root_depth += 1
         if self._root_depth > 1:
@@ -86,7 +89,8 @@ class RootCalls:
             # Which optimizers live, and whether each has its state yet: a new optimizer's
             # first step (state allocated) differs from its later ones at equal piles.
             alive = tuple(sorted((id(o), bool(o.state)) for o in self.registry.live_optimizers()))
-            if self.policy.root_call(call_signature(module, args, kwargs), step, must, alive):
+            signature = call_signature(module, args, kwargs or {})
+            if self.policy.root_call(signature, step, must, alive):
                 self._arm_now(module)
         except Exception as exc:
             self._disable("activations", exc)

@@ -283,3 +283,34 @@ def test_a_new_optimizer_makes_a_step_new_even_at_equal_piles() -> None:
     policy.close(2, _figures(2, 0))
     policy.begin(start)  # the same piles, but another optimizer, without state yet
     assert policy.root_call(("a",), 3, must_measure=False, optimizers=((2, False),))
+
+
+REMOVED_MID_CALL = """
+import torch, memtui_agent
+from torch.nn.modules.module import register_module_forward_pre_hook
+memtui_agent.start(record="rec.memtui", socket=False)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+calls = [0]
+def stop_on_fifth(module, args):
+    # As `memtui detach` does: the agent leaves from a global pre-hook of a forward in which
+    # its own root pre-hook is still queued.
+    calls[0] += 1
+    if calls[0] == 5:
+        memtui_agent.stop()
+register_module_forward_pre_hook(stop_on_fifth)
+for _ in range(8):
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+print("JOB OK")
+"""
+
+
+@pytest.mark.slow
+def test_removing_the_agent_inside_a_forward_never_breaks_it(
+    tmp_path: Path, run_python: Any
+) -> None:
+    result = run_python(REMOVED_MID_CALL, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "JOB OK" in result.stdout
