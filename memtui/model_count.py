@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 
 class ModelCountError(Exception):
@@ -27,14 +28,32 @@ def count_model(spec: str) -> tuple[int, int]:
     Raises:
         ModelCountError: the child's last stderr line (its one-line reason).
     """
-    command = [sys.executable, "-m", "memtui_agent.count_params", spec]
-    child = subprocess.run(command, capture_output=True, text=True, check=False)
+    counted = child_json(
+        ["memtui_agent.count_params", spec],
+        f"counting {spec}",
+        f"counting {spec} printed no parameter counts",
+        ModelCountError,
+    )
+    try:
+        return int(counted["params"]), int(counted["trainable"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelCountError(f"counting {spec} printed no parameter counts") from None
+
+
+def child_json(arguments: list[str], doing: str, silent: str, error: type[Exception]) -> Any:
+    """Run `python -m ARGUMENTS` and parse the last line it printed as JSON.
+
+    The estimate's children (`count_params`, `fake_step`) print one JSON line on stdout and
+    their one-line reason last on stderr. Raises `error` with that line when the child fails
+    (`doing failed (code)` if it said nothing), or with `silent` when it printed no JSON.
+    """
+    child = subprocess.run(
+        [sys.executable, "-m", *arguments], capture_output=True, text=True, check=False
+    )
     if child.returncode != 0:
         lines = [line for line in child.stderr.splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"counting {spec} failed ({child.returncode})"
-        raise ModelCountError(reason)
+        raise error(lines[-1].strip() if lines else f"{doing} failed ({child.returncode})")
     try:
-        counted = json.loads(child.stdout.strip().splitlines()[-1])
-        return int(counted["params"]), int(counted["trainable"])
-    except (IndexError, ValueError, KeyError, TypeError):
-        raise ModelCountError(f"counting {spec} printed no parameter counts") from None
+        return json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        raise error(silent) from None

@@ -15,14 +15,12 @@ not a measurement, and the output says so.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from memtui.estimate import shard
+from memtui.model_count import child_json
 from memtui_agent.fake_step import FakeStepRequest, Variant
 from memtui_agent.units import format_bytes
 
@@ -80,17 +78,13 @@ def measure(request: FakeStepRequest) -> list[dict[str, Any]]:
     Raises:
         ModelEstimateError: the child's last stderr line (its one-line reason).
     """
-    command = [sys.executable, "-m", "memtui_agent.fake_step", request.to_json()]
-    child = subprocess.run(command, capture_output=True, text=True, check=False)
-    if child.returncode != 0:
-        lines = [line for line in child.stderr.splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"estimating failed ({child.returncode})"
-        raise ModelEstimateError(reason)
-    try:
-        runs = json.loads(child.stdout.strip().splitlines()[-1])
-        return runs if isinstance(runs, list) else []
-    except (IndexError, ValueError):
-        raise ModelEstimateError("the estimate's child printed no result") from None
+    runs = child_json(
+        ["memtui_agent.fake_step", request.to_json()],
+        "estimating",
+        "the estimate's child printed no result",
+        ModelEstimateError,
+    )
+    return runs if isinstance(runs, list) else []
 
 
 def reserve_for(device_memory: int) -> int:
