@@ -221,7 +221,7 @@ class Agent:
         if tracker is not None:
             try:
                 tracker.release_held_skip()  # a skipped step whose update() never came
-                tracker.resync()  # exit piles from the objects alive now
+                tracker.resync(walk_all=True)  # exit piles from the objects alive now
             except Exception as exc:
                 self.report_failure("end-piles", exc)
         late: list[schema.StepLate] = []

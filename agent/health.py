@@ -27,6 +27,7 @@ Once the weights are non-finite every later step is non-finite too; those alerts
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from collections.abc import Callable
@@ -149,6 +150,26 @@ def _probe(tensors: list[Any]) -> Any:
     return probe
 
 
+def _on_host(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> bool:
+    """Whether every gradient and loss can be read at once (no device to wait for)."""
+    return all(device.type not in DEFERRED_DEVICES for device, _ in groups) and all(
+        loss.device.type not in DEFERRED_DEVICES for loss in losses
+    )
+
+
+def _host_checks(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> list[float]:
+    """`[grads non-finite, losses non-finite]` for host tensors, read directly: the same fused
+    check, without the small tensor ops that gather results on a device (a dozen ops, tens of
+    microseconds each on a CPU)."""
+    grads_bad = 0.0
+    for members in groups.values():
+        found = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(found.device))
+        grads_bad = max(grads_bad, found.item())
+    loss_bad = not all(math.isfinite(loss.item()) for loss in losses)
+    return [grads_bad, float(loss_bad)]
+
+
 class HealthMonitor:
     """Per-step finiteness state: armed module checks, and when the weights went bad."""
 
@@ -197,13 +218,22 @@ class HealthMonitor:
         named: Callable[[], list[tuple[str, Any]]],
         skipped: bool,
         module_name: Any,
+        groups: dict[tuple[Any, Any], list[Any]] | None = None,
     ) -> list[schema.Alert]:
-        """Check the step; return its alerts. One host transfer when healthy."""
+        """Check the step; return its alerts. One host transfer when healthy.
+
+        `groups`: `grads` already grouped by (device, dtype) as plain strided tensors
+        (`gradient_batch`), or None to group them here."""
         module_flags, self._module_flags = self._module_flags, []
         self._probed.clear()
         if self.mode == "off" or (not grads and not losses and not module_flags):
             return []
-        checks = self._device_checks(grads, losses, module_flags)
+        if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
+            groups = _by_device_and_dtype(_checkable(grads))
+        if not module_flags and _on_host(groups, losses):
+            values = _host_checks(groups, losses)
+            return self._judge(step, values, named, skipped, module_flags, module_name)
+        checks = self._device_checks(groups, losses, module_flags)
         if checks is None:
             return []
         if checks.device.type in DEFERRED_DEVICES:
@@ -261,13 +291,15 @@ class HealthMonitor:
         )
 
     def _device_checks(
-        self, grads: list[Any], losses: list[Any], module_flags: list[tuple[int, Any, Any]]
+        self,
+        groups: dict[tuple[Any, Any], list[Any]],
+        losses: list[Any],
+        module_flags: list[tuple[int, Any, Any]],
     ) -> Any:
         """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
         device = None
         grads_bad = None
-        grads = _checkable(grads)
-        for (grad_device, _dtype), members in _by_device_and_dtype(grads).items():
+        for (grad_device, _dtype), members in groups.items():
             found = torch.zeros(1, device=grad_device)
             torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(grad_device))
             device = device or grad_device

@@ -56,7 +56,7 @@ _LAYOUT = operator.attrgetter("layout")
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def _inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
+def dtype_inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
     """Total bytes and dtype inventory of `(nbytes, dtype)` pairs, one per unique storage."""
     inventory: dict[Any, list[int]] = {}
     for size, dtype in storages:
@@ -195,6 +195,9 @@ class Ledger:
         self._lock = threading.RLock()
         self._entries: dict[Key, _Entry] = {}
         self._members: list[set[Key]] = [set(), set(), set()]
+        self._membership_changes = 0
+        """Bumped whenever a storage joins or leaves a persistent pile."""
+        self._pointer_sets: dict[int, tuple[int, frozenset[int]]] = {}
         self.piles = [0, 0, 0, 0]
         self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
         self._module_live: dict[int, int] = {}
@@ -260,11 +263,12 @@ class Ledger:
 
     # ----- membership ----------------------------------------------------------------------
 
-    def sync(self, pile: int, tensors: Iterable[Any]) -> None:
+    def sync(self, pile: int, tensors: Iterable[Any]) -> bool:
         """Make `pile` exactly the storages of `tensors` (weights or optimizer state or grads).
 
-        Called once per step close; it catches reassigned buffers, `p.data = ...`, state loaded
-        from a checkpoint and anything else no hook reports.
+        Called at a step close when the pile may have changed (`recount.PileWatch`); it catches
+        reassigned buffers, `p.data = ...`, state loaded from a checkpoint and anything else no
+        hook reports. Returns whether the pile's storages changed.
         """
         tensors = tensors if isinstance(tensors, list) else list(tensors)
         members = self._members[pile]
@@ -279,7 +283,7 @@ class Ledger:
         except RuntimeError:  # sparse and wrapper tensors have no single data pointer
             fingerprint = None
         if fingerprint is not None and fingerprint == self._fingerprints[pile]:
-            return
+            return False
         # Otherwise a cache keyed by id() and confirmed by data_ptr() skips re-deriving the
         # storages of tensors seen before. It holds keys only, never tensors or storages, so it
         # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
@@ -314,14 +318,18 @@ class Ledger:
                 found.add(info[0])
                 new_infos.append(info)
         self._sync_cache[pile] = fresh
+        changed = False
         with self._lock:
             for key in members - found:
                 self._clear_bit(key, pile)
+                changed = True
             for info in new_infos:
                 if info[0] not in members:
                     self._claim(info, pile)
+                    changed = True
             if fingerprint is not None and 0 not in fingerprint[1]:
                 self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
+        return changed
 
     def summarize(self, pile: int, tensors: list[Any]) -> tuple[int, dict[str, DtypeStat]] | None:
         """Bytes and dtype inventory of `tensors`' unique storages, as `sync` would count them
@@ -358,7 +366,7 @@ class Ledger:
                 total = sum(sizes)
                 summary = (total, {dtype_name(kinds.pop()): DtypeStat(total, len(sizes))})
             else:
-                summary = _inventory(zip(sizes, dtypes, strict=True))
+                summary = dtype_inventory(zip(sizes, dtypes, strict=True))
         else:
             storages = list(map(plain.untyped_storage, tensors))
             unique = {
@@ -372,12 +380,41 @@ class Ledger:
                 )
                 if pointer and size
             }
-            keys, summary = set(unique), _inventory(unique.values())
+            keys, summary = set(unique), dtype_inventory(unique.values())
+        return None if self.held_elsewhere(pile, keys) else summary
+
+    def held_elsewhere(self, pile: int, keys: set[Key]) -> bool:
+        """Whether another pile holds one of the storages `keys` (counting them for `pile`
+        outside the ledger would then count a storage twice)."""
         with self._lock:
-            for other in range(len(self._members)):
-                if other != pile and not self._members[other].isdisjoint(keys):
-                    return None
-        return summary
+            return any(
+                not members.isdisjoint(keys)
+                for other, members in enumerate(self._members)
+                if other != pile
+            )
+
+    def pointers_elsewhere(self, pile: int) -> frozenset[int]:
+        """Data pointers of the storages the other piles hold (any device), kept until their
+        membership changes: a close checks a few hundred fresh gradients against it in C,
+        without building a key per gradient. A pointer equal on two devices only makes the
+        caller take the exact general path."""
+        with self._lock:
+            cached = self._pointer_sets.get(pile)
+            if cached is not None and cached[0] == self._membership_changes:
+                return cached[1]
+            pointers = frozenset(
+                key >> 8
+                for other, members in enumerate(self._members)
+                if other != pile
+                for key in members
+            )
+            self._pointer_sets[pile] = (self._membership_changes, pointers)
+            return pointers
+
+    def member_count(self, pile: int) -> int:
+        """Storages in a persistent pile; it drops when one is freed (a weakref callback), which
+        tells a step close that the pile changed without a walk."""
+        return len(self._members[pile])
 
     def add(self, pile: int, tensor: Any) -> None:
         """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""
@@ -410,10 +447,12 @@ class Ledger:
             entry.ref = weakref.ref(storage, self._on_freed)
             self._ref_keys[id(entry.ref)] = key
         self._members[pile].add(key)
+        self._membership_changes += 1
         self._set_mask(key, entry, entry.mask | _ALL_BITS[pile])
 
     def _clear_bit(self, key: Key, pile: int) -> None:
         self._members[pile].discard(key)
+        self._membership_changes += 1
         entry = self._entries.get(key)
         if entry is not None:
             self._set_mask(key, entry, entry.mask & ~_ALL_BITS[pile])
@@ -427,6 +466,7 @@ class Ledger:
                 return
             for members in self._members:
                 members.discard(key)
+            self._membership_changes += 1
             self._set_mask(key, entry, 0)
 
     def _new_entry(self, nbytes: int, dtype: str) -> _Entry:

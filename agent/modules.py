@@ -40,6 +40,13 @@ class ModuleRegistry:
         self._walks = 0
         self.generation = 0
         """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
+        self.tree_generation = 0
+        """Bumped by `note_tree_change` (torch's registration hooks, `Module._apply`): a module,
+        parameter or buffer was added or replaced somewhere."""
+        self._parameter_cache: tuple[Any, list[weakref.ref[Any]]] | None = None
+        self._parameter_calls = 0
+        self.parameter_walks = 0
+        """How many times `parameters()` walked the trees (facts about them are redone then)."""
 
     def lookup(self, module: Any) -> int:
         """Name id of a module, registering its tree if it is new."""
@@ -103,7 +110,8 @@ class ModuleRegistry:
         """
         self._walks += 1
         cache = self._module_cache
-        if cache is not None and cache[0] == self.generation and self._walks % REWALK_EVERY:
+        generations = (self.generation, self.tree_generation)
+        if cache is not None and cache[0] == generations and self._walks % REWALK_EVERY:
             modules = [module for ref in cache[1] if (module := ref()) is not None]
             if len(modules) == len(cache[1]):
                 return modules
@@ -114,8 +122,22 @@ class ModuleRegistry:
             for module in root.modules():
                 seen.setdefault(id(module), module)
         modules = list(seen.values())
-        self._module_cache = (self.generation, [weakref.ref(module) for module in modules])
+        self._module_cache = (generations, [weakref.ref(module) for module in modules])
         return modules
+
+    def note_tree_change(self, module: Any, *_args: Any) -> None:
+        """A module of a known tree registered or converted a child, parameter or buffer: walk
+        the trees again.
+
+        Installed as torch's global module/parameter/buffer registration hook (returning None
+        leaves the registration unchanged) and called after `Module._apply`. Modules outside
+        the known trees are ignored: a job that builds a module at every step (a loss module in
+        a forward) registers its buffers each time, and attaching it to a tree is a
+        registration on a known module.
+        """
+        known = self._by_id.get(id(module))
+        if known is not None and known[0]() is module:
+            self.tree_generation += 1
 
     def weight_tensors(self, parameters: list[Any], modules: list[Any] | None = None) -> list[Any]:
         """`parameters` (this step's `self.parameters()`) and the buffers of every root
@@ -127,18 +149,36 @@ class ModuleRegistry:
     def parameters(self, modules: list[Any] | None = None) -> list[Any]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
 
-        Read afresh from each module's `_parameters` (a parameter replaced since is seen at
-        once). It runs at every step close, so the walk is done by C iterators (`map`,
-        `chain`), not a Python loop per parameter.
+        Read from each module's `_parameters` when the trees may have changed (a registration
+        or conversion, a new root or optimizer, a parameter group added, a parameter freed, and
+        every `REWALK_EVERY` calls, which catches a direct write to `_parameters`); otherwise
+        the last walk's parameters, held by weak references. The walk runs in C iterators
+        (`map`, `chain`), not a Python loop per parameter.
         """
+        optimizers = list(self.live_optimizers())
+        key = (
+            self.generation,
+            self.tree_generation,
+            tuple(len(group["params"]) for o in optimizers for group in o.param_groups),
+        )
+        cache = self._parameter_cache
+        self._parameter_calls += 1
+        due = self._parameter_calls % REWALK_EVERY == 0
+        if modules is None and not due and cache is not None and cache[0] == key:
+            found = [parameter for ref in cache[1] if (parameter := ref()) is not None]
+            if len(found) == len(cache[1]):
+                return found
         walked = self.modules() if modules is None else modules
         found = list(chain.from_iterable(map(_parameter_values, walked)))
-        for optimizer in self.live_optimizers():
+        for optimizer in optimizers:
             for group in optimizer.param_groups:
                 found += group["params"]
         unique = dict(zip(map(id, found), found, strict=False))
         unique.pop(id(None), None)
-        return list(unique.values())
+        parameters = list(unique.values())
+        self.parameter_walks += 1
+        self._parameter_cache = (key, [weakref.ref(parameter) for parameter in parameters])
+        return parameters
 
     @staticmethod
     def gradients(parameters: list[Any]) -> list[Any]:
@@ -168,6 +208,16 @@ def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
             if isinstance(item, tensor)
         ]
     return found
+
+
+def holds_sequences(optimizers: Iterable[Any]) -> bool:
+    """Whether some optimizer keeps lists or tuples in its state (LBFGS's history): tensors
+    appended to them change no count a close can read without walking the state."""
+    for optimizer in optimizers:
+        for state in list(optimizer.state.values()):
+            if type(state) is dict and {list, tuple} & set(map(type, state.values())):
+                return True
+    return False
 
 
 def state_bytes(optimizer: Any) -> int:

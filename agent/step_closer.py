@@ -119,10 +119,12 @@ class StepCloser:
         scale_after: Any,
         extra_alerts: list[schema.Alert],
         gradients: list[Any],
+        gradient_groups: dict[tuple[Any, Any], list[Any]] | None = None,
     ) -> PendingStep:
         """The closing step's frame (handed to the emitter by the caller).
 
-        `gradients` are the ones the caller's resync just counted; the health check reads them.
+        `gradients` are the ones the caller's resync just counted; the health check reads them
+        (grouped by device and dtype already when `gradient_groups` says so).
         """
         end, high, peak, dtypes = self.ledger.at_close()
         alerts = list(extra_alerts)
@@ -147,6 +149,7 @@ class StepCloser:
                 self.named_parameters,  # names are needed only on an alarm
                 skipped,
                 self.registry.name,
+                gradient_groups,
             )
         )
         budget_alert = self._budget_alert(peak)

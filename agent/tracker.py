@@ -35,6 +35,7 @@ from memtui_agent.activation_policy import FIRST_STEPS, ActivationPolicy
 from memtui_agent.config import AgentConfig
 from memtui_agent.distributed import DistributedMemory
 from memtui_agent.failures import ErrorContext
+from memtui_agent.gradient_batch import GradientBatch, gather
 from memtui_agent.hook_arming import HookArming, forget_when_freed
 from memtui_agent.ledger import (
     GRADIENTS,
@@ -54,6 +55,7 @@ from memtui_agent.optimizer_book import (
     live_optimizers,
 )
 from memtui_agent.pending import PendingStep
+from memtui_agent.pile_watch import PileWatch
 from memtui_agent.root_calls import RootCalls
 from memtui_agent.step_closer import StepCloser
 
@@ -127,6 +129,7 @@ class Tracker(LibraryWrappers, RootCalls):
         self._emit = emit
         self._fail = fail
         self.registry = ModuleRegistry(emit)
+        self.piles = PileWatch(self.registry, ledger)
         self.distributed = DistributedMemory()
         self._fsdp = False
         self.closer = StepCloser(ledger, self.registry, emit, config)
@@ -202,6 +205,16 @@ class Tracker(LibraryWrappers, RootCalls):
             self._wrap(torch.nn.utils, name, self._wrap_clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self._wrap_checkpoint)
         self._wrap(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        # The module trees change: a close walks them again only then (`pile_watch`).
+        module_hooks = torch.nn.modules.module
+        note = self.registry.note_tree_change
+        for register in (
+            module_hooks.register_module_module_registration_hook,
+            module_hooks.register_module_parameter_registration_hook,
+            module_hooks.register_module_buffer_registration_hook,
+        ):
+            self._handles.append(register(note))
+        self._wrap(torch.nn.Module, "_apply", self._wrap_module_apply)
 
     @contextmanager
     def without(self, kind: str) -> Iterator[None]:
@@ -525,6 +538,17 @@ class Tracker(LibraryWrappers, RootCalls):
 
         return __init__
 
+    def _wrap_module_apply(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                # `.to()`, `.half()`, `.cuda()`: parameters and buffers converted in place of
+                # the old ones (`.data` swapped, `_buffers` written), no registration hook.
+                self.registry.note_tree_change(module)
+
+        return _apply
+
     def _steps_close_at_optimizer(self) -> None:
         """An optimizer exists or stepped: from now on steps close there, not at backward."""
         if self.trigger is schema.StepTrigger.BACKWARD and self.closed_steps:
@@ -581,26 +605,42 @@ class Tracker(LibraryWrappers, RootCalls):
 
     # ----- closing a step ----------------------------------------------------------------------
 
-    def resync(self) -> list[Any]:
-        """Recount the persistent piles from the objects themselves (once per step close).
+    def resync(self, walk_all: bool = False) -> GradientBatch:
+        """Recount the persistent piles from the objects themselves (at each step close).
 
-        Returns the gradients it counted, which the health check reads next.
+        Weights and optimizer state are walked again only when they may have changed
+        (`pile_watch`) or `walk_all` says so; gradients, new tensors at most steps, are read
+        at every close. Returns the gradients, which the health check reads next.
         """
-        modules = self.registry.modules()
-        parameters = self.registry.parameters(modules)
-        gradients = self.registry.gradients(parameters)
-        self.ledger.sync(WEIGHTS, self.registry.weight_tensors(parameters, modules))
-        self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
+        registry = self.registry
+        ledger = self.ledger
+        watch = self.piles
+        walk_all = walk_all or self._fsdp
+        parameters = registry.parameters()
+        for pile, key_of in ((WEIGHTS, watch.weights_key), (OPTIMIZER_STATE, watch.state_key)):
+            key = key_of()
+            if watch.due(pile, key, walk_all):
+                if pile == WEIGHTS:
+                    changed = ledger.sync(WEIGHTS, registry.weight_tensors(parameters))
+                else:
+                    changed = ledger.sync(OPTIMIZER_STATE, registry.optimizer_state_tensors())
+                watch.walked(pile, key, key_of(), changed)
+        armed = self.arming.armed
+        batch = gather(parameters, None if armed else watch.facts(parameters))
         summary = None
-        if not self.arming.armed:
+        if not armed:
             # Unarmed (`auto`, between measured steps): the step's fresh gradients are
             # counted without joining the ledger; joining costs a claim and a free callback
             # per gradient per step, most of an unmeasured step's cost.
-            summary = self.ledger.summarize(GRADIENTS, gradients)
+            summary = batch.summary
+            if summary is None or not ledger.pointers_elsewhere(GRADIENTS).isdisjoint(
+                batch.pointers
+            ):
+                summary = ledger.summarize(GRADIENTS, batch.tensors)
         self.gradient_summary = summary
         if summary is None:
-            self.ledger.sync(GRADIENTS, gradients)
-        return gradients
+            ledger.sync(GRADIENTS, batch.tensors)
+        return batch
 
     def close_step(
         self, skipped: bool, record: OptimizerRecord | None = None, scale_after: Any = None
@@ -617,7 +657,7 @@ class Tracker(LibraryWrappers, RootCalls):
             # are counted by `resync` meanwhile; the hook only makes the timing exact).
             self._synced_generation = self.registry.generation
             self._hook_new_parameters()
-        gradients = self.resync()
+        gradients = self.resync(walk_all=self.piles.begin_close())
         late = self.late_health()
         self.closed_steps += 1
         extra = list(self.pending_alerts)
@@ -631,7 +671,8 @@ class Tracker(LibraryWrappers, RootCalls):
             scale=self._scale,
             scale_after=scale_after,
             extra_alerts=extra,
-            gradients=gradients,
+            gradients=gradients.tensors,
+            gradient_groups=gradients.groups,
         )
         pending.distributed = self._distributed_at_close()
         pending.late_alerts = late

@@ -177,19 +177,22 @@ if sys.argv[1] == "stand-in":  # the CPU stands in for a device whose reads woul
     health.make_event = lambda device: LandsAtNextClose()
 reads = [0]
 closing = [False]
-original_read, original_close = torch.Tensor.tolist, health.HealthMonitor.close
-def counted(self):
-    # A read of the step's own check results while it closes: on a device, a host sync.
-    if closing[0] and threading.current_thread() is threading.main_thread():
-        reads[0] += 1
-    return original_read(self)
+original_close = health.HealthMonitor.close
+def counting(original):
+    def counted(self):
+        # A read of the step's own check results while it closes: on a device, a host sync.
+        if closing[0] and threading.current_thread() is threading.main_thread():
+            reads[0] += 1
+        return original(self)
+    return counted
 def close(self, *args, **kwargs):
     closing[0] = True
     try:
         return original_close(self, *args, **kwargs)
     finally:
         closing[0] = False
-torch.Tensor.tolist = counted
+for name in ("tolist", "item"):  # every way a tensor's values reach the host
+    setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
 health.HealthMonitor.close = close
 
 torch.manual_seed(0)
