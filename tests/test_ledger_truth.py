@@ -8,13 +8,16 @@ process-global hooks; jobs that only differ by the agent run concurrently to kee
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -122,50 +125,98 @@ def _job_env(runtime_dir: Path) -> dict[str, str]:
     return env
 
 
-def run_jobs(workdir: Path, jobs: dict[str, tuple[str, bool]]) -> dict[str, JobResult]:
-    """Run every `name: (body, with_agent)` job concurrently, each in `workdir/name`."""
-    runtime = workdir / "runtime"
-    runtime.mkdir(mode=0o700, exist_ok=True)
-    started: dict[str, tuple[Path, subprocess.Popen[str]]] = {}
-    for name, (body, with_agent) in jobs.items():
+def _load_job_host() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "memtui_job_host", Path(__file__).parent / "fixtures" / "job_host.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+job_host = _load_job_host()
+
+
+class Jobs:
+    """Runs jobs in two shared interpreters: one for jobs under the agent, one for jobs without.
+
+    The truths never come from the interpreter the agent ran in: the jobs without the agent have
+    a host of their own, which the agent never entered. Each host imports torch once; each job
+    runs in it as `python -c` would (fresh `__main__`, its own folder, output and traceback), and
+    the host fails the job that leaves any process-global state behind (see job_host.py).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        runtime = folder / "runtime"
+        runtime.mkdir(mode=0o700)
+        env = _job_env(runtime)
+        self.hosts = {
+            with_agent: job_host.JobHost(
+                env, folder, preload=("torch", "memtui_agent") if with_agent else ("torch",)
+            )
+            for with_agent in (True, False)
+        }
+        for host in self.hosts.values():
+            host.start()
+
+    def run(self, workdir: Path, jobs: dict[str, tuple[str, bool]]) -> dict[str, JobResult]:
+        """Run every `name: (body, with_agent)` job, each in `workdir/name`; a job with the agent
+        and one without run at the same time, in their two hosts."""
+        queues = {
+            flag: [(name, body) for name, (body, with_agent) in jobs.items() if with_agent is flag]
+            for flag in (True, False)
+        }
+
+        def run_queue(with_agent: bool) -> dict[str, JobResult]:
+            return {
+                name: self._run_one(workdir, name, body, with_agent)
+                for name, body in queues[with_agent]
+            }
+
+        with ThreadPoolExecutor(2) as pool:
+            parts = [pool.submit(run_queue, flag) for flag, queue in queues.items() if queue]
+            results = {name: result for part in parts for name, result in part.result().items()}
+        return {name: results[name] for name in jobs}
+
+    def one(self, workdir: Path, body: str, with_agent: bool = True) -> JobResult:
+        """Run one job (see `run`)."""
+        return self.run(workdir, {"job": (body, with_agent)})["job"]
+
+    def _run_one(self, workdir: Path, name: str, body: str, with_agent: bool) -> JobResult:
         cwd = workdir / name
         cwd.mkdir()
-        process = subprocess.Popen(
-            [sys.executable, "-c", job_source(body, with_agent)],
-            cwd=cwd,
-            env=_job_env(runtime),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        started[name] = (cwd, process)
-    results: dict[str, JobResult] = {}
+        source = job_source(body, with_agent)
+        outcome = self.hosts[with_agent].run(name, source, cwd, timeout=JOB_TIMEOUT_S)
+        stdout, stderr = outcome.stdout, outcome.stderr
+        assert outcome.error is None, f"job {name} failed:\n{outcome.error}\n{stdout}\n{stderr}"
+        result = JobResult(stdout=stdout, stderr=stderr)
+        for line in stdout.splitlines():
+            if line.startswith(REPORT_TAG + " "):
+                _tag, key, value = line.split(" ", 2)
+                result.reports[key] = json.loads(value)
+        if with_agent:
+            data = (cwd / RECORDING).read_bytes()
+            decoder = wire.FrameDecoder()
+            result.messages = list(decoder.feed(data))
+            assert decoder.pending == 0, f"job {name}: torn recording tail"
+        return result
+
+    def close(self) -> None:
+        """End both hosts."""
+        for host in self.hosts.values():
+            host.close()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
+    """The module's two job hosts, started once."""
+    shared = Jobs(tmp_path_factory.mktemp("job-hosts"))
     try:
-        for name, (cwd, process) in started.items():
-            stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
-            assert process.returncode == 0, f"job {name} failed:\n{stdout}\n{stderr}"
-            result = JobResult(stdout=stdout, stderr=stderr)
-            for line in stdout.splitlines():
-                if line.startswith(REPORT_TAG + " "):
-                    _tag, key, value = line.split(" ", 2)
-                    result.reports[key] = json.loads(value)
-            if jobs[name][1]:
-                data = (cwd / RECORDING).read_bytes()
-                decoder = wire.FrameDecoder()
-                result.messages = list(decoder.feed(data))
-                assert decoder.pending == 0, f"job {name}: torn recording tail"
-            results[name] = result
+        yield shared
     finally:
-        for _cwd, process in started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
-
-
-def run_job(workdir: Path, body: str, with_agent: bool = True) -> JobResult:
-    """Run one job (see `run_jobs`)."""
-    return run_jobs(workdir, {"job": (body, with_agent)})["job"]
+        shared.close()
 
 
 def assert_clean(result: JobResult) -> None:
@@ -182,9 +233,9 @@ BF16 = 2
 # ----- optimizer state: the seed's figures ------------------------------------------------------
 
 
-def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path) -> None:
+def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path, jobs: Jobs) -> None:
     """AdamW on 100 fp32 values holds two 400 B moments and a 4 B step tensor (DESIGN.md)."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -213,9 +264,9 @@ def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path) -> None:
         assert step.dtypes["optimizer_state"] == {"float32": schema.DtypeStat(804, 3)}
 
 
-def test_sgd_momentum_holds_one_buffer(tmp_path: Path) -> None:
+def test_sgd_momentum_holds_one_buffer(tmp_path: Path, jobs: Jobs) -> None:
     """SGD with momentum keeps exactly one fp32 momentum buffer per parameter (400 B here)."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -238,9 +289,9 @@ def test_sgd_momentum_holds_one_buffer(tmp_path: Path) -> None:
 # ----- weights: unique storages ----------------------------------------------------------------
 
 
-def test_tied_weights_count_once(tmp_path: Path) -> None:
+def test_tied_weights_count_once(tmp_path: Path, jobs: Jobs) -> None:
     """An embedding tied to its output projection is one storage: weights and grads count once."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -280,9 +331,9 @@ def test_tied_weights_count_once(tmp_path: Path) -> None:
 # ----- dtypes ---------------------------------------------------------------------------------
 
 
-def test_bf16_adamw_dtype_inventory(tmp_path: Path) -> None:
+def test_bf16_adamw_dtype_inventory(tmp_path: Path, jobs: Jobs) -> None:
     """bf16 parameters give bf16 AdamW moments and float32 step tensors, per dtype and count."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -365,9 +416,9 @@ def _activation_jobs(body: str) -> dict[str, tuple[str, bool]]:
     return {"agent": (with_agent, True), "truth": (alone, False)}
 
 
-def test_mlp_saved_activations_match_independent_count(tmp_path: Path) -> None:
+def test_mlp_saved_activations_match_independent_count(tmp_path: Path, jobs: Jobs) -> None:
     """max.activations is exactly the unique non-parameter storages autograd saved; 0 at close."""
-    results = run_jobs(tmp_path, _activation_jobs(_MLP_JOB))
+    results = jobs.run(tmp_path, _activation_jobs(_MLP_JOB))
     agent, truth = results["agent"], results["truth"]
     assert_clean(agent)
     expected = truth.reports["saved"]
@@ -380,9 +431,9 @@ def test_mlp_saved_activations_match_independent_count(tmp_path: Path) -> None:
     assert agent.end.piles.activations == 0
 
 
-def test_parameter_view_is_never_an_activation(tmp_path: Path) -> None:
+def test_parameter_view_is_never_an_activation(tmp_path: Path, jobs: Jobs) -> None:
     """A weight packed as `weight.t()` (a view) stays in weights, never in activations."""
-    results = run_jobs(tmp_path, _activation_jobs(_LINEAR_VIEW_JOB))
+    results = jobs.run(tmp_path, _activation_jobs(_LINEAR_VIEW_JOB))
     agent, truth = results["agent"], results["truth"]
     assert_clean(agent)
     # The scenario really does pack a parameter storage, or this test proves nothing.
@@ -419,9 +470,9 @@ report("losses", losses)
 
 
 @pytest.fixture(scope="module")
-def accumulation(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+def accumulation(tmp_path_factory: pytest.TempPathFactory, jobs: Jobs) -> JobResult:
     """One job shared by the microbatch and loss tests (3 + 1 + 1 + 1 forwards, 4 updates)."""
-    result = run_job(tmp_path_factory.mktemp("accumulation"), _ACCUMULATION_JOB)
+    result = jobs.one(tmp_path_factory.mktemp("accumulation"), _ACCUMULATION_JOB)
     assert_clean(result)
     return result
 
@@ -466,9 +517,9 @@ report("losses", losses)
 """
 
 
-def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path) -> None:
+def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path, jobs: Jobs) -> None:
     """The agent only observes: same seed, same weights to the bit (dropout RNG, in-place ReLU)."""
-    results = run_jobs(tmp_path, {"agent": (_BITWISE_JOB, True), "plain": (_BITWISE_JOB, False)})
+    results = jobs.run(tmp_path, {"agent": (_BITWISE_JOB, True), "plain": (_BITWISE_JOB, False)})
     assert_clean(results["agent"])
     assert len(results["agent"].steps) == 5
     assert results["agent"].reports["losses"] == results["plain"].reports["losses"]
@@ -510,7 +561,7 @@ report("alive_after_backward", alive)
 """
 
 
-def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path) -> None:
+def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path, jobs: Jobs) -> None:
     """The agent must not keep a checkpointed block's inputs alive past backward.
 
     Non-reentrant checkpoint stops its recomputation by raising an exception through the
@@ -518,7 +569,7 @@ def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path) -> None:
     checkpoint frame and the block's saved inputs, alive: memory the job would otherwise free,
     and activations that never leave the ledger.
     """
-    results = run_jobs(
+    results = jobs.run(
         tmp_path, {"agent": (_CHECKPOINT_JOB, True), "plain": (_CHECKPOINT_JOB, False)}
     )
     assert results["plain"].reports["alive_after_backward"] == [False, False]
@@ -538,10 +589,11 @@ nt = torch.nested.nested_tensor(
 """
 
 
-def test_tensor_subclass_does_not_switch_off_activation_tracking(tmp_path: Path) -> None:
+def test_tensor_subclass_does_not_switch_off_activation_tracking(
+    tmp_path: Path, jobs: Jobs
+) -> None:
     """A saved tensor subclass is skipped (ledger docstring), not fatal to activation counting."""
-    jobs = _activation_jobs(_SUBCLASS_PRELUDE + _MLP_JOB)
-    results = run_jobs(tmp_path, jobs)
+    results = jobs.run(tmp_path, _activation_jobs(_SUBCLASS_PRELUDE + _MLP_JOB))
     agent, truth = results["agent"], results["truth"]
     assert agent.agent_errors == []
     assert agent.end is not None and agent.end.status == "ok"
