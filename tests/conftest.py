@@ -31,17 +31,17 @@ from memtui_agent import schema
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def _load_fixture_builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "memtui_fixture_builder", FIXTURES / "make_fixture.py"
-    )
+def _load_fixture_module(filename: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, FIXTURES / filename)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-fixture_builder = _load_fixture_builder()
+fixture_builder = _load_fixture_module("make_fixture.py", "memtui_fixture_builder")
+job_host_module = _load_fixture_module("job_host.py", "memtui_job_host")
 
 
 def live_stream_messages() -> list[schema.Message]:
@@ -211,6 +211,12 @@ def demo_messages() -> list[schema.Message]:
 def live_messages() -> list[schema.Message]:
     """The fixture run without its End (a job still running)."""
     return live_stream_messages()
+
+
+@pytest.fixture(scope="session")
+def job_host() -> ModuleType:
+    """`tests/fixtures/job_host.py`: one interpreter that runs many jobs (`JobHost`)."""
+    return job_host_module
 
 
 @pytest.fixture

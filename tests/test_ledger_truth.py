@@ -2,16 +2,17 @@
 
 Every number asserted here is derived inside the test (from shapes and dtypes) or measured by the
 job itself *without* the agent (its own saved-tensor hooks, its own storage walk): never copied
-from the agent's output. Each scenario runs in a fresh interpreter because the agent installs
-process-global hooks; jobs that only differ by the agent run concurrently to keep the file fast.
+from the agent's output. The jobs share two interpreters (tests/fixtures/job_host.py), one for
+jobs under the agent and one, never entered by the agent, for the jobs that measure the truth:
+each imports torch once, runs each job as `python -c` would and fails a job that leaves any
+process-global state behind (the agent's hooks, wrappers, threads, files, the job's objects), so
+no job sees what an earlier one left. Jobs that only differ by the agent run at the same time.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,6 @@ import pytest
 import torch
 
 from memtui_agent import schema, wire
-
-pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
 JOB_TIMEOUT_S = 120
 RECORDING = "rec.memtui"
@@ -125,18 +124,8 @@ def _job_env(runtime_dir: Path) -> dict[str, str]:
     return env
 
 
-def _load_job_host() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "memtui_job_host", Path(__file__).parent / "fixtures" / "job_host.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-job_host = _load_job_host()
+_AGENT_PRELOAD = ("torch", "memtui_agent.agent", "memtui_agent.tracker", "memtui_agent.emitter")
+"""What the agent's host imports while it starts, beside the other host (not inside a test)."""
 
 
 class Jobs:
@@ -148,13 +137,13 @@ class Jobs:
     the host fails the job that leaves any process-global state behind (see job_host.py).
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, job_host: ModuleType) -> None:
         runtime = folder / "runtime"
         runtime.mkdir(mode=0o700)
         env = _job_env(runtime)
-        self.hosts = {
+        self.hosts: dict[bool, Any] = {
             with_agent: job_host.JobHost(
-                env, folder, preload=("torch", "memtui_agent") if with_agent else ("torch",)
+                env, folder, preload=_AGENT_PRELOAD if with_agent else ("torch",)
             )
             for with_agent in (True, False)
         }
@@ -186,7 +175,7 @@ class Jobs:
 
     def _run_one(self, workdir: Path, name: str, body: str, with_agent: bool) -> JobResult:
         cwd = workdir / name
-        cwd.mkdir()
+        cwd.mkdir(parents=True)
         source = job_source(body, with_agent)
         outcome = self.hosts[with_agent].run(name, source, cwd, timeout=JOB_TIMEOUT_S)
         stdout, stderr = outcome.stdout, outcome.stderr
@@ -210,9 +199,9 @@ class Jobs:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jobs]:
+def jobs(tmp_path_factory: pytest.TempPathFactory, job_host: ModuleType) -> Iterator[Jobs]:
     """The module's two job hosts, started once."""
-    shared = Jobs(tmp_path_factory.mktemp("job-hosts"))
+    shared = Jobs(tmp_path_factory.mktemp("job-hosts"), job_host)
     try:
         yield shared
     finally:
@@ -528,6 +517,34 @@ def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path, jobs: 
     assert with_agent.keys() == plain.keys()
     for name, tensor in plain.items():
         assert torch.equal(with_agent[name], tensor), name
+
+
+# ----- the shared interpreter ------------------------------------------------------------------
+
+
+def test_a_job_in_the_shared_host_meets_a_fresh_agent(tmp_path: Path, jobs: Jobs) -> None:
+    """Two runs of one job in one interpreter record the same steps: nothing of the first
+    agent (optimizer names and counts, step numbers, piles) carries over to the second."""
+    body = """
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(100))
+    opt = torch.optim.AdamW([p], foreach=False)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        (p * p).sum().backward()
+        opt.step()
+    """
+    first, second = (jobs.one(tmp_path / run, body) for run in ("first", "second"))
+    hellos = [next(m for m in r.messages if isinstance(m, schema.Hello)) for r in (first, second)]
+    assert hellos[0].pid == hellos[1].pid  # one interpreter, or this proves nothing
+    for result in (first, second):
+        assert_clean(result)
+        assert [(s.step, s.optimizer, s.optimizer_step) for s in result.steps] == [
+            (1, "AdamW#1", 1),
+            (2, "AdamW#1", 2),
+        ]
+    assert [s.end for s in first.steps] == [s.end for s in second.steps]
+    assert [s.dtypes for s in first.steps] == [s.dtypes for s in second.steps]
 
 
 # ----- regressions found while writing the tests above ---------------------------------------
