@@ -179,7 +179,8 @@ class Jobs:
         source = job_source(body, with_agent)
         outcome = self.hosts[with_agent].run(name, source, cwd, timeout=JOB_TIMEOUT_S)
         stdout, stderr = outcome.stdout, outcome.stderr
-        assert outcome.error is None, f"job {name} failed:\n{outcome.error}\n{stdout}\n{stderr}"
+        failure = outcome.failure
+        assert failure is None, f"job {name} failed: {failure}\n--- its stdout:\n{stdout}"
         result = JobResult(stdout=stdout, stderr=stderr)
         for line in stdout.splitlines():
             if line.startswith(REPORT_TAG + " "):
