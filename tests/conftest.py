@@ -31,17 +31,17 @@ from memtui_agent import schema
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def _load_fixture_builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "memtui_fixture_builder", FIXTURES / "make_fixture.py"
-    )
+def _load_fixture_module(filename: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, FIXTURES / filename)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-fixture_builder = _load_fixture_builder()
+fixture_builder = _load_fixture_module("make_fixture.py", "memtui_fixture_builder")
+job_host_module = _load_fixture_module("job_host.py", "memtui_job_host")
 
 
 def live_stream_messages() -> list[schema.Message]:
@@ -161,6 +161,49 @@ def run_python(tmp_path: Path) -> JobRunner:
     return run
 
 
+SHARED_PRELOAD = ("torch", "memtui_agent.agent", "memtui_agent.tracker", "memtui_agent.emitter")
+"""What the shared interpreter imports once, before its first job."""
+
+
+@pytest.fixture(scope="session")
+def _shared_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One interpreter for every `shared_python` job of the session (started at first use)."""
+    host = job_host_module.JobHost(
+        dict(os.environ), tmp_path_factory.mktemp("shared-host"), preload=SHARED_PRELOAD
+    )
+    try:
+        yield host
+    finally:
+        host.close()
+
+
+@pytest.fixture
+def shared_python(tmp_path: Path, _shared_host: Any) -> JobRunner:
+    """`run_python`, but the job runs in one interpreter shared by the session's jobs
+    (tests/fixtures/job_host.py): torch is imported once, not once per job.
+
+    The job still sees what `python -c SOURCE ARGS` shows it (its own `__main__`, argv, folder,
+    `MEMTUI_RUNTIME_DIR`, output and exit status). A job that leaves process-global state
+    behind (an agent started and never stopped, hooks, threads) or kills the interpreter fails
+    its test; the next job gets a fresh interpreter. Jobs that need a fresh process (what
+    happens at interpreter exit, forked or spawned children) keep `run_python`.
+    """
+
+    def run(
+        source: str, *args: str, cwd: Path | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        folder = cwd or tmp_path
+        env = {"MEMTUI_RUNTIME_DIR": str(folder / "rt")}
+        outcome = _shared_host.run("job", source, folder, timeout, argv=args, env=env)
+        if outcome.code is None or outcome.leaks:
+            pytest.fail(f"{outcome.failure}\n--- its stdout:\n{outcome.stdout}", pytrace=False)
+        return subprocess.CompletedProcess(
+            [sys.executable, "-c", source, *args], outcome.code, outcome.stdout, outcome.stderr
+        )
+
+    return run
+
+
 @pytest.fixture
 def torchrun_session(tmp_path: Path) -> Callable[..., tuple[dict[str, Any], str]]:
     """`torchrun_session(SOURCE, env={...})`: SOURCE as `job.py` under `memtui run --headless
@@ -211,6 +254,12 @@ def demo_messages() -> list[schema.Message]:
 def live_messages() -> list[schema.Message]:
     """The fixture run without its End (a job still running)."""
     return live_stream_messages()
+
+
+@pytest.fixture(scope="session")
+def job_host() -> ModuleType:
+    """`tests/fixtures/job_host.py`: one interpreter that runs many jobs (`JobHost`)."""
+    return job_host_module
 
 
 @pytest.fixture

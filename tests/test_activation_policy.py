@@ -18,7 +18,7 @@ from memtui_agent import schema
 from memtui_agent.activation_policy import ActivationPolicy, Figures
 
 VARYING_BATCH = """
-import json, sys, torch, memtui_agent
+import contextlib, json, sys, torch, memtui_agent
 torch.manual_seed(0)
 BATCHES = [8, 8, 8, 8, 8, 16, 16, 8, 4, 16, 8, 8, 4]
 
@@ -39,7 +39,7 @@ def train(counting):
         x, y = torch.randn(batch, 32), torch.randn(batch, 4)
         counter = Counter(model.parameters())
         hooks = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-        with hooks if counting else memtui_agent.nothing():
+        with hooks if counting else contextlib.nullcontext():
             loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -47,11 +47,8 @@ def train(counting):
         print("SAVED", sum(s.nbytes() for s in counter.saved.values()), flush=True)
 
 if sys.argv[1] == "truth":
-    memtui_agent.nothing = lambda: __import__("contextlib").nullcontext()
     train(True)
 else:
-    import contextlib
-    memtui_agent.nothing = contextlib.nullcontext
     with memtui_agent.monitor(record="rec.memtui", socket=False, activations=sys.argv[1]):
         train(False)
 """
@@ -66,11 +63,11 @@ def _saved(stdout: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "every"])
 def test_changing_batch_sizes_are_exact_on_every_step(
-    tmp_path: Path, run_python: Any, mode: str
+    tmp_path: Path, shared_python: Any, mode: str
 ) -> None:
-    truth = run_python(VARYING_BATCH, "truth", cwd=tmp_path)
+    truth = shared_python(VARYING_BATCH, "truth", cwd=tmp_path)
     assert truth.returncode == 0, truth.stderr
-    result = run_python(VARYING_BATCH, mode, cwd=tmp_path)
+    result = shared_python(VARYING_BATCH, mode, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     steps = read_recording(tmp_path / "rec.memtui").steps
     expected = _saved(truth.stdout)
@@ -102,8 +99,8 @@ def test_changing_batch_sizes_are_exact_on_every_step(
 
 
 @pytest.mark.slow
-def test_off_counts_no_activations_and_says_so(tmp_path: Path, run_python: Any) -> None:
-    result = run_python(VARYING_BATCH, "off", cwd=tmp_path)
+def test_off_counts_no_activations_and_says_so(tmp_path: Path, shared_python: Any) -> None:
+    result = shared_python(VARYING_BATCH, "off", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     steps = read_recording(tmp_path / "rec.memtui").steps
     assert len(steps) == len(BATCHES)
@@ -219,6 +216,8 @@ def test_a_device_step_close_reads_nothing_back_and_its_alarm_arrives_late(
     """On a device, the healthy step's check is copied behind an event and read at a later
     close: no read on the training thread at the close (a stand-in device counts them), and
     the step that went bad still gets its alert, carried by a later frame."""
+    # A fresh interpreter per run (`run_python`, not `shared_python`): the job patches
+    # torch.Tensor.tolist and the agent's health module and never undoes it.
     control = run_python(STAND_IN_DEVICE, "host", cwd=tmp_path)
     assert control.returncode == 0, control.stderr
     # On the host the check is read at once: the counter sees those reads.
@@ -254,7 +253,7 @@ with memtui_agent.monitor(record="rec.memtui", socket=False, activations=sys.arg
 
 @pytest.mark.slow
 def test_auto_equals_every_through_a_second_stage_and_late_zero_grad(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
     """Lightning's shape: forward and backward in a closure, gradients zeroed after the forward
     (so the previous step's are alive in it), and a second optimizer with state of the same
@@ -264,7 +263,7 @@ def test_auto_equals_every_through_a_second_stage_and_late_zero_grad(
     for mode in ("every", "auto"):
         folder = tmp_path / mode
         folder.mkdir()
-        result = run_python(SECOND_STAGE, mode, cwd=folder)
+        result = shared_python(SECOND_STAGE, mode, cwd=folder)
         assert result.returncode == 0, result.stderr
         recording = read_recording(folder / "rec.memtui")
         assert not [a for a in recording.alerts if a.alert.kind == "activations_vary"]
@@ -314,6 +313,7 @@ print("JOB OK")
 def test_removing_the_agent_inside_a_forward_never_breaks_it(
     tmp_path: Path, run_python: Any
 ) -> None:
+    # A fresh interpreter (`run_python`): the job leaves its global pre-hook registered.
     result = run_python(REMOVED_MID_CALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "JOB OK" in result.stdout

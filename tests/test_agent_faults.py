@@ -51,6 +51,7 @@ def _run(run_python: Any, tmp_path: Path, source: str) -> subprocess.CompletedPr
 
 
 def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path, run_python: Any) -> None:
+    # A fresh interpreter (`run_python`): the job breaks the agent's Ledger class for good.
     result = _run(run_python, tmp_path, BROKEN_PACK)
     assert result.returncode == 0, result.stderr
     assert "FINAL" in result.stdout
@@ -64,8 +65,8 @@ def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path, run_pyth
     assert recording.steps[-1].end.weights == (8 * 8 + 8 + 8 + 1) * 4
 
 
-def test_unwritable_recording_leaves_the_job_running(tmp_path: Path, run_python: Any) -> None:
-    result = _run(run_python, tmp_path, UNWRITABLE)
+def test_unwritable_recording_leaves_the_job_running(tmp_path: Path, shared_python: Any) -> None:
+    result = _run(shared_python, tmp_path, UNWRITABLE)
     assert result.returncode == 0, result.stderr
     assert "JOB DONE" in result.stdout
     lines = [line for line in result.stderr.splitlines() if "recording failed" in line]

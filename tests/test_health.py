@@ -13,7 +13,7 @@ import pytest
 from memtui.recording import read_recording
 from memtui.report import build_report
 
-pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+pytestmark = pytest.mark.slow  # torch jobs, in the session's shared interpreter (`shared_python`)
 
 NAN_JOB = """
 import sys, torch, memtui_agent
@@ -115,9 +115,9 @@ with memtui_agent.monitor(record="rec.memtui", socket=False, budget=int(__import
 
 
 def _run(
-    run_python: Any, tmp_path: Path, source: str, *args: str, ok: bool = True
+    shared_python: Any, tmp_path: Path, source: str, *args: str, ok: bool = True
 ) -> tuple[str, Any]:
-    result = run_python(source, *args)
+    result = shared_python(source, *args)
     if ok:
         assert result.returncode == 0, result.stderr
     return result.stdout, build_report(read_recording(tmp_path / "rec.memtui"))
@@ -128,9 +128,9 @@ def _alerts(report: dict[str, Any], step: int) -> list[dict[str, Any]]:
 
 
 def test_full_mode_names_the_module_whose_output_turned_nonfinite(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    _, report = _run(run_python, tmp_path, NAN_JOB, "full", "activation")
+    _, report = _run(shared_python, tmp_path, NAN_JOB, "full", "activation")
     assert not any(alert["step"] < 3 for alert in report["alerts"])
     first = _alerts(report, 3)
     kinds = [alert["kind"] for alert in first]
@@ -170,11 +170,11 @@ with memtui_agent.monitor(record="rec.memtui", socket=False, nan_check="full"):
 
 
 def test_full_mode_sees_an_input_written_in_place_after_the_previous_module(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
     # `b`'s input is `a`'s output, whose flag is reused when unchanged; here it was modified
     # in place after `a` returned, so `b` must be told its input was already non-finite.
-    _, report = _run(run_python, tmp_path, INPLACE_JOB)
+    _, report = _run(shared_python, tmp_path, INPLACE_JOB)
     first = _alerts(report, 2)
     assert first[0]["kind"] == "nonfinite_activation"
     assert first[0]["where"] == "b"
@@ -183,9 +183,9 @@ def test_full_mode_sees_an_input_written_in_place_after_the_previous_module(
 
 
 def test_default_mode_flags_the_step_and_arms_module_checks(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    _, report = _run(run_python, tmp_path, NAN_JOB, "default", "activation")
+    _, report = _run(shared_python, tmp_path, NAN_JOB, "default", "activation")
     first = _alerts(report, 3)
     assert [alert["kind"] for alert in first] == ["nonfinite_loss", "nonfinite_gradient"]
     assert "2.lin.weight" in first[1]["where"]
@@ -194,24 +194,24 @@ def test_default_mode_flags_the_step_and_arms_module_checks(
 
 
 def test_nonfinite_gradient_under_finite_loss_names_the_parameter(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    _, report = _run(run_python, tmp_path, NAN_JOB, "default", "gradient")
+    _, report = _run(shared_python, tmp_path, NAN_JOB, "default", "gradient")
     first = _alerts(report, 3)
     assert [alert["kind"] for alert in first] == ["nonfinite_gradient"]
     assert first[0]["where"] == "3.weight"
     assert "under a finite loss" in first[0]["message"]
 
 
-def test_off_mode_checks_nothing(tmp_path: Path, run_python: Any) -> None:
-    _, report = _run(run_python, tmp_path, NAN_JOB, "off", "gradient")
+def test_off_mode_checks_nothing(tmp_path: Path, shared_python: Any) -> None:
+    _, report = _run(shared_python, tmp_path, NAN_JOB, "off", "gradient")
     assert not [a for a in report["alerts"] if a["kind"].startswith("nonfinite")]
 
 
 def test_grad_scaler_skip_with_scales_and_clip_order_warning(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    _, report = _run(run_python, tmp_path, SCALER_JOB)
+    _, report = _run(shared_python, tmp_path, SCALER_JOB)
     steps = report["steps"]
     assert [step["skipped"] for step in steps] == [False, True, False]
     assert [step["scale"] for step in steps] == [1024.0, 1024.0, 512.0]
@@ -238,9 +238,9 @@ def test_grad_scaler_skip_with_scales_and_clip_order_warning(
     ],
 )
 def test_first_step_forecast_equals_what_the_step_allocates(
-    tmp_path: Path, name: str, kwargs: dict[str, Any], run_python: Any
+    tmp_path: Path, name: str, kwargs: dict[str, Any], shared_python: Any
 ) -> None:
-    stdout, report = _run(run_python, tmp_path, FORECAST_JOB, name, repr(kwargs))
+    stdout, report = _run(shared_python, tmp_path, FORECAST_JOB, name, repr(kwargs))
     truth = int(stdout.split("TRUTH")[1])
     step = report["steps"][0]
     assert step["end"]["optimizer_state"] == truth
@@ -256,9 +256,9 @@ def test_first_step_forecast_equals_what_the_step_allocates(
 
 
 def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    _, report = _run(run_python, tmp_path, OOM_JOB, ok=False)
+    _, report = _run(shared_python, tmp_path, OOM_JOB, ok=False)
     ending = report["exit"]
     assert ending["status"] == "error" and ending["oom"] is True
     assert (ending["step"], ending["phase"]) == (2, "forward")
@@ -275,23 +275,23 @@ def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
     assert text.splitlines()[0].startswith("OUT OF MEMORY at step 2")
 
 
-def test_budget_forecast_warns_before_the_first_step(tmp_path: Path, run_python: Any) -> None:
+def test_budget_forecast_warns_before_the_first_step(tmp_path: Path, shared_python: Any) -> None:
     weights = (256 * 256 + 256) * 4
     # Fits weights and gradients, not the AdamW moments the first step will add.
-    _, report = _run(run_python, tmp_path, BUDGET_JOB, str(3 * weights))
+    _, report = _run(shared_python, tmp_path, BUDGET_JOB, str(3 * weights))
     over = [alert for alert in report["alerts"] if alert["kind"] == "over_budget"]
     assert over and over[0]["step"] == 1
     assert over[0]["where"] == "optimizer_state"
     assert "will allocate" in over[0]["message"]
 
 
-def test_budget_not_exceeded_gives_no_alert(tmp_path: Path, run_python: Any) -> None:
-    _, report = _run(run_python, tmp_path, BUDGET_JOB, str(10**9))
+def test_budget_not_exceeded_gives_no_alert(tmp_path: Path, shared_python: Any) -> None:
+    _, report = _run(shared_python, tmp_path, BUDGET_JOB, str(10**9))
     assert not [alert for alert in report["alerts"] if alert["kind"] == "over_budget"]
 
 
-def test_report_json_keeps_group_and_contract_keys(tmp_path: Path, run_python: Any) -> None:
-    _, report = _run(run_python, tmp_path, NAN_JOB, "full", "gradient")
+def test_report_json_keeps_group_and_contract_keys(tmp_path: Path, shared_python: Any) -> None:
+    _, report = _run(shared_python, tmp_path, NAN_JOB, "full", "gradient")
     json.dumps(report)
     for alert in report["alerts"]:
         assert {"step", "kind", "message", "where"} <= alert.keys()

@@ -2,27 +2,29 @@
 
 Every number asserted here is derived inside the test (from shapes and dtypes) or measured by the
 job itself *without* the agent (its own saved-tensor hooks, its own storage walk): never copied
-from the agent's output. Each scenario runs in a fresh interpreter because the agent installs
-process-global hooks; jobs that only differ by the agent run concurrently to keep the file fast.
+from the agent's output. The jobs share two interpreters (tests/fixtures/job_host.py), one for
+jobs under the agent and one, never entered by the agent, for the jobs that measure the truth:
+each imports torch once, runs each job as `python -c` would and fails a job that leaves any
+process-global state behind (the agent's hooks, wrappers, threads, files, the job's objects), so
+no job sees what an earlier one left. Jobs that only differ by the agent run at the same time.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
 from memtui_agent import schema, wire
-
-pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
 JOB_TIMEOUT_S = 120
 RECORDING = "rec.memtui"
@@ -122,50 +124,89 @@ def _job_env(runtime_dir: Path) -> dict[str, str]:
     return env
 
 
-def run_jobs(workdir: Path, jobs: dict[str, tuple[str, bool]]) -> dict[str, JobResult]:
-    """Run every `name: (body, with_agent)` job concurrently, each in `workdir/name`."""
-    runtime = workdir / "runtime"
-    runtime.mkdir(mode=0o700, exist_ok=True)
-    started: dict[str, tuple[Path, subprocess.Popen[str]]] = {}
-    for name, (body, with_agent) in jobs.items():
+_AGENT_PRELOAD = ("torch", "memtui_agent.agent", "memtui_agent.tracker", "memtui_agent.emitter")
+"""What the agent's host imports while it starts, beside the other host (not inside a test)."""
+
+
+class Jobs:
+    """Runs jobs in two shared interpreters: one for jobs under the agent, one for jobs without.
+
+    The truths never come from the interpreter the agent ran in: the jobs without the agent have
+    a host of their own, which the agent never entered. Each host imports torch once; each job
+    runs in it as `python -c` would (fresh `__main__`, its own folder, output and traceback), and
+    the host fails the job that leaves any process-global state behind (see job_host.py).
+    """
+
+    def __init__(self, folder: Path, job_host: ModuleType) -> None:
+        runtime = folder / "runtime"
+        runtime.mkdir(mode=0o700)
+        env = _job_env(runtime)
+        self.hosts: dict[bool, Any] = {
+            with_agent: job_host.JobHost(
+                env, folder, preload=_AGENT_PRELOAD if with_agent else ("torch",)
+            )
+            for with_agent in (True, False)
+        }
+        for host in self.hosts.values():
+            host.start()
+
+    def run(self, workdir: Path, jobs: dict[str, tuple[str, bool]]) -> dict[str, JobResult]:
+        """Run every `name: (body, with_agent)` job, each in `workdir/name`; a job with the agent
+        and one without run at the same time, in their two hosts."""
+        queues = {
+            flag: [(name, body) for name, (body, with_agent) in jobs.items() if with_agent is flag]
+            for flag in (True, False)
+        }
+
+        def run_queue(with_agent: bool) -> dict[str, JobResult]:
+            return {
+                name: self._run_one(workdir, name, body, with_agent)
+                for name, body in queues[with_agent]
+            }
+
+        with ThreadPoolExecutor(2) as pool:
+            parts = [pool.submit(run_queue, flag) for flag, queue in queues.items() if queue]
+            results = {name: result for part in parts for name, result in part.result().items()}
+        return {name: results[name] for name in jobs}
+
+    def one(self, workdir: Path, body: str, with_agent: bool = True) -> JobResult:
+        """Run one job (see `run`)."""
+        return self.run(workdir, {"job": (body, with_agent)})["job"]
+
+    def _run_one(self, workdir: Path, name: str, body: str, with_agent: bool) -> JobResult:
         cwd = workdir / name
-        cwd.mkdir()
-        process = subprocess.Popen(
-            [sys.executable, "-c", job_source(body, with_agent)],
-            cwd=cwd,
-            env=_job_env(runtime),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        started[name] = (cwd, process)
-    results: dict[str, JobResult] = {}
+        cwd.mkdir(parents=True)
+        source = job_source(body, with_agent)
+        outcome = self.hosts[with_agent].run(name, source, cwd, timeout=JOB_TIMEOUT_S)
+        stdout, stderr = outcome.stdout, outcome.stderr
+        failure = outcome.failure
+        assert failure is None, f"job {name} failed: {failure}\n--- its stdout:\n{stdout}"
+        result = JobResult(stdout=stdout, stderr=stderr)
+        for line in stdout.splitlines():
+            if line.startswith(REPORT_TAG + " "):
+                _tag, key, value = line.split(" ", 2)
+                result.reports[key] = json.loads(value)
+        if with_agent:
+            data = (cwd / RECORDING).read_bytes()
+            decoder = wire.FrameDecoder()
+            result.messages = list(decoder.feed(data))
+            assert decoder.pending == 0, f"job {name}: torn recording tail"
+        return result
+
+    def close(self) -> None:
+        """End both hosts."""
+        for host in self.hosts.values():
+            host.close()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory, job_host: ModuleType) -> Iterator[Jobs]:
+    """The module's two job hosts, started once."""
+    shared = Jobs(tmp_path_factory.mktemp("job-hosts"), job_host)
     try:
-        for name, (cwd, process) in started.items():
-            stdout, stderr = process.communicate(timeout=JOB_TIMEOUT_S)
-            assert process.returncode == 0, f"job {name} failed:\n{stdout}\n{stderr}"
-            result = JobResult(stdout=stdout, stderr=stderr)
-            for line in stdout.splitlines():
-                if line.startswith(REPORT_TAG + " "):
-                    _tag, key, value = line.split(" ", 2)
-                    result.reports[key] = json.loads(value)
-            if jobs[name][1]:
-                data = (cwd / RECORDING).read_bytes()
-                decoder = wire.FrameDecoder()
-                result.messages = list(decoder.feed(data))
-                assert decoder.pending == 0, f"job {name}: torn recording tail"
-            results[name] = result
+        yield shared
     finally:
-        for _cwd, process in started.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
-
-
-def run_job(workdir: Path, body: str, with_agent: bool = True) -> JobResult:
-    """Run one job (see `run_jobs`)."""
-    return run_jobs(workdir, {"job": (body, with_agent)})["job"]
+        shared.close()
 
 
 def assert_clean(result: JobResult) -> None:
@@ -182,9 +223,9 @@ BF16 = 2
 # ----- optimizer state: the seed's figures ------------------------------------------------------
 
 
-def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path) -> None:
+def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path, jobs: Jobs) -> None:
     """AdamW on 100 fp32 values holds two 400 B moments and a 4 B step tensor (DESIGN.md)."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -213,9 +254,9 @@ def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path) -> None:
         assert step.dtypes["optimizer_state"] == {"float32": schema.DtypeStat(804, 3)}
 
 
-def test_sgd_momentum_holds_one_buffer(tmp_path: Path) -> None:
+def test_sgd_momentum_holds_one_buffer(tmp_path: Path, jobs: Jobs) -> None:
     """SGD with momentum keeps exactly one fp32 momentum buffer per parameter (400 B here)."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -238,9 +279,9 @@ def test_sgd_momentum_holds_one_buffer(tmp_path: Path) -> None:
 # ----- weights: unique storages ----------------------------------------------------------------
 
 
-def test_tied_weights_count_once(tmp_path: Path) -> None:
+def test_tied_weights_count_once(tmp_path: Path, jobs: Jobs) -> None:
     """An embedding tied to its output projection is one storage: weights and grads count once."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -280,9 +321,9 @@ def test_tied_weights_count_once(tmp_path: Path) -> None:
 # ----- dtypes ---------------------------------------------------------------------------------
 
 
-def test_bf16_adamw_dtype_inventory(tmp_path: Path) -> None:
+def test_bf16_adamw_dtype_inventory(tmp_path: Path, jobs: Jobs) -> None:
     """bf16 parameters give bf16 AdamW moments and float32 step tensors, per dtype and count."""
-    result = run_job(
+    result = jobs.one(
         tmp_path,
         """
         torch.manual_seed(0)
@@ -365,9 +406,9 @@ def _activation_jobs(body: str) -> dict[str, tuple[str, bool]]:
     return {"agent": (with_agent, True), "truth": (alone, False)}
 
 
-def test_mlp_saved_activations_match_independent_count(tmp_path: Path) -> None:
+def test_mlp_saved_activations_match_independent_count(tmp_path: Path, jobs: Jobs) -> None:
     """max.activations is exactly the unique non-parameter storages autograd saved; 0 at close."""
-    results = run_jobs(tmp_path, _activation_jobs(_MLP_JOB))
+    results = jobs.run(tmp_path, _activation_jobs(_MLP_JOB))
     agent, truth = results["agent"], results["truth"]
     assert_clean(agent)
     expected = truth.reports["saved"]
@@ -380,9 +421,9 @@ def test_mlp_saved_activations_match_independent_count(tmp_path: Path) -> None:
     assert agent.end.piles.activations == 0
 
 
-def test_parameter_view_is_never_an_activation(tmp_path: Path) -> None:
+def test_parameter_view_is_never_an_activation(tmp_path: Path, jobs: Jobs) -> None:
     """A weight packed as `weight.t()` (a view) stays in weights, never in activations."""
-    results = run_jobs(tmp_path, _activation_jobs(_LINEAR_VIEW_JOB))
+    results = jobs.run(tmp_path, _activation_jobs(_LINEAR_VIEW_JOB))
     agent, truth = results["agent"], results["truth"]
     assert_clean(agent)
     # The scenario really does pack a parameter storage, or this test proves nothing.
@@ -419,9 +460,9 @@ report("losses", losses)
 
 
 @pytest.fixture(scope="module")
-def accumulation(tmp_path_factory: pytest.TempPathFactory) -> JobResult:
+def accumulation(tmp_path_factory: pytest.TempPathFactory, jobs: Jobs) -> JobResult:
     """One job shared by the microbatch and loss tests (3 + 1 + 1 + 1 forwards, 4 updates)."""
-    result = run_job(tmp_path_factory.mktemp("accumulation"), _ACCUMULATION_JOB)
+    result = jobs.one(tmp_path_factory.mktemp("accumulation"), _ACCUMULATION_JOB)
     assert_clean(result)
     return result
 
@@ -466,9 +507,9 @@ report("losses", losses)
 """
 
 
-def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path) -> None:
+def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path, jobs: Jobs) -> None:
     """The agent only observes: same seed, same weights to the bit (dropout RNG, in-place ReLU)."""
-    results = run_jobs(tmp_path, {"agent": (_BITWISE_JOB, True), "plain": (_BITWISE_JOB, False)})
+    results = jobs.run(tmp_path, {"agent": (_BITWISE_JOB, True), "plain": (_BITWISE_JOB, False)})
     assert_clean(results["agent"])
     assert len(results["agent"].steps) == 5
     assert results["agent"].reports["losses"] == results["plain"].reports["losses"]
@@ -477,6 +518,34 @@ def test_training_is_bit_identical_with_and_without_agent(tmp_path: Path) -> Non
     assert with_agent.keys() == plain.keys()
     for name, tensor in plain.items():
         assert torch.equal(with_agent[name], tensor), name
+
+
+# ----- the shared interpreter ------------------------------------------------------------------
+
+
+def test_a_job_in_the_shared_host_meets_a_fresh_agent(tmp_path: Path, jobs: Jobs) -> None:
+    """Two runs of one job in one interpreter record the same steps: nothing of the first
+    agent (optimizer names and counts, step numbers, piles) carries over to the second."""
+    body = """
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(100))
+    opt = torch.optim.AdamW([p], foreach=False)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        (p * p).sum().backward()
+        opt.step()
+    """
+    first, second = (jobs.one(tmp_path / run, body) for run in ("first", "second"))
+    hellos = [next(m for m in r.messages if isinstance(m, schema.Hello)) for r in (first, second)]
+    assert hellos[0].pid == hellos[1].pid  # one interpreter, or this proves nothing
+    for result in (first, second):
+        assert_clean(result)
+        assert [(s.step, s.optimizer, s.optimizer_step) for s in result.steps] == [
+            (1, "AdamW#1", 1),
+            (2, "AdamW#1", 2),
+        ]
+    assert [s.end for s in first.steps] == [s.end for s in second.steps]
+    assert [s.dtypes for s in first.steps] == [s.dtypes for s in second.steps]
 
 
 # ----- regressions found while writing the tests above ---------------------------------------
@@ -510,7 +579,7 @@ report("alive_after_backward", alive)
 """
 
 
-def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path) -> None:
+def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path, jobs: Jobs) -> None:
     """The agent must not keep a checkpointed block's inputs alive past backward.
 
     Non-reentrant checkpoint stops its recomputation by raising an exception through the
@@ -518,7 +587,7 @@ def test_checkpoint_inputs_are_released_after_backward(tmp_path: Path) -> None:
     checkpoint frame and the block's saved inputs, alive: memory the job would otherwise free,
     and activations that never leave the ledger.
     """
-    results = run_jobs(
+    results = jobs.run(
         tmp_path, {"agent": (_CHECKPOINT_JOB, True), "plain": (_CHECKPOINT_JOB, False)}
     )
     assert results["plain"].reports["alive_after_backward"] == [False, False]
@@ -538,10 +607,11 @@ nt = torch.nested.nested_tensor(
 """
 
 
-def test_tensor_subclass_does_not_switch_off_activation_tracking(tmp_path: Path) -> None:
+def test_tensor_subclass_does_not_switch_off_activation_tracking(
+    tmp_path: Path, jobs: Jobs
+) -> None:
     """A saved tensor subclass is skipped (ledger docstring), not fatal to activation counting."""
-    jobs = _activation_jobs(_SUBCLASS_PRELUDE + _MLP_JOB)
-    results = run_jobs(tmp_path, jobs)
+    results = jobs.run(tmp_path, _activation_jobs(_SUBCLASS_PRELUDE + _MLP_JOB))
     agent, truth = results["agent"], results["truth"]
     assert agent.agent_errors == []
     assert agent.end is not None and agent.end.status == "ok"

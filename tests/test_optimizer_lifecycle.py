@@ -17,7 +17,7 @@ import pytest
 from memtui.recording import read_recording
 from memtui.report import build_report
 
-pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
+pytestmark = pytest.mark.slow  # torch jobs, in the session's shared interpreter (`shared_python`)
 
 TRUTH = """
 import json, sys, weakref, torch, memtui_agent
@@ -75,8 +75,8 @@ def _truths(stdout: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in stdout.splitlines() if line.startswith("TRUTH ")]
 
 
-def _job(run_python: Any, tmp_path: Path, source: str, *args: str) -> list[dict[str, Any]]:
-    result = run_python(source, *args, cwd=tmp_path)
+def _job(shared_python: Any, tmp_path: Path, source: str, *args: str) -> list[dict[str, Any]]:
+    result = shared_python(source, *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     return _truths(result.stdout)
 
@@ -86,10 +86,10 @@ def _report(tmp_path: Path) -> dict[str, Any]:
 
 
 def test_a_replaced_optimizer_keeps_closing_steps_and_is_freed(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    plain = _job(run_python, tmp_path, SWAP, "plain")
-    truths = _job(run_python, tmp_path, SWAP, "agent")
+    plain = _job(shared_python, tmp_path, SWAP, "plain")
+    truths = _job(shared_python, tmp_path, SWAP, "agent")
     report = _report(tmp_path)
     steps = report["steps"]
     losses = [t["loss"] for t in truths if "loss" in t]
@@ -147,8 +147,8 @@ with maybe_monitor():
 )
 
 
-def test_two_optimizers_each_close_their_own_step(tmp_path: Path, run_python: Any) -> None:
-    truths = _job(run_python, tmp_path, GAN, "agent", "plain")
+def test_two_optimizers_each_close_their_own_step(tmp_path: Path, shared_python: Any) -> None:
+    truths = _job(shared_python, tmp_path, GAN, "agent", "plain")
     report = _report(tmp_path)
     steps = report["steps"]
     assert len(steps) == 8
@@ -166,9 +166,9 @@ def test_two_optimizers_each_close_their_own_step(tmp_path: Path, run_python: An
 
 
 def test_a_grad_scaler_skip_closes_that_optimizers_step_only(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    truths = _job(run_python, tmp_path, GAN, "agent", "scaler")
+    truths = _job(shared_python, tmp_path, GAN, "agent", "scaler")
     steps = _report(tmp_path)["steps"]
     assert [s["optimizer"] for s in steps] == ["Adam#1", "Adam#2"] * 4
     assert [s["skipped"] for s in steps] == [False, False, True, False, False, False, False, False]
@@ -198,8 +198,8 @@ with maybe_monitor():
 )
 
 
-def test_without_an_optimizer_each_backward_is_a_step(tmp_path: Path, run_python: Any) -> None:
-    truths = _job(run_python, tmp_path, NO_OPTIMIZER, "agent")
+def test_without_an_optimizer_each_backward_is_a_step(tmp_path: Path, shared_python: Any) -> None:
+    truths = _job(shared_python, tmp_path, NO_OPTIMIZER, "agent")
     report = _report(tmp_path)
     steps = report["steps"]
     weights = (32 * 64 + 64 + 64 + 1) * 4
@@ -273,8 +273,10 @@ with maybe_monitor():
 )
 
 
-def test_lbfgs_bound_nested_steps_and_a_step_that_raised(tmp_path: Path, run_python: Any) -> None:
-    truths = _job(run_python, tmp_path, LBFGS_AND_NESTING, "agent")
+def test_lbfgs_bound_nested_steps_and_a_step_that_raised(
+    tmp_path: Path, shared_python: Any
+) -> None:
+    truths = _job(shared_python, tmp_path, LBFGS_AND_NESTING, "agent")
     report = _report(tmp_path)
     steps = report["steps"]
     # 2 LBFGS steps (their closure's backwards are microbatches), 3 wrapper steps whose inner
@@ -313,8 +315,10 @@ with memtui_agent.monitor(record="rec.memtui", socket=False):
 """
 
 
-def test_each_checkpoint_variant_gets_its_own_explanation(tmp_path: Path, run_python: Any) -> None:
-    _job(run_python, tmp_path, CHECKPOINTS)
+def test_each_checkpoint_variant_gets_its_own_explanation(
+    tmp_path: Path, shared_python: Any
+) -> None:
+    _job(shared_python, tmp_path, CHECKPOINTS)
     notes = [a for a in _report(tmp_path)["alerts"] if a["kind"] == "checkpoint_limit"]
     assert [a["step"] for a in notes] == [1, 2]
     assert "use_reentrant=True" in notes[0]["message"]

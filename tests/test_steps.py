@@ -66,9 +66,9 @@ def _run(run_python: Any, tmp_path: Path, source: str, *args: str) -> tuple[str,
 
 
 def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    stdout, recording = _run(run_python, tmp_path, GRAD_SCALER)
+    stdout, recording = _run(shared_python, tmp_path, GRAD_SCALER)
     printed = [line.split() for line in stdout.splitlines() if line.startswith("LOSS")]
     steps = recording.steps
     assert [step.step for step in steps] == [1, 2, 3, 4]
@@ -82,10 +82,12 @@ def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(
     assert steps[0].end.optimizer_state == (8 * 4 + 4) * 4
 
 
-def test_job_without_optimizer_gets_ticks_with_live_piles(tmp_path: Path, run_python: Any) -> None:
+def test_job_without_optimizer_gets_ticks_with_live_piles(
+    tmp_path: Path, shared_python: Any
+) -> None:
     from memtui_agent import schema, wire
 
-    _, recording = _run(run_python, tmp_path, NO_OPTIMIZER)
+    _, recording = _run(shared_python, tmp_path, NO_OPTIMIZER)
     assert recording.steps == []
     messages = list(wire.FrameDecoder().feed((tmp_path / "rec.memtui").read_bytes()))
     ticks = [m for m in messages if isinstance(m, schema.Tick)]
@@ -98,6 +100,8 @@ def test_job_without_optimizer_gets_ticks_with_live_piles(tmp_path: Path, run_py
 def test_watch_counts_weights_and_forked_or_spawned_workers_stay_silent(
     tmp_path: Path, run_python: Any
 ) -> None:
+    # Fresh interpreters (`run_python`): spawned workers re-run `__main__` as a fresh
+    # interpreter's, and forked ones copy whatever a shared interpreter holds.
     for context in ("fork", "spawn"):
         folder = tmp_path / context
         folder.mkdir()
