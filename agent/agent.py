@@ -22,6 +22,7 @@ import msgspec
 from memtui_agent import schema
 from memtui_agent.config import AgentConfig
 from memtui_agent.failures import first_line, is_oom, requested_bytes
+from memtui_agent.memory_readers import close_readers
 from memtui_agent.runtime_dir import Sidecar, ensure_private_dir, write_sidecar
 from memtui_agent.units import format_bytes
 
@@ -246,6 +247,7 @@ class Agent:
             self.report_failure("remove-hooks", exc)
         if self.emitter is not None:
             self.emitter.close()
+        close_readers()  # the agent leaves no file of its own open in the job
         if self.sidecar is not None:
             try:
                 self.sidecar.unlink()

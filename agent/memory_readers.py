@@ -35,6 +35,17 @@ def process_rss() -> int:
         return _psutil_rss()
 
 
+def close_readers() -> None:
+    """Close the kept /proc file (the agent is leaving; a later read opens it again)."""
+    global _statm
+    statm, _statm = _statm, None
+    if statm is not None and statm[0] == os.getpid():
+        try:
+            os.close(statm[1])
+        except OSError:
+            pass
+
+
 def _psutil_rss() -> int:
     """RSS through a cached psutil handle (no /proc)."""
     global _process
