@@ -20,6 +20,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import heapq
 import operator
 import threading
 import weakref
@@ -240,8 +241,9 @@ class Ledger:
     def top_modules(self, limit: int) -> list[ModuleBytes]:
         """Modules with the most saved-activation bytes live at once during the step."""
         with self._lock:
-            ranked = sorted(self._module_max.items(), key=lambda item: item[1], reverse=True)
-        return [ModuleBytes(module, size) for module, size in ranked[:limit] if size > 0]
+            held = [(module, size) for module, size in self._module_max.items() if size > 0]
+        ranked = heapq.nlargest(limit, held, key=operator.itemgetter(1))
+        return [ModuleBytes(module, size) for module, size in ranked]
 
     def _settle(self) -> None:
         """Take the high-water details owed since a pile last reached a new high.
