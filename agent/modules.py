@@ -45,6 +45,8 @@ class ModuleRegistry:
         parameter or buffer was added or replaced somewhere."""
         self._parameter_cache: tuple[Any, list[weakref.ref[Any]]] | None = None
         self._parameter_calls = 0
+        self._walked_ids: frozenset[int] = frozenset()
+        """id() of every module found by the last walk of the trees."""
         self.parameter_walks = 0
         """How many times `parameters()` walked the trees (facts about them are redone then)."""
 
@@ -123,6 +125,7 @@ class ModuleRegistry:
                 seen.setdefault(id(module), module)
         modules = list(seen.values())
         self._module_cache = (generations, [weakref.ref(module) for module in modules])
+        self._walked_ids = frozenset(seen)
         return modules
 
     def note_tree_change(self, module: Any, *_args: Any) -> None:
@@ -135,8 +138,9 @@ class ModuleRegistry:
         a forward) registers its buffers each time, and attaching it to a tree is a
         registration on a known module.
         """
-        known = self._by_id.get(id(module))
-        if known is not None and known[0]() is module:
+        # Any module of the last walk counts (one attached since has no name id yet); an id
+        # reused by an unrelated module only costs one walk.
+        if id(module) in self._walked_ids or id(module) in self._by_id:
             self.tree_generation += 1
 
     def weight_tensors(self, parameters: list[Any], modules: list[Any] | None = None) -> list[Any]:

@@ -82,14 +82,17 @@ with memtui_agent.monitor(record="rec.memtui", socket=False):
         elif step == 5:
             model.frozen.weight.data = torch.zeros(128, 64)  # old storage freed
         elif step == 6:
-            model.scale = torch.ones(2000)  # a buffer reassigned
+            kept.append(model.extra.bias)  # nothing freed: the registration must say it
+            model.extra.bias = nn.Parameter(torch.zeros(500))  # on the module attached since
         elif step == 7:
-            del model.extra  # its storages are freed
+            model.scale = torch.ones(2000)  # a buffer reassigned
         elif step == 8:
-            opt.add_param_group({"params": [loose]})  # optimizer-only: weights and state
+            del model.extra  # its storages are freed
         elif step == 9:
-            opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # every state tensor new
+            opt.add_param_group({"params": [loose]})  # optimizer-only: weights and state
         elif step == 10:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # every state tensor new
+        elif step == 11:
             # Unannounced: no hook, and the old bias stays alive (nothing is freed).
             kept.append(model.frozen.bias)
             model.frozen._parameters["bias"] = nn.Parameter(torch.zeros(4096))
@@ -119,10 +122,10 @@ def _frames_against_truth(stdout: str, path: Path) -> list[tuple[int, Any, Any]]
 def test_every_announced_change_is_counted_at_the_next_close(
     tmp_path: Path, run_python: Any
 ) -> None:
-    result = run_python(CHANGES, "11", cwd=tmp_path)
+    result = run_python(CHANGES, "12", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     compared = _frames_against_truth(result.stdout, tmp_path / "rec.memtui")
-    assert len(compared) == 10
+    assert len(compared) == 11
     for step, frame, truth in compared:
         assert frame == truth, f"step {step}: frame {frame} != truth {truth}"
 
@@ -134,9 +137,9 @@ def test_an_unannounced_change_is_exact_from_the_audit_on(tmp_path: Path, run_py
     assert result.returncode == 0, result.stderr
     compared = _frames_against_truth(result.stdout, tmp_path / "rec.memtui")
     wrong = [step for step, frame, truth in compared if frame != truth]
-    # The direct write after step 10 reaches the frames at the audit close at the latest; from
+    # The direct write after step 11 reaches the frames at the audit close at the latest; from
     # there the pile is walked at every close.
-    assert all(10 < step < AUDIT_CLOSES for step in wrong), wrong
+    assert all(11 < step < AUDIT_CLOSES for step in wrong), wrong
     assert compared[-1][1] == compared[-1][2]
 
 
