@@ -147,12 +147,20 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
 
 def plain_storage(tensor: Any) -> StorageInfo | None:
     """`storages_of` for the hooks' common case, a plain strided tensor, without building a
-    list (it runs for every saved tensor and every gradient); None for anything else."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_meta:
+    list (it runs for every saved tensor and every gradient); None for anything else.
+
+    A meta tensor's storage has data pointer 0, so its key has no pointer (`not key >> 8`),
+    which callers treat as "holds no memory": no separate `is_meta` test on the hot path.
+    """
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
         return None
     storage = tensor.untyped_storage()
-    key = storage_key(tensor.get_device(), storage.data_ptr())
-    return key, storage.nbytes(), dtype_name(tensor.dtype), storage
+    dtype = tensor.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = dtype_name(dtype)
+    key = (storage.data_ptr() << 8) | (tensor.get_device() + 1)  # storage_key, inlined
+    return key, storage.nbytes(), name, storage
 
 
 def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
@@ -489,7 +497,8 @@ class Ledger:
         """A pack hook saved a tensor on this storage.
 
         A storage no pile holds yet (most activations) goes straight to the activations pile;
-        one already counted elsewhere keeps its pile by precedence.
+        one already counted elsewhere keeps its pile by precedence. The new storage's
+        accounting is `_account`'s, written out: this runs for every saved tensor.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -499,15 +508,43 @@ class Ledger:
                     entry.module = module
                     self._set_mask(key, entry, entry.mask | 8)
                 return
-            entry = self._entries[key] = self._new_entry(nbytes, dtype)
+            pool = self._pool
+            entry = pool.pop() if pool else _Entry(nbytes, dtype)
+            entry.nbytes = nbytes
+            entry.dtype = dtype
             entry.act_refs = 1
             entry.module = module
             entry.mask = 8
             entry.pile = ACTIVATIONS
-            self._account(ACTIVATIONS, entry, nbytes)
+            self._entries[key] = entry
+            piles = self.piles
+            live = piles[3] + nbytes
+            piles[3] = live
+            stat = self._dtypes[3].get(dtype)
+            if stat is None:
+                self._dtypes[3][dtype] = [nbytes, 1]
+            else:
+                stat[0] += nbytes
+                stat[1] += 1
+            module_live = self._module_live
+            in_module = module_live.get(module, 0) + nbytes
+            module_live[module] = in_module
+            if in_module > self._module_max.get(module, 0):
+                self._module_max[module] = in_module
+            if live > self.max[3]:
+                self.max[3] = live
+                self._act_max_pending = True
+            total = piles[0] + piles[1] + piles[2] + live
+            if total > self.peak_total:
+                self.peak_total = total
+                self._peak_pending = True
 
     def release_activation(self, key: Key) -> None:
-        """A pack wrapper was freed (its graph was released)."""
+        """A pack wrapper was freed (its graph was released).
+
+        The common case, an activation and nothing else, is `_account` and `_drop_entry`
+        written out (it runs for every saved tensor too).
+        """
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.act_refs == 0:
@@ -519,10 +556,26 @@ class Ledger:
                 self._set_mask(key, entry, entry.mask & ~8)
                 return
             # An activation and nothing else: it leaves every pile.
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            nbytes = entry.nbytes
+            self.piles[3] -= nbytes
+            dtypes = self._dtypes[3]
+            stat = dtypes[entry.dtype]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if not stat[1]:
+                del dtypes[entry.dtype]
+            module_live = self._module_live
+            module_live[entry.module] = module_live.get(entry.module, 0) - nbytes
             entry.mask = 0
             entry.pile = -1
-            self._account(ACTIVATIONS, entry, -entry.nbytes)
-            self._drop_entry(key, entry)
+            del self._entries[key]
+            if entry.ref is not None:
+                self._ref_keys.pop(id(entry.ref), None)
+                entry.ref = None
+            if len(self._pool) < ENTRY_POOL:
+                self._pool.append(entry)
 
     # ----- the one place where bytes move --------------------------------------------------
 

@@ -320,9 +320,10 @@ class Tracker(LibraryWrappers, RootCalls):
             module_id = self.registry.lookup(module)
             if self.registry.generation != self._synced_generation:
                 self._on_new_objects()
-            if not self._stack:
+            stack = self._stack
+            if not stack:
                 self._in_optimizer = False
-            self._stack.append(module_id)
+            stack.append(module_id)
         except Exception as exc:
             self._disable("modules", exc)
 
@@ -330,18 +331,18 @@ class Tracker(LibraryWrappers, RootCalls):
         if is_compiling() or not self.enabled["modules"] or get_ident() != self.owner_thread:
             return
         try:
-            # Hooks run from `_call_impl` itself only when forward raised; on success they run
-            # from its inner function (an outer `except` block also sets sys.exc_info()).
-            if (
-                sys.exc_info()[1] is not None
-                and self._stack
-                and sys._getframe(1).f_code.co_name == "_call_impl"
-            ):
-                self._note_error(schema.Phase.FORWARD.value, self.registry.name(self._stack[-1]))
-            elif self._stack and self.closer.health.watching_modules(self.closed_steps + 1):
-                self.closer.health.module_output(self._stack[-1], args, output)
-            if self._stack:
-                self._stack.pop()
+            stack = self._stack
+            if stack:
+                # Hooks run from `_call_impl` itself only when forward raised; on success they
+                # run from its inner function (an outer `except` block also sets exc_info()).
+                if (
+                    sys.exc_info()[1] is not None
+                    and sys._getframe(1).f_code.co_name == "_call_impl"
+                ):
+                    self._note_error(schema.Phase.FORWARD.value, self.registry.name(stack[-1]))
+                elif self.closer.health.watching_modules(self.closed_steps + 1):
+                    self.closer.health.module_output(stack[-1], args, output)
+                stack.pop()
             if self._fsdp and self.distributed.fsdp.is_fsdp_module(module):
                 self._sample_gathered()  # before FSDP's own post-forward hook reshards
         except Exception as exc:
@@ -361,26 +362,19 @@ class Tracker(LibraryWrappers, RootCalls):
             kind = type(origin)
             if kind is Parameter or (kind is not Tensor and isinstance(origin, Parameter)):
                 seen = self._seen_params.get(id(origin))
-                if seen is None or seen() is not origin:
-                    if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
-                        # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight
-                        # (the shard is) nor an activation; autograd keeps it as FSDP expects.
-                        self._sample_gathered()
-                        return tensor
-                    # A parameter no module or optimizer has shown us yet: it is a weight.
-                    self._seen_params[id(origin)] = forget_when_freed(origin, self._seen_params)
-                    self.ledger.add(WEIGHTS, origin)
-                # A parameter or a view of one is a weight, never an activation: autograd keeps
-                # it as it would without hooks (no wrapper, nothing more for the GC to walk).
-                return tensor
-            module = self._stack[-1] if self._stack else NO_MODULE
+                if seen is not None and seen() is origin:
+                    return tensor  # a weight already counted: autograd keeps it as it would
+                return self._pack_parameter(tensor, origin)
+            stack = self._stack
+            module = stack[-1] if stack else NO_MODULE
             plain = plain_storage(tensor)
             if plain is not None:  # almost every saved tensor: one storage
                 key, nbytes, name, _storage = plain
                 if not nbytes or not key >> 8:
                     return tensor  # holds no memory
-                self.ledger.acquire_activation(key, nbytes, name, module)
-                return _SavedOne(tensor.detach(), key, self.ledger)
+                ledger = self.ledger
+                ledger.acquire_activation(key, nbytes, name, module)
+                return _SavedOne(tensor.detach(), key, ledger)
             infos = storages_of(tensor)
             saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
             for key, nbytes, dtype, _storage in infos:
@@ -389,6 +383,19 @@ class Tracker(LibraryWrappers, RootCalls):
         except Exception as exc:
             self._disable("pack", exc)
             return tensor
+
+    def _pack_parameter(self, tensor: Any, origin: Any) -> Any:
+        """A parameter (or a view of one) not seen before: a weight, never an activation.
+        Autograd keeps it as it would without hooks (no wrapper, nothing for the GC)."""
+        if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
+            # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight (the shard
+            # is) nor an activation; autograd keeps it as FSDP expects.
+            self._sample_gathered()
+            return tensor
+        # A parameter no module or optimizer has shown us yet: it is a weight.
+        self._seen_params[id(origin)] = forget_when_freed(origin, self._seen_params)
+        self.ledger.add(WEIGHTS, origin)
+        return tensor
 
     # ----- gradients ---------------------------------------------------------------------------
 
