@@ -26,6 +26,16 @@ def _buffer_values(module: Any) -> Any:
     return module._buffers.values()
 
 
+def _holds_nothing(module: Any) -> bool:
+    """No child, and no parameter or buffer that is set (a loss's `weight` buffer is None)."""
+    if getattr(module, "_modules", None):
+        return False
+    held = chain(
+        getattr(module, "_parameters", {}).values(), getattr(module, "_buffers", {}).values()
+    )
+    return all(value is None for value in held)
+
+
 class ModuleRegistry:
     """Roots, module ids and parameter names for everything the job has run."""
 
@@ -33,6 +43,8 @@ class ModuleRegistry:
         self._publish = publish
         self._by_id: dict[int, tuple[weakref.ref[Any], int]] = {}
         self._names: list[str] = []
+        self._empty_ids: dict[str, int] = {}
+        """Class name -> the name id all of its empty modules share (`lookup`)."""
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
         self.param_names: dict[int, str] = {}
@@ -51,12 +63,29 @@ class ModuleRegistry:
         """How many times `parameters()` walked the trees (facts about them are redone then)."""
 
     def lookup(self, module: Any) -> int:
-        """Name id of a module, registering its tree if it is new."""
+        """Name id of a module, registering its tree if it is new.
+
+        A new module that holds nothing (no parameter, buffer or child) is not a tree: jobs
+        build such modules at every call (Hugging Face models create `CrossEntropyLoss()` in
+        `forward`), and registering each one would grow the name table, the recording and the
+        roots without end. All of one class share one name id instead.
+        """
         known = self._by_id.get(id(module))
         if known is not None and known[0]() is module:
             return known[1]
+        if _holds_nothing(module):
+            return self._empty_module_id(type(module).__name__)
         self._add_root(module)
         return self._by_id[id(module)][1]
+
+    def _empty_module_id(self, class_name: str) -> int:
+        """The one name id of the empty modules of a class, published the first time."""
+        module_id = self._empty_ids.get(class_name)
+        if module_id is None:
+            module_id = self._empty_ids[class_name] = len(self._names)
+            self._names.append(class_name)
+            self._publish(schema.Names(kind="module", first_id=module_id, names=[class_name]))
+        return module_id
 
     def name(self, module_id: int) -> str:
         """The qualified name behind an id."""

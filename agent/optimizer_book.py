@@ -125,7 +125,9 @@ def live_optimizers() -> list[Any]:
 
     from torch.optim import Optimizer
 
-    return [obj for obj in gc.get_objects() if isinstance(obj, Optimizer)]
+    # By exact type, never `isinstance`: that reads `__class__`, which some objects compute in
+    # Python (torch.distributed's deprecated `reduce_op` prints a FutureWarning into the job).
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), Optimizer)]
 
 
 def caller_frame(depth: int) -> FrameType:

@@ -67,14 +67,17 @@ class _Saved:
 
     It holds `tensor.detach()`, never the tensor itself: ops that save their own output would
     otherwise form a reference cycle through the graph and the wrapper would never be freed.
+    The alias shares the tensor's version counter, so unpacking can make the check autograd
+    skips under saved-tensor hooks (`_unpack`).
     """
 
-    __slots__ = ("__weakref__", "keys", "ledger", "tensor")
+    __slots__ = ("__weakref__", "keys", "ledger", "tensor", "version")
 
-    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger) -> None:
+    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger, version: int) -> None:
         self.tensor = tensor
         self.keys = keys
         self.ledger = ledger
+        self.version = version
 
     def __del__(self) -> None:
         try:
@@ -91,12 +94,13 @@ _unpack_samplers: list[Callable[[], None]] = []
 class _SavedOne:
     """`_Saved` for the common case of one storage: the key itself, no list."""
 
-    __slots__ = ("__weakref__", "key", "ledger", "tensor")
+    __slots__ = ("__weakref__", "key", "ledger", "tensor", "version")
 
-    def __init__(self, tensor: Any, key: Any, ledger: Ledger) -> None:
+    def __init__(self, tensor: Any, key: Any, ledger: Ledger, version: int) -> None:
         self.tensor = tensor
         self.key = key
         self.ledger = ledger
+        self.version = version
 
     def __del__(self) -> None:
         try:
@@ -105,11 +109,42 @@ class _SavedOne:
             pass
 
 
+class _SavedWeight:
+    """A parameter (or a view of one) saved for backward: kept as autograd would keep it, with
+    the version it was saved at (a weight updated between forward and backward, a GAN's
+    classic mistake, must still stop the job as it does without hooks). No `__del__`: a weight
+    is not an activation."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Any, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+
+MODIFIED_HINT = (
+    "Hint: the backtrace further above shows the operation that failed to compute its "
+    "gradient. (memtui's saved-tensor hooks make this check, which autograd skips under "
+    "saved-tensor hooks.)"
+)
+
+
 def _unpack(saved: Any) -> Any:
     if _unpack_samplers:
         _unpack_samplers[0]()
     kind = type(saved)
-    return saved.tensor if kind is _SavedOne or kind is _Saved else saved
+    if kind is _SavedOne or kind is _Saved or kind is _SavedWeight:
+        tensor = saved.tensor
+        if tensor._version != saved.version:
+            # What autograd raises without saved-tensor hooks: with them it checks nothing, and
+            # a job that modified a saved tensor in place would train on wrong gradients.
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {saved.version} instead. {MODIFIED_HINT}"
+            )
+        return tensor
+    return saved
 
 
 class Tracker(LibraryWrappers, RootCalls):
@@ -362,9 +397,10 @@ class Tracker(LibraryWrappers, RootCalls):
             kind = type(origin)
             if kind is Parameter or (kind is not Tensor and isinstance(origin, Parameter)):
                 seen = self._seen_params.get(id(origin))
-                if seen is not None and seen() is origin:
-                    return tensor  # a weight already counted: autograd keeps it as it would
-                return self._pack_parameter(tensor, origin)
+                if (seen is None or seen() is not origin) and not self._pack_parameter(origin):
+                    return tensor  # FSDP's gathered parameter: kept as FSDP expects
+                # A weight, never an activation: autograd keeps it as it would without hooks.
+                return _SavedWeight(tensor, tensor._version)
             stack = self._stack
             module = stack[-1] if stack else NO_MODULE
             plain = plain_storage(tensor)
@@ -374,9 +410,11 @@ class Tracker(LibraryWrappers, RootCalls):
                     return tensor  # holds no memory
                 ledger = self.ledger
                 ledger.acquire_activation(key, nbytes, name, module)
-                return _SavedOne(tensor.detach(), key, ledger)
+                return _SavedOne(tensor.detach(), key, ledger, tensor._version)
             infos = storages_of(tensor)
-            saved = _Saved(tensor.detach(), [info[0] for info in infos], self.ledger)
+            saved = _Saved(
+                tensor.detach(), [info[0] for info in infos], self.ledger, tensor._version
+            )
             for key, nbytes, dtype, _storage in infos:
                 self.ledger.acquire_activation(key, nbytes, dtype, module)
             return saved
@@ -384,18 +422,17 @@ class Tracker(LibraryWrappers, RootCalls):
             self._disable("pack", exc)
             return tensor
 
-    def _pack_parameter(self, tensor: Any, origin: Any) -> Any:
+    def _pack_parameter(self, origin: Any) -> bool:
         """A parameter (or a view of one) not seen before: a weight, never an activation.
-        Autograd keeps it as it would without hooks (no wrapper, nothing for the GC)."""
+        False for FSDP's all-gathered parameter, whose memory is FSDP's (the shard is the
+        weight) and which autograd must keep exactly as FSDP expects."""
         if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
-            # FSDP's all-gathered parameter: its memory is FSDP's, neither a weight (the shard
-            # is) nor an activation; autograd keeps it as FSDP expects.
             self._sample_gathered()
-            return tensor
+            return False
         # A parameter no module or optimizer has shown us yet: it is a weight.
         self._seen_params[id(origin)] = forget_when_freed(origin, self._seen_params)
         self.ledger.add(WEIGHTS, origin)
-        return tensor
+        return True
 
     # ----- gradients ---------------------------------------------------------------------------
 

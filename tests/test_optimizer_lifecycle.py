@@ -357,3 +357,26 @@ def test_the_viewer_names_the_optimizer_only_where_several_step(
     assert owners(gan) == ["Adam#1 step 1", "Adam#2 step 1", "Adam#1 step 2"]
     manual = [step(1, closed_by=schema.StepTrigger.BACKWARD)]
     assert owners(manual) == ["step = one backward() (no optimizer stepped)"]
+
+
+SCAN_QUIETLY = """
+import warnings, torch, torch.distributed, memtui_agent
+warnings.simplefilter("always")  # any warning the agent causes is printed
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = torch.nn.Linear(4, 1)
+    model(torch.randn(2, 4)).sum().backward()  # before any optimizer: the heap is searched
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()
+print("done")
+"""
+
+
+def test_searching_the_heap_for_optimizers_prints_nothing(
+    tmp_path: Path, shared_python: Any
+) -> None:
+    """The search reads each object's exact type: `isinstance` reads `__class__`, which
+    torch.distributed's deprecated `reduce_op` answers with a FutureWarning in the job."""
+    result = shared_python(SCAN_QUIETLY, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "done"
+    assert "Warning" not in result.stderr and "memtui:" not in result.stderr, result.stderr
