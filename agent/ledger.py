@@ -542,8 +542,8 @@ class Ledger:
     def release_activation(self, key: Key) -> None:
         """A pack wrapper was freed (its graph was released).
 
-        The common case, an activation and nothing else, is `_account` and `_drop_entry`
-        written out (it runs for every saved tensor too).
+        The common case, an activation and nothing else, is `_account` written out (it runs
+        for every saved tensor too).
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -570,12 +570,7 @@ class Ledger:
             module_live[entry.module] = module_live.get(entry.module, 0) - nbytes
             entry.mask = 0
             entry.pile = -1
-            del self._entries[key]
-            if entry.ref is not None:
-                self._ref_keys.pop(id(entry.ref), None)
-                entry.ref = None
-            if len(self._pool) < ENTRY_POOL:
-                self._pool.append(entry)
+            self._drop_entry(key, entry)
 
     # ----- the one place where bytes move --------------------------------------------------
 
