@@ -71,21 +71,6 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     import torch
 
     budget = [MAX_SIGNATURE_ITEMS]
-
-    def describe(value: Any, depth: int) -> Any:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return object()  # too much to compare: this call never repeats
-        if isinstance(value, torch.Tensor):
-            return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        if depth < 3 and isinstance(value, (list, tuple)):
-            return tuple(describe(item, depth + 1) for item in value)
-        if depth < 3 and isinstance(value, dict):
-            return tuple((key, describe(item, depth + 1)) for key, item in value.items())
-        return type(value)
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     modes = (
         id(module),
@@ -94,7 +79,29 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         torch.is_autocast_enabled(device),
         torch.get_autocast_dtype(device),
     )
-    return modes, describe(args, 0), describe(kwargs, 0)
+    return modes, _describe(args, 0, budget), _describe(kwargs, 0, budget)
+
+
+def _describe(value: Any, depth: int, budget: list[int]) -> Any:
+    """One argument's part of a signature, spending `budget[0]` items at most.
+
+    A module-level function, not a closure over itself: a recursive closure is a reference
+    cycle, garbage for the job's collector at every root call.
+    """
+    import torch
+
+    budget[0] -= 1
+    if budget[0] < 0:
+        return object()  # too much to compare: this call never repeats
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return tuple(_describe(item, depth + 1, budget) for item in value)
+    if depth < 3 and isinstance(value, dict):
+        return tuple((key, _describe(item, depth + 1, budget)) for key, item in value.items())
+    return type(value)
 
 
 class ActivationPolicy:
