@@ -120,9 +120,9 @@ def _frames_against_truth(stdout: str, path: Path) -> list[tuple[int, Any, Any]]
 
 @pytest.mark.slow
 def test_every_announced_change_is_counted_at_the_next_close(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    result = run_python(CHANGES, "12", cwd=tmp_path)
+    result = shared_python(CHANGES, "12", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     compared = _frames_against_truth(result.stdout, tmp_path / "rec.memtui")
     assert len(compared) == 11
@@ -131,9 +131,11 @@ def test_every_announced_change_is_counted_at_the_next_close(
 
 
 @pytest.mark.slow
-def test_an_unannounced_change_is_exact_from_the_audit_on(tmp_path: Path, run_python: Any) -> None:
+def test_an_unannounced_change_is_exact_from_the_audit_on(
+    tmp_path: Path, shared_python: Any
+) -> None:
     steps = AUDIT_CLOSES + 4
-    result = run_python(CHANGES, str(steps + 1), cwd=tmp_path)
+    result = shared_python(CHANGES, str(steps + 1), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     compared = _frames_against_truth(result.stdout, tmp_path / "rec.memtui")
     wrong = [step for step, frame, truth in compared if frame != truth]
@@ -176,9 +178,9 @@ with memtui_agent.monitor(record="rec.memtui", socket=False):
 
 @pytest.mark.slow
 def test_an_optimizer_whose_state_lists_grow_is_exact_at_every_step(
-    tmp_path: Path, run_python: Any
+    tmp_path: Path, shared_python: Any
 ) -> None:
-    result = run_python(HISTORY, cwd=tmp_path)
+    result = shared_python(HISTORY, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     compared = _frames_against_truth(result.stdout, tmp_path / "rec.memtui")
     assert len(compared) == 8
