@@ -264,13 +264,13 @@ class Agent:
             error="stopped from memtui (SIGTERM)",
             step=tracker.closed_steps + 1 if tracker is not None else None,
             phase=tracker.phase() if tracker is not None else None,
-            piles=tracker.ledger.current() if tracker is not None else None,
+            piles=tracker.current_piles() if tracker is not None else None,
         )
 
     def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
         tracker = self.tracker
         step = tracker.closed_steps + 1 if tracker is not None else None
-        piles = tracker.ledger.current() if tracker is not None else None
+        piles = tracker.current_piles() if tracker is not None else None
         if self.detached:
             closed = tracker.closed_steps if tracker is not None else None
             return schema.End(

@@ -547,7 +547,7 @@ class Tracker(LibraryWrappers, RootCalls):
                 # `args` is (optimizer, closure?): torch's step wrapper passes self first.
                 closure = (len(args) > 1 and args[1] is not None) or bool(kwargs.get("closure"))
                 self.closer.before_first_step(
-                    optimizer, record, self.closed_steps + 1, self.ledger.current(), closure
+                    optimizer, record, self.closed_steps + 1, self.current_piles(), closure
                 )
         except Exception as exc:
             self._disable("steps", exc)
@@ -753,15 +753,20 @@ class Tracker(LibraryWrappers, RootCalls):
         if held is not None:
             self._emit(held[0])
 
-    def tick(self) -> schema.Tick:
-        """Live piles for the emitter's once-a-second heartbeat."""
+    def current_piles(self) -> schema.Piles:
+        """The piles now. Between measured steps the gradients are counted at each close
+        outside the ledger (`resync`): the last close's count stands for them."""
         piles = self.ledger.current()
         summary = self.gradient_summary
         if summary is not None and not self.arming.armed:
             piles = msgspec.structs.replace(piles, gradients=summary[0])
+        return piles
+
+    def tick(self) -> schema.Tick:
+        """Live piles for the emitter's once-a-second heartbeat."""
         return schema.Tick(
             time=time.time(),
-            piles=piles,
+            piles=self.current_piles(),
             phase=self.phase(),
             step=self.closed_steps,
         )

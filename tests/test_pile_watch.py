@@ -186,3 +186,37 @@ def test_an_optimizer_whose_state_lists_grow_is_exact_at_every_step(
     assert len(compared) == 8
     for step, frame, truth in compared:
         assert frame == truth, f"step {step}: frame {frame} != truth {truth}"
+
+
+AT_EXIT = (
+    TRUTH
+    + """
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(1, 8):  # steps 4 to 7 repeat step 1: not measured
+        opt.zero_grad()
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+    model.half()  # after the last close: only the end of the job sees it
+    report(0, model, [opt])
+"""
+)
+
+
+@pytest.mark.slow
+def test_the_end_of_the_job_counts_what_is_alive_then(tmp_path: Path, shared_python: Any) -> None:
+    """The job ends between measured steps with its gradients alive (counted at each close
+    outside the ledger) and its model converted after the last close: `End` holds both."""
+    result = shared_python(AT_EXIT, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    truth = next(
+        json.loads(line[len("TRUTH ") :])[1:]
+        for line in result.stdout.splitlines()
+        if line.startswith("TRUTH ")
+    )
+    recording = read_recording(tmp_path / "rec.memtui")
+    assert not recording.steps[-1].activations_measured
+    end = recording.end.piles
+    assert [end.weights, end.optimizer_state, end.gradients] == truth
