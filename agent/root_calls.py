@@ -155,6 +155,9 @@ class RootCalls:
             pending.top = list(carried.top)
         if verdict.alert is not None:
             pending.alerts.append(verdict.alert)
+        over_budget = self.closer.judge_peak(pending.peak)
+        if over_budget is not None:
+            pending.alerts.append(over_budget)
         if any(alert.kind in ALERTS_TO_MEASURE for alert in pending.alerts):
             self.policy.measure_next(FIRST_STEPS)
         mode = self.policy.mode

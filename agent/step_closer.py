@@ -152,10 +152,6 @@ class StepCloser:
                 gradient_groups,
             )
         )
-        budget_alert = self._budget_alert(peak)
-        if budget_alert is not None:
-            alerts.append(budget_alert)
-        self.previous_peak = peak
         return PendingStep(
             step=step,
             t_start=t_start,
@@ -191,6 +187,14 @@ class StepCloser:
             f"the first optimizer step will allocate {format_bytes(forecast)} of state but only "
             f"{format_bytes(free + cached)} is free on the device (incl. the allocator's cache)"
         )
+
+    def judge_peak(self, peak: schema.Piles) -> schema.Alert | None:
+        """The budget alert for a closing step's final peak (measured, or carried from the step
+        it repeats: between measured steps the ledger alone holds neither its activations nor
+        its gradients), which is also what the next steps' arming compares with the budget."""
+        alert = self._budget_alert(peak)
+        self.previous_peak = peak
+        return alert
 
     def _budget_alert(self, peak: schema.Piles) -> schema.Alert | None:
         """The step's peak over the budget, naming the pile that grew the most (once)."""
