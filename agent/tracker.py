@@ -57,94 +57,10 @@ from memtui_agent.optimizer_book import (
 from memtui_agent.pending import PendingStep
 from memtui_agent.pile_watch import PileWatch
 from memtui_agent.root_calls import RootCalls
+from memtui_agent.saved_tensors import Saved, SavedOne, SavedWeight, unpack, unpack_samplers
 from memtui_agent.step_closer import StepCloser
 
 MAX_LOSSES_PER_STEP = 256
-
-
-class _Saved:
-    """What autograd holds instead of a saved tensor while our pack hook is active.
-
-    It holds `tensor.detach()`, never the tensor itself: ops that save their own output would
-    otherwise form a reference cycle through the graph and the wrapper would never be freed.
-    The alias shares the tensor's version counter, so unpacking can make the check autograd
-    skips under saved-tensor hooks (`_unpack`).
-    """
-
-    __slots__ = ("__weakref__", "keys", "ledger", "tensor", "version")
-
-    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger, version: int) -> None:
-        self.tensor = tensor
-        self.keys = keys
-        self.ledger = ledger
-        self.version = version
-
-    def __del__(self) -> None:
-        try:
-            for key in self.keys:
-                self.ledger.release_activation(key)
-        except Exception:
-            pass
-
-
-_unpack_samplers: list[Callable[[], None]] = []
-"""Called on every unpack while non-empty: FSDP2's gathered parameters are measured there."""
-
-
-class _SavedOne:
-    """`_Saved` for the common case of one storage: the key itself, no list."""
-
-    __slots__ = ("__weakref__", "key", "ledger", "tensor", "version")
-
-    def __init__(self, tensor: Any, key: Any, ledger: Ledger, version: int) -> None:
-        self.tensor = tensor
-        self.key = key
-        self.ledger = ledger
-        self.version = version
-
-    def __del__(self) -> None:
-        try:
-            self.ledger.release_activation(self.key)
-        except Exception:
-            pass
-
-
-class _SavedWeight:
-    """A parameter (or a view of one) saved for backward: kept as autograd would keep it, with
-    the version it was saved at (a weight updated between forward and backward, a GAN's
-    classic mistake, must still stop the job as it does without hooks). No `__del__`: a weight
-    is not an activation."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: Any, version: int) -> None:
-        self.tensor = tensor
-        self.version = version
-
-
-MODIFIED_HINT = (
-    "Hint: the backtrace further above shows the operation that failed to compute its "
-    "gradient. (memtui's saved-tensor hooks make this check, which autograd skips under "
-    "saved-tensor hooks.)"
-)
-
-
-def _unpack(saved: Any) -> Any:
-    if _unpack_samplers:
-        _unpack_samplers[0]()
-    kind = type(saved)
-    if kind is _SavedOne or kind is _Saved or kind is _SavedWeight:
-        tensor = saved.tensor
-        if tensor._version != saved.version:
-            # What autograd raises without saved-tensor hooks: with them it checks nothing, and
-            # a job that modified a saved tensor in place would train on wrong gradients.
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
-                f"{tensor._version}; expected version {saved.version} instead. {MODIFIED_HINT}"
-            )
-        return tensor
-    return saved
 
 
 class Tracker(LibraryWrappers, RootCalls):
@@ -189,7 +105,7 @@ class Tracker(LibraryWrappers, RootCalls):
         self._handles: list[Any] = []
         self._restore: list[tuple[Any, str, Any]] = []
         self.arming = HookArming(
-            self._module_pre, self._module_post, self._pack, _unpack, self._grad_ready
+            self._module_pre, self._module_post, self._pack, unpack, self._grad_ready
         )
         self.policy = ActivationPolicy(config.activations)
         self._root_hooked: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
@@ -296,7 +212,7 @@ class Tracker(LibraryWrappers, RootCalls):
             for handle in handles:
                 handle.remove()
         self._root_hooked.clear()
-        _unpack_samplers.clear()
+        unpack_samplers.clear()
         for owner, name, original in reversed(self._restore):
             setattr(owner, name, original)
         self._restore.clear()
@@ -400,7 +316,7 @@ class Tracker(LibraryWrappers, RootCalls):
                 if (seen is None or seen() is not origin) and not self._pack_parameter(origin):
                     return tensor  # FSDP's gathered parameter: kept as FSDP expects
                 # A weight, never an activation: autograd keeps it as it would without hooks.
-                return _SavedWeight(tensor, tensor._version)
+                return SavedWeight(tensor, tensor._version)
             stack = self._stack
             module = stack[-1] if stack else NO_MODULE
             plain = plain_storage(tensor)
@@ -410,9 +326,9 @@ class Tracker(LibraryWrappers, RootCalls):
                     return tensor  # holds no memory
                 ledger = self.ledger
                 ledger.acquire_activation(key, nbytes, name, module)
-                return _SavedOne(tensor.detach(), key, ledger, tensor._version)
+                return SavedOne(tensor.detach(), key, ledger, tensor._version)
             infos = storages_of(tensor)
-            saved = _Saved(
+            saved = Saved(
                 tensor.detach(), [info[0] for info in infos], self.ledger, tensor._version
             )
             for key, nbytes, dtype, _storage in infos:
@@ -622,7 +538,7 @@ class Tracker(LibraryWrappers, RootCalls):
             self.distributed.discover(list(self.registry.live_roots()))
             if self.distributed.fsdp.active and not self._fsdp:
                 self._fsdp = True
-                _unpack_samplers[:] = [self._sample_gathered]
+                unpack_samplers[:] = [self._sample_gathered]
         except Exception as exc:
             self._distributed_failed(exc)
 
@@ -644,7 +560,7 @@ class Tracker(LibraryWrappers, RootCalls):
     def _distributed_failed(self, exc: BaseException) -> None:
         """Turn the DDP/FSDP measurements off everywhere they run, reported once."""
         self._fsdp = False
-        _unpack_samplers.clear()
+        unpack_samplers.clear()
         self._disable("distributed", exc)
 
     # ----- closing a step ----------------------------------------------------------------------
