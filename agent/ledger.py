@@ -497,8 +497,7 @@ class Ledger:
         """A pack hook saved a tensor on this storage.
 
         A storage no pile holds yet (most activations) goes straight to the activations pile;
-        one already counted elsewhere keeps its pile by precedence. The new storage's
-        accounting is `_account`'s, written out: this runs for every saved tensor.
+        one already counted elsewhere keeps its pile by precedence.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -508,43 +507,15 @@ class Ledger:
                     entry.module = module
                     self._set_mask(key, entry, entry.mask | 8)
                 return
-            pool = self._pool
-            entry = pool.pop() if pool else _Entry(nbytes, dtype)
-            entry.nbytes = nbytes
-            entry.dtype = dtype
+            entry = self._entries[key] = self._new_entry(nbytes, dtype)
             entry.act_refs = 1
             entry.module = module
             entry.mask = 8
             entry.pile = ACTIVATIONS
-            self._entries[key] = entry
-            piles = self.piles
-            live = piles[3] + nbytes
-            piles[3] = live
-            stat = self._dtypes[3].get(dtype)
-            if stat is None:
-                self._dtypes[3][dtype] = [nbytes, 1]
-            else:
-                stat[0] += nbytes
-                stat[1] += 1
-            module_live = self._module_live
-            in_module = module_live.get(module, 0) + nbytes
-            module_live[module] = in_module
-            if in_module > self._module_max.get(module, 0):
-                self._module_max[module] = in_module
-            if live > self.max[3]:
-                self.max[3] = live
-                self._act_max_pending = True
-            total = piles[0] + piles[1] + piles[2] + live
-            if total > self.peak_total:
-                self.peak_total = total
-                self._peak_pending = True
+            self._account(ACTIVATIONS, entry, nbytes)
 
     def release_activation(self, key: Key) -> None:
-        """A pack wrapper was freed (its graph was released).
-
-        The common case, an activation and nothing else, is `_account` written out (it runs
-        for every saved tensor too).
-        """
+        """A pack wrapper was freed (its graph was released)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None or entry.act_refs == 0:
@@ -556,20 +527,9 @@ class Ledger:
                 self._set_mask(key, entry, entry.mask & ~8)
                 return
             # An activation and nothing else: it leaves every pile.
-            if self._peak_pending or self._act_max_pending:
-                self._settle()
-            nbytes = entry.nbytes
-            self.piles[3] -= nbytes
-            dtypes = self._dtypes[3]
-            stat = dtypes[entry.dtype]
-            stat[0] -= nbytes
-            stat[1] -= 1
-            if not stat[1]:
-                del dtypes[entry.dtype]
-            module_live = self._module_live
-            module_live[entry.module] = module_live.get(entry.module, 0) - nbytes
             entry.mask = 0
             entry.pile = -1
+            self._account(ACTIVATIONS, entry, -entry.nbytes)
             self._drop_entry(key, entry)
 
     # ----- the one place where bytes move --------------------------------------------------
