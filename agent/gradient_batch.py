@@ -4,9 +4,9 @@ Between measured steps (`--activations auto`) the gradients pile is counted outs
 (bytes and dtype inventory), and the fused NaN check reads the same gradients grouped by device
 and dtype. With hundreds of parameters every attribute read costs 60-100 ns per tensor per step,
 so a close reads of each gradient only what torch does not already guarantee: its type, its data
-pointer, and whether it is a view. Its dtype, device and size are its
-parameter's (torch checks them when a gradient is assigned, and autograd produces gradients so),
-and are read once per change of the parameters (`ParameterFacts`). Anything else (sparse
+pointer, and whether it is a view or starts inside its storage. Its dtype, device and size are
+its parameter's (torch checks them when a gradient is assigned, and autograd produces gradients
+so), and are read once per change of the parameters (`ParameterFacts`). Anything else (sparse
 gradients, subclasses, views into a shared bucket) gets no shortcut: the ledger's general
 `summarize` and the health check's own grouping take it.
 """
@@ -26,6 +26,7 @@ from memtui_agent.schema import DtypeStat
 _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _NBYTES = operator.attrgetter("nbytes")
+_LAYOUT = operator.attrgetter("layout")
 
 
 @dataclass(frozen=True)
@@ -70,34 +71,49 @@ class GradientBatch:
 
 
 def gather(parameters: list[Any], facts: ParameterFacts | None) -> GradientBatch:
-    """The `.grad` of each of `parameters` that has one, with its pile figures when cheap.
+    """The `.grad` of each of `parameters` that has one, with its pile figures when exact.
 
-    `facts` must describe `parameters` (same list, same order); None reads nothing from them.
+    `facts` describes `parameters` (same list, same order); without it (parameters of a
+    subclass) each gradient's own size, dtype and device are read.
     """
     raw = list(map(_GRAD, parameters))
-    if facts is None or len(facts.nbytes) != len(raw):
-        return GradientBatch([grad for grad in raw if grad is not None])
-    sizes, dtypes, devices = facts.nbytes, facts.dtypes, facts.devices
+    usable = False
+    if facts is not None and len(facts.nbytes) == len(raw):
+        usable = True
+        sizes, dtypes, devices = facts.nbytes, facts.dtypes, facts.devices
     # Not `None in raw`: that compares each tensor to None with `Tensor.__eq__` (milliseconds).
     present = list(map(operator.is_not, raw, repeat(None)))
     if not all(present):
         raw = list(compress(raw, present))
-        sizes = list(compress(sizes, present))
-        dtypes = list(compress(dtypes, present))
-        devices = list(compress(devices, present))
+        if usable:
+            sizes = list(compress(sizes, present))
+            dtypes = list(compress(dtypes, present))
+            devices = list(compress(devices, present))
     if not raw:
         return GradientBatch([], (0, {}), [], {})
     plain = torch.Tensor
     if set(map(type, raw)) != {plain}:
         return GradientBatch(raw)
+    if not usable and set(map(_LAYOUT, raw)) != {torch.strided}:
+        return GradientBatch(raw)
     try:
         pointers = list(map(plain.data_ptr, raw))  # raises for sparse gradients: no storage
     except RuntimeError:
         return GradientBatch(raw)
-    # A view (DDP's bucket views, a gradient stolen from a `cat`'s backward) shares a storage:
-    # only the general count is exact for it.
-    if any(map(plain._is_view, raw)) or 0 in pointers or len(set(pointers)) != len(pointers):
+    # A view (DDP's bucket views, a gradient stolen from a `cat`'s backward) or a tensor that
+    # starts inside its storage shares or leaves part of a storage: only the general count
+    # (`Ledger.summarize`) is exact for it.
+    if (
+        any(map(plain._is_view, raw))
+        or any(map(plain.storage_offset, raw))
+        or 0 in pointers
+        or len(set(pointers)) != len(pointers)
+    ):
         return GradientBatch(raw)
+    if not usable:
+        sizes = list(map(_NBYTES, raw))
+        dtypes = list(map(_DTYPE, raw))
+        devices = list(map(plain.get_device, raw))
     kinds = set(dtypes)
     groups = None
     if len(kinds) == 1:

@@ -54,7 +54,6 @@ def storage_key(device: int, pointer: int) -> Key:
 _dtype_names: dict[Any, str] = {}
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
-_NBYTES = operator.attrgetter("nbytes")
 
 
 def dtype_inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
@@ -276,7 +275,7 @@ class Ledger:
     def sync(self, pile: int, tensors: Iterable[Any]) -> bool:
         """Make `pile` exactly the storages of `tensors` (weights or optimizer state or grads).
 
-        Called at a step close when the pile may have changed (`recount.PileWatch`); it catches
+        Called at a step close when the pile may have changed (`pile_watch.PileWatch`); it catches
         reassigned buffers, `p.data = ...`, state loaded from a checkpoint and anything else no
         hook reports. Returns whether the pile's storages changed.
         """
@@ -345,63 +344,32 @@ class Ledger:
         """Bytes and dtype inventory of `tensors`' unique storages, as `sync` would count them
         for `pile`, without making them members (no entry, no weakref, no free callback).
 
-        For gradients between measured steps (`--activations auto`): a fresh `.grad` per
+        For gradients between measured steps (`--activations auto`) that `gradient_batch`
+        cannot count from their parameters (views into shared storages): a fresh `.grad` per
         parameter each step would otherwise cost a claim and a free callback per tensor. None
-        when this cannot be exact cheaply (a tensor that is not plain and strided, a storage
-        another pile holds, or a tensor of another kind): the caller then syncs.
+        when this cannot be exact cheaply (a tensor that is not plain and strided, or a storage
+        another pile holds): the caller then syncs.
         """
         plain = torch.Tensor
         if not tensors:
             return 0, {}
         if set(map(type, tensors)) != {plain} or set(map(_LAYOUT, tensors)) != {torch.strided}:
             return None
-        devices = list(map(plain.get_device, tensors))
-        dtypes = list(map(_DTYPE, tensors))
-        pointers = list(map(plain.data_ptr, tensors))
-        fresh = not any(map(plain._is_view, tensors)) and not any(
-            map(plain.storage_offset, tensors)
-        )
-        if fresh and len(set(pointers)) == len(pointers) and 0 not in pointers:
-            # Tensors that are not views and start their storage: each owns a storage of its
-            # own size (what autograd allocates for a gradient), so nothing needs reading.
-            sizes = list(map(_NBYTES, tensors))
-            places = set(devices)
-            if len(places) == 1:  # one device: keys and totals in C, no loop per tensor
-                tag = places.pop() + 1
-                keys = set(map(tag.__or__, map((8).__rlshift__, pointers)))
-            else:
-                keys = {(p << 8) | (d + 1) for p, d in zip(pointers, devices, strict=True)}
-            kinds = set(dtypes)
-            if len(kinds) == 1:
-                total = sum(sizes)
-                summary = (total, {dtype_name(kinds.pop()): DtypeStat(total, len(sizes))})
-            else:
-                summary = dtype_inventory(zip(sizes, dtypes, strict=True))
-        else:
-            storages = list(map(plain.untyped_storage, tensors))
-            unique = {
-                (pointer << 8) | (device + 1): (size, dtype)
-                for pointer, size, device, dtype in zip(
-                    map(torch.UntypedStorage.data_ptr, storages),
-                    map(torch.UntypedStorage.nbytes, storages),
-                    devices,
-                    dtypes,
-                    strict=False,
-                )
-                if pointer and size
-            }
-            keys, summary = set(unique), dtype_inventory(unique.values())
-        return None if self.held_elsewhere(pile, keys) else summary
-
-    def held_elsewhere(self, pile: int, keys: set[Key]) -> bool:
-        """Whether another pile holds one of the storages `keys` (counting them for `pile`
-        outside the ledger would then count a storage twice)."""
-        with self._lock:
-            return any(
-                not members.isdisjoint(keys)
-                for other, members in enumerate(self._members)
-                if other != pile
+        storages = list(map(plain.untyped_storage, tensors))
+        unique = {
+            (pointer << 8) | (device + 1): (size, dtype)
+            for pointer, size, device, dtype in zip(
+                map(torch.UntypedStorage.data_ptr, storages),
+                map(torch.UntypedStorage.nbytes, storages),
+                map(plain.get_device, tensors),
+                map(_DTYPE, tensors),
+                strict=False,
             )
+            if pointer and size
+        }
+        if not self.pointers_elsewhere(pile).isdisjoint(key >> 8 for key in unique):
+            return None
+        return dtype_inventory(unique.values())
 
     def pointers_elsewhere(self, pile: int) -> frozenset[int]:
         """Data pointers of the storages the other piles hold (any device), kept until their

@@ -586,7 +586,10 @@ class Tracker(LibraryWrappers, RootCalls):
                     changed = ledger.sync(OPTIMIZER_STATE, registry.optimizer_state_tensors())
                 watch.walked(pile, key, key_of(), changed)
         armed = self.arming.armed
-        batch = gather(parameters, None if armed else watch.facts(parameters))
+        if armed:  # the gradient hooks keep the ledger's pile: only the list is needed
+            batch = GradientBatch(registry.gradients(parameters))
+        else:
+            batch = gather(parameters, watch.facts(parameters))
         summary = None
         if not armed:
             # Unarmed (`auto`, between measured steps): the step's fresh gradients are
