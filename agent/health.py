@@ -150,6 +150,14 @@ def _probe(tensors: list[Any]) -> Any:
     return probe
 
 
+def _non_finite_flag(members: list[Any], device: Any) -> Any:
+    """`[1.0]` on `device` if some element of `members` (one device, one dtype) is not finite,
+    else `[0.0]`: the fused check with a scale of one, which leaves the values as they are."""
+    found = torch.zeros(1, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(device))
+    return found
+
+
 def _on_host(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> bool:
     """Whether every gradient and loss can be read at once (no device to wait for)."""
     return all(device.type not in DEFERRED_DEVICES for device, _ in groups) and all(
@@ -162,10 +170,8 @@ def _host_checks(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) ->
     check, without the small tensor ops that gather results on a device (a dozen ops, tens of
     microseconds each on a CPU)."""
     grads_bad = 0.0
-    for members in groups.values():
-        found = torch.zeros(1)
-        torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(found.device))
-        grads_bad = max(grads_bad, found.item())
+    for (device, _dtype), members in groups.items():
+        grads_bad = max(grads_bad, _non_finite_flag(members, device).item())
     loss_bad = not all(math.isfinite(loss.item()) for loss in losses)
     return [grads_bad, float(loss_bad)]
 
@@ -300,8 +306,7 @@ class HealthMonitor:
         device = None
         grads_bad = None
         for (grad_device, _dtype), members in groups.items():
-            found = torch.zeros(1, device=grad_device)
-            torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(grad_device))
+            found = _non_finite_flag(members, grad_device)
             device = device or grad_device
             found = found.to(device)
             grads_bad = found if grads_bad is None else grads_bad + found
