@@ -172,14 +172,12 @@ class ModuleRegistry:
         if id(module) in self._walked_ids or id(module) in self._by_id:
             self.tree_generation += 1
 
-    def weight_tensors(self, parameters: list[Any], modules: list[Any] | None = None) -> list[Any]:
-        """`parameters` (this step's `self.parameters()`) and the buffers of every root
-        (`modules`: this close's `self.modules()`, walked once for both)."""
-        walked = self.modules() if modules is None else modules
-        buffers = list(chain.from_iterable(map(_buffer_values, walked)))
+    def weight_tensors(self, parameters: list[Any]) -> list[Any]:
+        """`parameters` (this close's `self.parameters()`) and the buffers of every root."""
+        buffers = list(chain.from_iterable(map(_buffer_values, self.modules())))
         return parameters + [t for t in buffers if t is not None]
 
-    def parameters(self, modules: list[Any] | None = None) -> list[Any]:
+    def parameters(self) -> list[Any]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
 
         Read from each module's `_parameters` when the trees may have changed (a registration
@@ -197,12 +195,11 @@ class ModuleRegistry:
         cache = self._parameter_cache
         self._parameter_calls += 1
         due = self._parameter_calls % REWALK_EVERY == 0
-        if modules is None and not due and cache is not None and cache[0] == key:
+        if not due and cache is not None and cache[0] == key:
             found = [parameter for ref in cache[1] if (parameter := ref()) is not None]
             if len(found) == len(cache[1]):
                 return found
-        walked = self.modules() if modules is None else modules
-        found = list(chain.from_iterable(map(_parameter_values, walked)))
+        found = list(chain.from_iterable(map(_parameter_values, self.modules())))
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 found += group["params"]
