@@ -297,7 +297,16 @@ async def settle(pilot: Pilot[Any]) -> None:
     # test_tui_pilot.py); forcing the redraw keeps the snapshots deterministic meanwhile.
     app._rendered_version = -1
     app.refresh_view()
-    await pilot.pause()
+    # Then wait for the layout to settle: tables that just got their rows grow on a later
+    # refresh, and on a loaded machine a single pause could catch a panel still empty (a CI
+    # run saw the piles panel collapsed once). Two equal screens in a row are the settled one.
+    previous = None
+    for _ in range(50):
+        await pilot.pause(0.02)
+        screen = app.export_screenshot()
+        if screen == previous:
+            break
+        previous = screen
 
 
 async def close_source(pilot: Pilot[Any]) -> None:
