@@ -12,6 +12,7 @@ from typing import Any
 
 from memtui.attach_inject import ANSWER_SECONDS, Injection
 from memtui.attach_target import AttachRefused, Target, check_delivery, check_target
+from memtui.bytecode import write_bytecode
 from memtui.terminal_text import terminal_safe
 from memtui_agent.attach_boot import Answer
 from memtui_agent.runtime_dir import RuntimeDirError, live_sidecars
@@ -80,6 +81,7 @@ def inject_agent(
     target = check_target(pid)
     method = check_delivery(target)
     record = recording_path(target, output)
+    write_bytecode()  # the job imports the agent while it trains: no compiling in its step
     injection = Injection(
         target, method, "attach", record=str(record), budget=budget, nan_check=nan_check
     )

@@ -269,8 +269,10 @@ def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """`memtui run`: the job as a child, the TUI in this process (or a summary, headless)."""
+    from memtui.bytecode import write_bytecode
     from memtui.run_command import build_job, run_headless
 
+    write_bytecode()  # the job imports the agent: compiled once, not at every start
     target = list(args.target)
     job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
     if args.headless:
@@ -296,8 +298,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     In the TUI the demo runs a little slower (a pause per step) so it can be watched live.
     """
+    from memtui.bytecode import write_bytecode
     from memtui.run_command import build_job, default_recording_name, run_headless
 
+    write_bytecode()
     extra = list(args.demo_args)
     output = args.output or str(default_recording_name("demo"))
     if not args.headless:

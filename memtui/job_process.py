@@ -23,6 +23,11 @@ from memtui_agent.safe_open import create_private
 MAX_LINES = 5000
 
 
+def recording_log_path(recording: Path | None) -> Path | None:
+    """`<recording>.log`: where the job's output is kept beside its recording."""
+    return recording.with_name(recording.name + ".log") if recording is not None else None
+
+
 class JobProcess:
     """A started job: output lines for the UI, exit code when it ends, polite termination."""
 

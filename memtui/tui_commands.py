@@ -95,8 +95,7 @@ def run_tui(job_spec: JobSpec) -> int:
     if problem:
         take_notes(job_spec)
         raise UsageError(problem)
-    from memtui.job_process import JobProcess
-    from memtui.tui.app import MemtuiApp, recording_log_path, run_app
+    from memtui.job_process import JobProcess, recording_log_path
 
     log_path = recording_log_path(job_spec.recording)
     try:
@@ -105,30 +104,13 @@ def run_tui(job_spec: JobSpec) -> int:
         take_notes(job_spec)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
-
-    def exited() -> bool:
-        return job.poll() is not None
-
-    source: Any
-    ranks = None
-    folder = job_spec.recording
-    if folder is not None and folder.is_dir() and not launches_ranks(job_spec.display, None):
-        # `-- COMMAND`: one recording per Python process; the screen follows the first.
-        source = FirstRecordingTail(folder, exited)
-    elif folder is not None and folder.is_dir():
-        # A session folder: follow each rank's recording as the ranks write them.
-        ranks = {
-            str(rank): TailSource(job_spec.recording / f"rank-{rank}.memtui", exited)
-            for rank in local_ranks(job_spec.display)
-        }
-        source = next(iter(ranks.values()))
-    elif job_spec.recording is not None:
-        source = TailSource(job_spec.recording, exited)
-    else:
-        source = SessionSocketSource(job_spec.session, exited)
-    app = MemtuiApp(source, job=job, ranks=ranks)
     try:
-        run_app(app)
+        # Textual only after the job has started: its import (about 0.2 s) overlaps the job's
+        # own start instead of delaying it. Anything failing from here stops the job.
+        from memtui.tui.app import MemtuiApp, run_app
+
+        source, ranks = _live_source(job_spec, job)
+        run_app(MemtuiApp(source, job=job, ranks=ranks))
     finally:
         if job.poll() is None:
             job.terminate()
@@ -139,6 +121,28 @@ def run_tui(job_spec: JobSpec) -> int:
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code
+
+
+def _live_source(job_spec: JobSpec, job: Any) -> tuple[Any, dict[str, Any] | None]:
+    """What the TUI follows for a job it started, and each rank's source for a session folder."""
+
+    def exited() -> bool:
+        return job.poll() is not None
+
+    folder = job_spec.recording
+    if folder is not None and folder.is_dir() and not launches_ranks(job_spec.display, None):
+        # `-- COMMAND`: one recording per Python process; the screen follows the first.
+        return FirstRecordingTail(folder, exited), None
+    if folder is not None and folder.is_dir():
+        # A session folder: follow each rank's recording as the ranks write them.
+        ranks = {
+            str(rank): TailSource(folder / f"rank-{rank}.memtui", exited)
+            for rank in local_ranks(job_spec.display)
+        }
+        return next(iter(ranks.values())), ranks
+    if folder is not None:
+        return TailSource(folder, exited), None
+    return SessionSocketSource(job_spec.session, exited), None
 
 
 def local_ranks(argv: list[str]) -> range:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any, Protocol
 
 from textual import on, work
@@ -328,8 +327,3 @@ def run_app(app: MemtuiApp) -> int:
     if app.return_code:
         return app.return_code
     return int(result) if result is not None else 0
-
-
-def recording_log_path(recording: Path | None) -> Path | None:
-    """`<recording>.log`: where the job's output is kept beside its recording."""
-    return recording.with_name(recording.name + ".log") if recording is not None else None
