@@ -6,7 +6,8 @@ killed with SIGKILL right after `optimizer.step()` leaves that step in the file.
 frame holds is known at that moment without waiting for the device (see pending.py); a loss or
 scale still in GPU memory follows in a later frame (`late_values.LateValues`). What stays off
 the training thread is the socket: `put` only appends the encoded bytes to a bounded queue, and
-the emitter thread hands them to the socket server and sends the once-a-second tick. A failing
+the emitter thread, every `SERVE_SECONDS`, hands them to the socket server and sends the
+once-a-second tick. A failing
 disk or socket turns that output off and is reported once; the job goes on.
 """
 
@@ -29,6 +30,10 @@ from memtui_agent.socket_server import SocketServer
 
 QUEUE_LIMIT = 10_000
 TICK_SECONDS = 1.0
+SERVE_SECONDS = 0.1
+"""How often the emitter thread hands queued frames to viewers. The training thread does not
+wake it per frame: waking costs the step an Event.set, and the woken thread then competes with
+the job for the GIL right as the next step starts. A viewer redraws a few times a second."""
 MAX_LATE = schema.LATE_SEARCH
 """Steps whose device values may be in flight at once; older ones are given up (and counted)."""
 
@@ -166,7 +171,6 @@ class Emitter:
                 self.dropped += 1
                 continue
             self._outbox.append((frame, is_names))
-        self._wake.set()
 
     def _write(self, data: bytes) -> None:
         assert self._fd is not None
@@ -189,7 +193,7 @@ class Emitter:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(0.1)
+            self._wake.wait(SERVE_SECONDS)
             self._wake.clear()
             try:
                 self._serve()
