@@ -573,6 +573,8 @@ def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> No
         await pilot.pause()
         text = tui.plain(piles)
         assert "activations ≈" in text and "≈ activations from step 12" in text, text
+        # The panel's height follows its lines (the layout runs only when their count changes).
+        carried_height = piles.size.height
         data = app.query_one(PileTimeline).data
         assert data is not None and data.carried == frozenset(range(13, 25))
         for _ in range(11):
@@ -580,8 +582,42 @@ def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> No
         assert cursor_step(app) == 12
         text = tui.plain(piles)
         assert "≈" not in text and "not measured" not in text
+        await pilot.pause()
+        assert piles.size.height == carried_height - 1
+        await pilot.press("right")
+        await pilot.pause()
+        assert piles.size.height == carried_height
         activations_only = (0, 0, 0, 100)
         assert column_cells(activations_only, 100, 2, carried=True)[0][1] == CARRIED_ACTIVATIONS
         assert column_cells(activations_only, 100, 2)[0][1] == PILE_COLOURS["activations"]
+
+    tui.drive(app, body)
+
+
+def test_a_tick_with_equal_rows_updates_no_cell(tui: Any, demo_messages: Messages) -> None:
+    """Any cell update re-renders a whole table, so a redraw whose rows are unchanged (the
+    dtypes of a step like the last) must not touch one; a changed value still shows."""
+    from memtui.tui.widgets import sync_rows
+
+    app = MemtuiApp(tui.source(demo_messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        table = app.query_one(DtypeTable)
+        rows = [(str(key.value), tuple(table.get_row(key))) for key in table.rows]
+        assert rows
+        updates: list[Any] = []
+        original = table.update_cell
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            updates.append(args)
+            original(*args, **kwargs)
+
+        table.update_cell = counted  # type: ignore[method-assign]
+        sync_rows(table, rows)
+        assert updates == []
+        key, cells = rows[0]
+        sync_rows(table, [(key, (*cells[:-1], "999")), *rows[1:]])
+        assert len(updates) == 1
+        assert table.get_row(key)[-1] == "999"
 
     tui.drive(app, body)

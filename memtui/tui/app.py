@@ -37,7 +37,10 @@ from memtui.tui.widgets import (
 from memtui.view_model import ViewModel
 from memtui_agent import schema
 
-TICK_SECONDS = 0.25
+TICK_SECONDS = 0.5
+"""How often a live view drains new frames and redraws (keys redraw at once). Each redraw of a
+160x48 screen costs about 35 ms of the viewer's CPU, which a job sharing a small machine feels:
+2 Hz keeps the viewer under a tenth of a core."""
 STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank"}
 NARROW_WIDTH = 140
 

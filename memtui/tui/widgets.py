@@ -38,6 +38,39 @@ def _size(value: int | None, binary: bool) -> str:
     return format_bytes(value, binary)
 
 
+class FlowPanel(Static):
+    """A Static whose height follows its content, without a layout pass at every tick.
+
+    A reactive declared with `layout=True` makes Textual lay out and repaint the whole screen
+    each time it changes, that is at every tick of a live job (a quarter of a CPU core at 4 Hz
+    on a 160x48 terminal). Here the layout runs only when the panel's number of lines changes
+    (a note line appears, a long line wraps); otherwise only the panel repaints.
+    """
+
+    view: reactive[ViewState | None] = reactive(None)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shape: Any = None
+
+    def free_lines(self, view: ViewState | None) -> list[Text]:
+        """The lines of the panel that may wrap; the rest is one line per row."""
+        return []
+
+    def rows(self, view: ViewState | None) -> int:
+        """How many one-line rows the panel shows besides `free_lines`."""
+        return 0
+
+    def watch_view(self, view: ViewState | None) -> None:
+        width = max(self.size.width, 10)
+        console = self.app.console
+        wrapped = tuple(len(line.wrap(console, width)) for line in self.free_lines(view))
+        shape = (width, self.rows(view), wrapped)
+        if shape != self._shape:
+            self._shape = shape
+            self.refresh(layout=True)
+
+
 class JobHeader(Static):
     """The job, where it is, and how this view is fed (live socket or recording)."""
 
@@ -64,10 +97,26 @@ class JobHeader(Static):
         return Text("\n").join([first, second])
 
 
-class PilesPanel(Static):
+class PilesPanel(FlowPanel):
     """The step's peak composition as one stacked bar, then each pile's bytes, share and max."""
 
-    view: reactive[ViewState | None] = reactive(None, layout=True)
+    def rows(self, view: ViewState | None) -> int:
+        return 3 + len(view.piles) if view is not None and view.piles else 1  # bar, head, total
+
+    def free_lines(self, view: ViewState | None) -> list[Text]:
+        if view is None or not view.piles:
+            return []
+        extra = [view.step_owner] if view.step_owner else []
+        if view.loss is not None:
+            extra.append(f"loss {view.loss:.4g}")
+        if view.microbatches:
+            extra.append(f"{view.microbatches} microbatch{'es' if view.microbatches > 1 else ''}")
+        if view.skipped:
+            extra.append("SKIPPED by GradScaler")
+        lines = [plain(line, style="dim") for line in view.distributed_lines]
+        if not view.activations_measured:  # its own line: it must not wrap into the others
+            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
+        return [Text(" · ".join(extra), style="dim"), *lines]
 
     def render(self) -> Any:
         view = self.view
@@ -111,19 +160,9 @@ class PilesPanel(Static):
             )
         total = sum(row.at_peak or 0 for row in view.piles)
         table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
-        extra = [view.step_owner] if view.step_owner else []
-        if view.loss is not None:
-            extra.append(f"loss {view.loss:.4g}")
-        if view.microbatches:
-            extra.append(f"{view.microbatches} microbatch{'es' if view.microbatches > 1 else ''}")
-        if view.skipped:
-            extra.append("SKIPPED by GradScaler")
         from rich.console import Group
 
-        lines = [plain(line, style="dim") for line in view.distributed_lines]
-        if not view.activations_measured:  # its own line: it must not wrap into the others
-            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
-        return Group(bar, table, Text(" · ".join(extra), style="dim"), *lines)
+        return Group(bar, table, *self.free_lines(view))
 
 
 def _carried_label(source: int | None) -> str:
@@ -133,10 +172,16 @@ def _carried_label(source: int | None) -> str:
     return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
-class GapPanel(Static):
+class GapPanel(FlowPanel):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
-    view: reactive[ViewState | None] = reactive(None, layout=True)
+    def rows(self, view: ViewState | None) -> int:
+        return len(view.gap) if view is not None and view.gap else 1
+
+    def free_lines(self, view: ViewState | None) -> list[Text]:
+        if view is None or not view.gap:
+            return []
+        return [plain(line, style="dim") for line in view.allocator_lines]
 
     def render(self) -> Any:
         view = self.view
@@ -164,7 +209,7 @@ class GapPanel(Static):
             return table
         from rich.console import Group
 
-        return Group(table, *(plain(line, style="dim") for line in view.allocator_lines))
+        return Group(table, *self.free_lines(view))
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
@@ -183,7 +228,9 @@ def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]
     columns = list(table.columns)
     for key, cells in wanted:
         for column, value in zip(columns, cells, strict=True):
-            table.update_cell(key, column, value, update_width=True)
+            # An unchanged cell is left alone: any update re-renders the whole table.
+            if table.get_cell(key, column) != value:
+                table.update_cell(key, column, value, update_width=True)
 
 
 def _rebuild(
@@ -317,15 +364,14 @@ class AlertsTable(PanelTable):
         return next((alert.step for alert in view.alerts if alert.key == row_key), None)
 
 
-class NotesLine(Static):
+class NotesLine(FlowPanel):
     """Warnings about the view itself: damaged recording tails, agent parts that turned off."""
 
     DEFAULT_CSS = "NotesLine { height: auto; color: $warning; padding: 0 1; }"
 
-    view: reactive[ViewState | None] = reactive(None, layout=True)
+    def free_lines(self, view: ViewState | None) -> list[Text]:
+        return [plain(" · ".join(view.notes))] if view is not None and view.notes else []
 
     def render(self) -> Text:
-        view = self.view
-        if view is None or not view.notes:
-            return Text("")
-        return plain(" · ".join(view.notes))
+        lines = self.free_lines(self.view)
+        return lines[0] if lines else Text("")
