@@ -15,6 +15,7 @@ The policy is plain bookkeeping; `Tracker` arms and disarms the hooks it asks fo
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,15 @@ class Verdict:
     alert: schema.Alert | None = None
 
 
+@functools.cache
+def _autocast_device() -> str:
+    """The device type whose autocast state a signature holds: CUDA where the process has it.
+    Asked once: `torch.cuda.is_available()` costs about 5 us, at every root call."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     """What of a root call can change its activations: the module, its training flag, grad
     and autocast modes, and each argument's shape, dtype, device and requires_grad (plain
@@ -71,7 +81,7 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     import torch
 
     budget = [MAX_SIGNATURE_ITEMS]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _autocast_device()
     modes = (
         id(module),
         module.training,
