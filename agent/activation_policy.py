@@ -25,8 +25,13 @@ from memtui_agent import schema
 FIRST_STEPS = 3
 """Steps measured after an optimizer appears (its state and the graph settle in them)."""
 AUDIT_EVERY = 100
-KEEP_REFERENCES = 64
-"""Measured signatures remembered (a job that cycles through more measures the rest)."""
+KEEP_REFERENCES = 512
+"""Measured signatures remembered. Dynamic padding makes one signature per padded length, a few
+hundred in a text dataset: a job cycling through more than this measures the rest. About 1 KiB
+each (the figures and the calls' shapes)."""
+KEEP_CALLS = 8192
+"""Root calls remembered over all signatures: bounds the memory of a job that calls its model
+many times per step (an RL rollout), which then keeps fewer signatures."""
 MAX_SIGNATURE_ITEMS = 64
 """Values looked at per root call; a call with more gets an opaque (never repeating) signature."""
 
@@ -53,6 +58,36 @@ class Figures:
             and self.dtypes == other.dtypes
             and self.top == other.top
         )
+
+
+class _Prefixes:
+    """The remembered signatures' call sequences as a tree, so that a step's calls so far are
+    checked against all of them in one dictionary lookup per root call (a scan of every
+    signature at every call would cost as much as the hooks it saves, at a few hundred)."""
+
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[Signature, _Prefixes] = {}
+        self.count = 0
+
+    def add(self, calls: tuple[Signature, ...]) -> None:
+        node = self
+        node.count += 1
+        for call in calls:
+            node = node.children.setdefault(call, _Prefixes())
+            node.count += 1
+
+    def remove(self, calls: tuple[Signature, ...]) -> None:
+        node = self
+        node.count -= 1
+        for call in calls:
+            child = node.children[call]
+            child.count -= 1
+            if not child.count:
+                del node.children[call]
+                return
+            node = child
 
 
 @dataclass(frozen=True)
@@ -121,6 +156,11 @@ class ActivationPolicy:
         self.mode = mode
         self.audit_every = audit_every
         self._references: OrderedDict[tuple[Any, ...], Figures] = OrderedDict()
+        self._prefixes: dict[tuple[Any, ...], _Prefixes] = {}
+        """Per start key, the call sequences of `_references` (`_Prefixes`)."""
+        self._cursor: _Prefixes | None = None
+        """Where this step's calls so far are in `_prefixes` (None: no signature begins so)."""
+        self._kept_calls = 0
         self._measure_next = 0
         """Steps still to measure whatever their signature (first steps, after a surprise)."""
         self._start: tuple[Any, ...] = (0, 0, 0, ())
@@ -162,26 +202,23 @@ class ActivationPolicy:
         first = not self._calls
         if first:
             self._start = (*self._start[:3], optimizers)
+            self._cursor = self._prefixes.get(self._start)
         self._calls.append(signature)
+        if self._cursor is not None:
+            self._cursor = self._cursor.children.get(signature)
         if self.mode is not schema.ActivationMode.AUTO or self._armed_at_start or self._armed_late:
             return False  # `every` is always armed, `off` never; an armed step stays armed
         audit = step % self.audit_every == 0
         if first and (must_measure or self._measure_next > 0 or audit):
             self._armed_at_start = True
             return True
-        if self._repeats_prefix():
+        if self._cursor is not None:  # the calls so far begin some remembered signature
             return False
         if first:
             self._armed_at_start = True  # a new signature: measured whole
         else:
             self._armed_late = True  # diverged from every repeat mid-step: measured in part
         return True
-
-    def _repeats_prefix(self) -> bool:
-        calls = tuple(self._calls)
-        return any(
-            key[0] == self._start and key[1][: len(calls)] == calls for key in self._references
-        )
 
     @property
     def saw_calls(self) -> bool:
@@ -214,10 +251,21 @@ class ActivationPolicy:
         return Verdict(measured=False)
 
     def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
+        start, calls = key
+        if key not in self._references:
+            self._prefixes.setdefault(start, _Prefixes()).add(calls)
+            self._kept_calls += len(calls)
         self._references[key] = figures
         self._references.move_to_end(key)
-        while len(self._references) > KEEP_REFERENCES:
-            self._references.popitem(last=False)
+        while len(self._references) > 1 and (
+            len(self._references) > KEEP_REFERENCES or self._kept_calls > KEEP_CALLS
+        ):
+            (old_start, old_calls), _ = self._references.popitem(last=False)
+            tree = self._prefixes[old_start]
+            tree.remove(old_calls)
+            if not tree.count:
+                del self._prefixes[old_start]
+            self._kept_calls -= len(old_calls)
 
     def _varies(self, step: int, known: Figures, figures: Figures) -> Verdict:
         """A repeat measured differently: activations depend on the data, measure every step."""

@@ -129,6 +129,56 @@ def test_policy_carries_a_repeat_and_measures_what_is_new() -> None:
     assert [v.carried.step if v.carried else None for _, v in verdicts] == [None, 1, None, 1]
 
 
+def _run_steps(
+    policy: ActivationPolicy, steps: list[tuple[Any, ...]], first: int = 1
+) -> list[bool]:
+    """Each step's calls through `policy`; whether each step was measured."""
+    measured = []
+    for step, calls in enumerate(steps, first):
+        policy.begin(schema.Piles(weights=100))
+        armed = False
+        for call in calls:
+            armed = policy.root_call(call, step, must_measure=False) or armed
+        measured.append(policy.close(step, _figures(step, len(calls) if armed else 0)).measured)
+    return measured
+
+
+def test_dynamic_padding_is_carried_once_every_length_was_seen() -> None:
+    # A text dataset padded per batch: 300 lengths in turn. The first pass measures each one,
+    # the second carries them all (with 64 remembered, as before, it measured every step).
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=10_000)
+    policy.measure_next(0)
+    lengths = [((8, length),) for length in range(1, 301)]
+    assert _run_steps(policy, lengths) == [True] * 300
+    assert _run_steps(policy, lengths, first=301) == [False] * 300
+
+
+def test_remembered_calls_stay_bounded_and_prefixes_stay_right() -> None:
+    # Steps of many root calls (a rollout) keep the remembered calls under KEEP_CALLS; the
+    # prefix tree always answers as a scan of the remembered signatures would.
+    import random
+
+    from memtui_agent.activation_policy import KEEP_CALLS
+
+    rng = random.Random(0)
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=10_000)
+    for step in range(1, 400):
+        calls = [(rng.randrange(3),) for _ in range(rng.choice([1, 2, 50, 500]))]
+        policy.begin(schema.Piles(weights=100))
+        references = list(policy._references)  # before this step remembers itself
+        for index, call in enumerate(calls, 1):
+            policy.root_call(call, step, must_measure=False)
+            scanned = any(
+                start == policy._start and kept[:index] == tuple(calls[:index])
+                for start, kept in references
+            )
+            assert (policy._cursor is not None) == scanned, (step, index)
+        policy.close(step, _figures(step, 1))
+        kept = sum(len(kept_calls) for _, kept_calls in policy._references)
+        assert kept == policy._kept_calls
+        assert kept <= KEEP_CALLS or len(policy._references) == 1
+
+
 def test_policy_measures_a_step_that_leaves_its_repeat_and_says_it_is_partial() -> None:
     policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=1000)
     start = schema.Piles()
