@@ -11,7 +11,7 @@ Sizes are chosen for a 2-core CPU: a `GPTLike` AdamW step at the full size takes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +144,36 @@ class BertJob(Job):
         return loss.detach()
 
 
+PADDED_LENGTHS = tuple(range(8, 56, 4))
+"""The sequence lengths `BertPaddedJob` cycles through: a batch padded to its longest text."""
+
+
+@dataclass
+class BertPaddedJob(BertJob):
+    """`BertJob` fed batches padded per batch (`DataCollatorWithPadding`): its 12 lengths in
+    turn, so each shape repeats every 12 steps. `--activations auto` measures each length once
+    (and on audit steps) and carries it afterwards; a run of more than 12 steps shows both."""
+
+    batches: list[torch.Tensor] = field(default_factory=list)
+    steps_done: int = 0
+
+    def step(self) -> torch.Tensor:
+        """One step on the next length's batch."""
+        if not self.batches:
+            self.batches = _padded_batches(self.inputs)
+        self.inputs = self.batches[self.steps_done % len(self.batches)]
+        self.steps_done += 1
+        return super().step()
+
+
+def _padded_batches(inputs: torch.Tensor) -> list[torch.Tensor]:
+    """One batch per padded length, made from `inputs`' rows (repeated where it is longer)."""
+    rows = inputs.shape[0]
+    return [
+        inputs.repeat(1, -(-length // inputs.shape[1]))[:rows, :length] for length in PADDED_LENGTHS
+    ]
+
+
 def bert_job() -> Job:
     """`BertJob`, built from a config (nothing downloaded); needs `transformers`."""
     from transformers import BertConfig, BertForSequenceClassification
@@ -163,7 +193,8 @@ def bert_job() -> Job:
 
 
 def build_job(name: str, quick: bool) -> Job:
-    """The named job ("gpt", "stack", "stack100" or "tiny"), seeded so every process is equal.
+    """The named job ("gpt", "stack", "stack100", "tiny", "bert" or "bertpad"), seeded so every
+    process is equal.
 
     "stack" is 200 blocks (601 modules; 20 blocks with `quick`), "stack100" 33 blocks (exactly
     100 modules, for the recording-size section) and "tiny" 8 blocks, small enough to run
@@ -172,6 +203,9 @@ def build_job(name: str, quick: bool) -> Job:
     torch.manual_seed(0)
     if name == "bert":
         return bert_job()
+    if name == "bertpad":
+        job = bert_job()
+        return BertPaddedJob(job.model, job.optimizer, job.inputs, job.targets, False)
     if name == "gpt":
         size = GPT_QUICK if quick else GPT_FULL
         model: nn.Module = GPTLike(size)
