@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memtui import errors
-from memtui.recording import RecordingError, read_recording
-from memtui.report import pile_peaks
 from memtui.terminal_text import terminal_safe
 from memtui_agent.config import VARIABLES, AgentConfig
 from memtui_agent.runtime_dir import runtime_dir
@@ -312,6 +310,8 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
             f"memtui: job exited with code {code}; no recording was written (the job never "
             "imported torch, or the agent could not start)"
         )
+    from memtui.recording import RecordingError  # after the job: not in its start-up path
+
     try:
         status, steps, piles = _outcome(job.recording, code)
     except RecordingError as exc:
@@ -334,6 +334,9 @@ def _outcome(path: Path, code: int | None) -> tuple[str, int, str]:
     Raises:
         RecordingError: the recording cannot be read.
     """
+    from memtui.recording import read_recording
+    from memtui.report import pile_peaks
+
     recording = read_recording(path)
     peaks = pile_peaks(recording)
     piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
@@ -347,6 +350,7 @@ def _session_summary(folder: Path, code: int) -> str:
     """A session folder: one line per recording (every rank, every Python process), so a
     process that ran no step is seen beside the one that trained."""
     from memtui.rank_report import session_files
+    from memtui.recording import RecordingError
 
     files = session_files(folder)
     lines = [
