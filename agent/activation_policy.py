@@ -103,7 +103,7 @@ class Verdict:
 @functools.cache
 def _autocast_device() -> str:
     """The device type whose autocast state a signature holds: CUDA where the process has it.
-    Asked once: `torch.cuda.is_available()` costs about 5 us, at every root call."""
+    Asked once: `torch.cuda.is_available()` costs about 0.8 us, at every root call."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
