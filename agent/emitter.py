@@ -7,8 +7,8 @@ frame holds is known at that moment without waiting for the device (see pending.
 scale still in GPU memory follows in a later frame (`late_values.LateValues`). What stays off
 the training thread is the socket: `put` only appends the encoded bytes to a bounded queue, and
 the emitter thread, every `SERVE_SECONDS`, hands them to the socket server and sends the
-once-a-second tick. A failing
-disk or socket turns that output off and is reported once; the job goes on.
+once-a-second tick. A failing disk or socket turns that output off and is reported once; the job
+goes on.
 """
 
 from __future__ import annotations

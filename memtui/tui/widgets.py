@@ -52,6 +52,9 @@ class FlowPanel(Static):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._shape: Any = None
+        self.lines: list[Text] = []
+        """`free_lines` of the current view, built once per view for the layout check and
+        `render`."""
 
     def free_lines(self, view: ViewState | None) -> list[Text]:
         """The lines of the panel that may wrap; the rest is one line per row."""
@@ -64,7 +67,8 @@ class FlowPanel(Static):
     def watch_view(self, view: ViewState | None) -> None:
         width = max(self.size.width, 10)
         console = self.app.console
-        wrapped = tuple(len(line.wrap(console, width)) for line in self.free_lines(view))
+        self.lines = self.free_lines(view)
+        wrapped = tuple(len(line.wrap(console, width)) for line in self.lines)
         shape = (width, self.rows(view), wrapped)
         if shape != self._shape:
             self._shape = shape
@@ -162,7 +166,7 @@ class PilesPanel(FlowPanel):
         table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
         from rich.console import Group
 
-        return Group(bar, table, *self.free_lines(view))
+        return Group(bar, table, *self.lines)
 
 
 def _carried_label(source: int | None) -> str:
@@ -209,7 +213,7 @@ class GapPanel(FlowPanel):
             return table
         from rich.console import Group
 
-        return Group(table, *self.free_lines(view))
+        return Group(table, *self.lines)
 
 
 def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
@@ -373,5 +377,4 @@ class NotesLine(FlowPanel):
         return [plain(" · ".join(view.notes))] if view is not None and view.notes else []
 
     def render(self) -> Text:
-        lines = self.free_lines(self.view)
-        return lines[0] if lines else Text("")
+        return self.lines[0] if self.lines else Text("")
