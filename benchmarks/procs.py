@@ -138,7 +138,7 @@ def run_demo(steps: int, record: Path, threads: int, timeout: float) -> Failure 
     command = [
         sys.executable,
         "-m",
-        "memtui_agent.runner",
+        "memtui_agent.startup.runner",
         "--module",
         "memtui_agent.demo.tiny_lm",
         "--steps",

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memtui_agent import schema
-from memtui_agent.emitter import Emitter
-from memtui_agent.pending import PendingStep
+from memtui_agent.output.emitter import Emitter
+from memtui_agent.steps.pending import PendingStep
+from memtui_protocol import schema
 
 
 def closed_step(number: int) -> PendingStep:

@@ -305,7 +305,7 @@ class RecordingSize:
 
 def recording_size(path: Path) -> RecordingSize | Failure:
     """The file's bytes per step, and each Step frame's size as the agent encodes it."""
-    from memtui_agent import schema, wire
+    from memtui_protocol import schema, wire
 
     try:
         data = path.read_bytes()

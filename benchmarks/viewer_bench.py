@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from memtui.session import Session
-from memtui.sources import ReplaySource
-from memtui_agent import schema, wire
+from memtui.input.sources import ReplaySource
+from memtui.model.session import Session
+from memtui_protocol import schema, wire
 
 STARTED_UNIX = 1_795_942_800.0
 MODULES = 40

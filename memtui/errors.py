@@ -1,8 +1,8 @@
 """The one kind of failure the CLI tells the user about: a line and an exit code.
 
 Every command raises a `UserError` subclass (a recording it cannot read, a socket it cannot
-use, a bad command line) and `memtui.cli.main` prints it once, escaped, as `memtui: error: ...`
-with the class's exit code. No command prints its own errors.
+use, a bad command line) and `memtui.commands.cli.main` prints it once, escaped, as
+`memtui: error: ...` with the class's exit code. No command prints its own errors.
 """
 
 from __future__ import annotations

@@ -23,7 +23,16 @@ HERE = Path(__file__).resolve().parent
 
 def record_demo(path: Path, *extra: str) -> subprocess.Popen[bytes]:
     """Start the demo job recording to `path` (headless; the job's output is discarded)."""
-    command = [sys.executable, "-m", "memtui.cli", "demo", "--headless", "-o", str(path), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "memtui.commands.cli",
+        "demo",
+        "--headless",
+        "-o",
+        str(path),
+        *extra,
+    ]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -51,7 +60,16 @@ def record_fsdp_session(folder: Path) -> Path:
     script.write_text(FSDP_JOB)
     session = folder / "fsdp-session"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [sys.executable, "-m", "memtui.cli", "run", "--headless", "-o", str(session), "--"]
+    command = [
+        sys.executable,
+        "-m",
+        "memtui.commands.cli",
+        "run",
+        "--headless",
+        "-o",
+        str(session),
+        "--",
+    ]
     command += [torchrun, "--standalone", "--nproc-per-node", "2", str(script)]
     subprocess.run(command, cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return session
@@ -79,7 +97,7 @@ async def capture(
 
 def main() -> int:
     """Record, then capture replay (two sizes), live, and a two-rank session."""
-    from memtui.sources import ReplaySource, TailSource
+    from memtui.input.sources import ReplaySource, TailSource
 
     with tempfile.TemporaryDirectory() as folder:
         finished = Path(folder) / "demo.memtui"
@@ -101,7 +119,7 @@ def main() -> int:
         finally:
             job.terminate()
             job.wait()
-        from memtui.tui_commands import session_sources
+        from memtui.commands.tui_commands import session_sources
 
         ranks = session_sources(record_fsdp_session(Path(folder)))
         first = next(iter(ranks.values()))

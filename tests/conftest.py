@@ -26,7 +26,7 @@ from rich.console import Console
 from textual.pilot import Pilot
 from textual.widget import Widget
 
-from memtui_agent import schema
+from memtui_protocol import schema
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -161,7 +161,12 @@ def run_python(tmp_path: Path) -> JobRunner:
     return run
 
 
-SHARED_PRELOAD = ("torch", "memtui_agent.agent", "memtui_agent.tracker", "memtui_agent.emitter")
+SHARED_PRELOAD = (
+    "torch",
+    "memtui_agent.startup.agent",
+    "memtui_agent.hooks.tracker",
+    "memtui_agent.output.emitter",
+)
 """What the shared interpreter imports once, before its first job."""
 
 
@@ -222,7 +227,7 @@ def torchrun_session(tmp_path: Path) -> Callable[..., tuple[dict[str, Any], str]
         if folder_exists:
             session.mkdir()
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        memtui = [sys.executable, "-m", "memtui.cli"]
+        memtui = [sys.executable, "-m", "memtui"]
         result = subprocess.run(
             [*memtui, "run", "--headless", "-o", str(session), "--", torchrun, "--standalone",
              "--nproc-per-node", "2", str(script), str(tmp_path)],

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui_agent import schema
-from memtui_agent.activation_policy import ActivationPolicy, Figures
+from memtui.model.recording import read_recording
+from memtui_agent.steps.activation_policy import ActivationPolicy, Figures
+from memtui_protocol import schema
 
 VARYING_BATCH = """
 import contextlib, json, sys, torch, memtui_agent
@@ -158,7 +158,7 @@ def test_remembered_calls_stay_bounded_and_prefixes_stay_right() -> None:
     # prefix tree always answers as a scan of the remembered signatures would.
     import random
 
-    from memtui_agent.activation_policy import KEEP_CALLS
+    from memtui_agent.steps.activation_policy import KEEP_CALLS
 
     rng = random.Random(0)
     policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=10_000)
@@ -209,7 +209,7 @@ def test_an_audit_that_disagrees_switches_to_every_step() -> None:
 
 STAND_IN_DEVICE = """
 import sys, threading, torch, memtui_agent
-from memtui_agent import health
+from memtui_agent.steps import health
 
 class LandsAtNextClose:
     # torch.cuda.Event's part the agent uses: the copy has landed when the next close asks.

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from memtui.cli import agent_config, build_parser
-from memtui.run_command import build_job
-from memtui_agent.config import VARIABLES, AgentConfig
-from memtui_agent.schema import ActivationMode, NanCheck
+from memtui.commands.cli import agent_config, build_parser
+from memtui.commands.run_command import build_job
+from memtui_protocol.config import VARIABLES, AgentConfig
+from memtui_protocol.schema import ActivationMode, NanCheck
 
 
 def test_config_survives_the_environment() -> None:

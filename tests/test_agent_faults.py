@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui_agent import runtime_dir
-from memtui_agent.failures import is_oom
+from memtui.model.recording import read_recording
+from memtui_agent.steps.failures import is_oom
+from memtui_protocol import runtime_dir
 
 pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
 BROKEN_PACK = """
-import torch, memtui_agent, memtui_agent.ledger as ledger
+import torch, memtui_agent, memtui_agent.memory.ledger as ledger
 def explode(*args):
     raise RuntimeError("injected ledger failure")
 ledger.Ledger.acquire_activation = explode
@@ -144,7 +144,7 @@ def test_an_agent_started_by_hand_and_never_stopped_still_ends_its_recording(
 ) -> None:
     # `start()` without `stop()`: at interpreter exit the agent finishes itself, so the
     # recording says how the job ended instead of looking like a killed one.
-    from memtui.report import build_report
+    from memtui.reports.report import build_report
 
     for how, status in (("return", "ok"), ("raise", "error")):
         done = run_python(UNSTOPPED, how)

@@ -21,16 +21,23 @@ import msgspec
 import pytest
 from textual.pilot import Pilot
 
-from memtui.alloc_rows import alloc_rows, events_dict, events_text
-from memtui.recording import Recording, read_recording
-from memtui.report import build_report, render_text
-from memtui.session import Session
+from memtui.model.alloc_rows import alloc_rows, events_dict, events_text
+from memtui.model.recording import Recording, read_recording
+from memtui.model.session import Session
+from memtui.reports.report import build_report, render_text
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.app import MemtuiApp
-from memtui_agent import schema, wire
-from memtui_agent.alloc_events import MAX_ENTRIES, AllocEventsRecorder
-from memtui_agent.alloc_trace import TOP, WHERE_CHARS, Cursor, Drained, new_entries, summarize
-from memtui_agent.pending import PendingStep
+from memtui_agent.memory.alloc_events import MAX_ENTRIES, AllocEventsRecorder
+from memtui_agent.memory.alloc_trace import (
+    TOP,
+    WHERE_CHARS,
+    Cursor,
+    Drained,
+    new_entries,
+    summarize,
+)
+from memtui_agent.steps.pending import PendingStep
+from memtui_protocol import schema, wire
 
 MIB = 2**20
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -625,7 +632,7 @@ def test_cli_flag_on_a_cpu_job_runs_and_records_one_note(tmp_path: Path) -> None
         [
             sys.executable,
             "-m",
-            "memtui.cli",
+            "memtui",
             "run",
             "--headless",
             "--alloc-events",

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from memtui.run_command import bootstrap_dir
+from memtui.commands.run_command import bootstrap_dir
 
 TIMEOUT_S = 60
 _CONSOLE = Path(sys.executable).with_name("memtui")
-MEMTUI = [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "memtui.cli"]
+MEMTUI = [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "memtui"]
 
 PROBE = """\
 import sys

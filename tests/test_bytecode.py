@@ -1,4 +1,4 @@
-"""The launcher writes the bytecode cache of memtui's packages (memtui/bytecode.py)."""
+"""The launcher writes the bytecode cache of memtui's packages (memtui/commands/bytecode.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from memtui.bytecode import package_folders, write_bytecode
+from memtui.commands.bytecode import package_folders, write_bytecode
 
 
 def _package(root: Path) -> Path:
@@ -59,8 +59,10 @@ def test_a_folder_it_cannot_write_is_left_alone(tmp_path: Path) -> None:
 def test_the_packages_are_memtuis_own() -> None:
     import memtui
     import memtui_agent
+    import memtui_protocol
 
     assert package_folders() == [
+        Path(memtui_protocol.__file__).parent,
         Path(memtui_agent.__file__).parent,
         Path(memtui.__file__).parent,
     ]

@@ -25,13 +25,13 @@ import psutil
 import pytest
 
 import memtui_agent
-from memtui_agent import schema, wire
+from memtui_protocol import schema, wire
 
 pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
 TIMEOUT_S = 120
 _CONSOLE = Path(sys.executable).with_name("memtui")
-MEMTUI = [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "memtui.cli"]
+MEMTUI = [str(_CONSOLE)] if _CONSOLE.exists() else [sys.executable, "-m", "memtui"]
 AGENT_DIR = Path(memtui_agent.__file__).resolve().parent
 
 PILES = ("weights", "gradients", "optimizer_state", "activations")
@@ -363,8 +363,8 @@ def test_exception_in_job_is_located(
     assert f"ValueError: {message}" in run.stderr
     assert 'train.py", line' in run.stderr
     assert "runpy" not in run.stderr
-    assert str(AGENT_DIR / "runner.py") not in run.stderr
-    assert "memtui_agent/runner.py" not in run.stderr
+    assert str(AGENT_DIR / "startup" / "runner.py") not in run.stderr
+    assert "memtui_agent/startup/runner.py" not in run.stderr
     # No agent frame at all (e.g. the wrapper around torch.autograd.backward).
     assert f'File "{AGENT_DIR}{os.sep}' not in run.stderr
     _, report = ws.report("rec.memtui")
@@ -430,7 +430,7 @@ def test_sigkilled_job_leaves_readable_recording(ws: Workspace) -> None:
         jobs = [
             child
             for child in psutil.Process(proc.pid).children(recursive=True)
-            if "memtui_agent.runner" in " ".join(child.cmdline())
+            if "memtui_agent.startup.runner" in " ".join(child.cmdline())
         ]
         assert len(jobs) == 1, jobs
         jobs[0].send_signal(signal.SIGKILL)

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from memtui_agent.schema import Distributed
+from memtui_protocol.schema import Distributed
 
 pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
-MEMTUI = [sys.executable, "-m", "memtui.cli"]
+MEMTUI = [sys.executable, "-m", "memtui"]
 
 DDP_JOB = """
 import json, os, sys, torch, torch.distributed as dist
@@ -182,8 +182,8 @@ def test_fsdp2_gathered_parameters_are_not_activations(
 def test_untracked_wrapper_memory_leaves_other() -> None:
     """`other` (allocated minus the piles) no longer hides DDP's separate buckets or FSDP's
     gathered parameters; bucket views are in the gradients already."""
-    from memtui.step_rows import distributed_notes, pile_rows
-    from memtui_agent import schema
+    from memtui.model.step_rows import distributed_notes, pile_rows
+    from memtui_protocol import schema
 
     piles = schema.Piles(100, 100, 200, 50)
     separate = Distributed(ddp_buckets=100, ddp_bucket_view=False, ddp_in_gradients=0)

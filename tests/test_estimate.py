@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from memtui.cli import build_parser
-from memtui.estimate import SCHEMES, estimate, parse_count, render_text
+from memtui.commands.cli import build_parser
+from memtui.reports.estimate import SCHEMES, estimate, parse_count, render_text
 
 GB = 10**9
 
 
 def _memtui(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "estimate", *args],
+        [sys.executable, "-m", "memtui", "estimate", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -125,7 +125,7 @@ def test_scientific_notation_is_a_count(text: str, count: int) -> None:
 
 
 def test_estimate_json_names_its_inputs(capsys: pytest.CaptureFixture[str]) -> None:
-    from memtui.cli import main
+    from memtui.commands.cli import main
 
     assert main(["estimate", "--params", "7e9", "--scheme", "fp32-adam", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -307,8 +307,8 @@ def test_estimate_never_imports_torch(models: Path) -> None:
     """Even `--model` keeps torch out of this process: the child does the counting."""
     code = (
         "import sys\n"
-        "import memtui.estimate, memtui.model_count\n"
-        "from memtui.cli import main\n"
+        "import memtui.reports.estimate, memtui.reports.model_count\n"
+        "from memtui.commands.cli import main\n"
         "assert main(['estimate', '--params', '1B', '--json']) == 0\n"
         "assert main(['estimate', '--model', 'my_models:tied', '--json']) == 0\n"
         "leaked = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from memtui.model_estimate import (
+from memtui.reports.model_estimate import (
     Sharding,
     Verdict,
     build_result,
@@ -29,7 +29,13 @@ from memtui.model_estimate import (
     smallest_zero_stage,
     verdict_for,
 )
-from memtui_agent.fake_step import Autocast, FakeStepRequest, OptimizerKind, Variant, run_variant
+from memtui_agent.estimate.fake_step import (
+    Autocast,
+    FakeStepRequest,
+    OptimizerKind,
+    Variant,
+    run_variant,
+)
 
 pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
@@ -40,7 +46,7 @@ PERSISTENT = ("weights", "gradients", "optimizer_state")
 
 def _memtui(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memtui.cli", *args],
+        [sys.executable, "-m", "memtui", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -288,7 +294,7 @@ def test_import_error_in_the_users_module_is_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "memtui.cli",
+            "memtui",
             "estimate",
             "--model",
             "broken_models:m",
@@ -322,7 +328,7 @@ def test_batch_estimate_never_imports_torch_in_the_viewer() -> None:
     code = textwrap.dedent(
         """
         import sys
-        from memtui.cli import main
+        from memtui.commands.cli import main
         code = main(["estimate", "--model", "estimate_models:mlp_model",
                      "--batch", "estimate_models:mlp_batch", "--json"])
         assert "torch" not in sys.modules, "torch imported"
@@ -405,7 +411,7 @@ def test_ledger_counts_fake_storages_only_when_asked() -> None:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtui_agent.ledger import count_fake_storages, storages_of
+    from memtui_agent.memory.ledger import count_fake_storages, storages_of
 
     with FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from memtui.cli import main
-from memtui.export import CSV_COLUMNS, default_output
-from memtui_agent import schema
+from memtui.commands.cli import main
+from memtui.reports.export import CSV_COLUMNS, default_output
+from memtui_protocol import schema
 
 MiB = 1 << 20
 GPU_STEPS = {3: (40 * MiB, 64 * MiB, 48 * MiB), 4: (41 * MiB, 64 * MiB, 50 * MiB)}

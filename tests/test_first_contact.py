@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from memtui.cli import main
+from memtui.commands.cli import main
 from memtui.exit_codes import EXIT_BAD_INPUT
-from memtui_agent import schema
-from memtui_agent.failures import without_agent_frames
+from memtui_agent.steps.failures import without_agent_frames
+from memtui_protocol import schema
 
 AGENT = Path(__file__).parent.parent / "agent"
 
@@ -86,7 +86,7 @@ def test_a_traceback_of_only_runner_frames_trims_to_none() -> None:
     except SyntaxError as error:
         frames = error.__traceback__
     # A traceback whose frames are all ours (runpy failing before the job's code ran).
-    import memtui_agent.failures as failures
+    import memtui_agent.steps.failures as failures
 
     original = failures._is_ours
     failures._is_ours = lambda _traceback: True  # type: ignore[assignment]
@@ -98,7 +98,7 @@ def test_a_traceback_of_only_runner_frames_trims_to_none() -> None:
 
 def _runner(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memtui_agent.runner", *args],
+        [sys.executable, "-m", "memtui_agent.startup.runner", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -165,7 +165,7 @@ def test_a_bad_flag_points_at_the_subcommands_help(capsys: pytest.CaptureFixture
 
 
 def test_demo_arguments_are_given_once() -> None:
-    from memtui.cli import demo_pace
+    from memtui.commands.cli import demo_pace
 
     assert demo_pace(["--steps", "6"]) == ["--sleep=0.15", "--steps", "6"]
     assert demo_pace([]) == ["--steps=60", "--sleep=0.15"]
@@ -181,9 +181,9 @@ def test_attach_help_says_what_no_pid_does(capsys: pytest.CaptureFixture[str]) -
 def test_replay_of_a_damaged_recording_exits_partial_with_the_whole_warning(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from memtui.commands.tui_commands import replay_outcome
     from memtui.exit_codes import EXIT_PARTIAL
-    from memtui.session import Session
-    from memtui.tui_commands import replay_outcome
+    from memtui.model.session import Session
 
     long = "the last 37 bytes are a partial frame (the writer stopped mid-frame); " * 3
     damaged = Session(live=False, warning=long)
@@ -196,7 +196,7 @@ def test_replay_of_a_damaged_recording_exits_partial_with_the_whole_warning(
 def test_a_job_stopped_from_the_tui_is_not_called_killed(
     tmp_path: Path, builder: ModuleType
 ) -> None:
-    from memtui.run_command import JobSpec, summary_line
+    from memtui.commands.run_command import JobSpec, summary_line
 
     path = _write(tmp_path, builder, builder.demo_messages(with_end=False))
     job = JobSpec(command=[], display=["python", "train.py"], env={}, recording=path)
@@ -217,7 +217,7 @@ def test_command_errors_are_printed_in_one_place() -> None:
         for path in package.rglob("*.py")
         if 'print(f"memtui: error:' in path.read_text(encoding="utf-8")
     )
-    assert printing == ["cli.py"]
+    assert printing == ["commands/cli.py"]
 
 
 def test_a_command_error_is_one_escaped_line_with_its_exit_code(

@@ -28,9 +28,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memtui.recording import Recording, RecordingError, apply, read_recording
-from memtui.report import build_report, render_text
-from memtui_agent import schema, wire
+from memtui.input.recording_file import RecordingError
+from memtui.model.recording import Recording, apply, read_recording
+from memtui.reports.report import build_report, render_text
+from memtui_protocol import schema, wire
 
 FUZZ = settings(max_examples=250, deadline=1000, database=None)
 """Moderate example counts and a 1 s deadline: a parser that hangs or crawls fails here."""
@@ -709,7 +710,7 @@ def test_report_on_damaged_files_is_one_line_never_a_traceback(tmp_path: Path) -
     cases = _damaged_files(tmp_path)
     running = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "memtui.cli", "report", str(path)],
+            [sys.executable, "-m", "memtui", "report", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -748,7 +749,7 @@ def test_status_of_a_recording_with_an_impossible_pid_is_killed(tmp_path: Path, 
 def _report_cli(path: Path) -> subprocess.CompletedProcess[str]:
     """`memtui report PATH` as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "report", str(path)],
+        [sys.executable, "-m", "memtui", "report", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

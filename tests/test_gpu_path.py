@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui.step_rows import gap_rows, pile_rows
-from memtui_agent import schema
-from memtui_agent.allocator import (
+from memtui.model.recording import read_recording
+from memtui.model.step_rows import gap_rows, pile_rows
+from memtui_agent.memory.allocator import (
     allocator_from_stats,
     expandable_segments_enabled,
     fragmentation_message,
 )
-from memtui_agent.nvml import NvmlReader, nvml_index
+from memtui_agent.memory.nvml import NvmlReader, nvml_index
+from memtui_protocol import schema
 
 GIB = 2**30
 
@@ -213,7 +213,7 @@ def test_oom_observer_details_reach_the_final_frame(tmp_path: Path) -> None:
 
 
 def test_allocator_activity_lines_for_the_cursor_step() -> None:
-    from memtui.step_rows import allocator_lines
+    from memtui.model.step_rows import allocator_lines
 
     allocator = allocator_from_stats(stats(num_alloc_retries=1), stats())
     step = schema.Step(

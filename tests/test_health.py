@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui.report import build_report
+from memtui.model.recording import read_recording
+from memtui.reports.report import build_report
 
 pytestmark = pytest.mark.slow  # torch jobs, in the session's shared interpreter (`shared_python`)
 
@@ -267,7 +267,7 @@ def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
     oom = [alert for alert in report["alerts"] if alert["kind"] == "oom"]
     assert len(oom) == 1 and oom[0]["step"] == 2
     text = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "report", str(tmp_path / "rec.memtui")],
+        [sys.executable, "-m", "memtui", "report", str(tmp_path / "rec.memtui")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 from rich.text import Text
 
-from memtui.recording import read_recording
+from memtui.input.torch_snapshot import SnapshotError, load_snapshot
+from memtui.model.recording import read_recording
 from memtui.terminal_text import terminal_safe
-from memtui.torch_snapshot import SnapshotError, load_snapshot
 from memtui.tui.timeline import _with_levels
-from memtui_agent import schema, wire
+from memtui_protocol import schema, wire
 
 ESC = "\x1b]0;owned\x07\x1b[2J"
 MARKUP = "[/] [enforce fail at alloc_cpu.cpp:127] [bold]"
@@ -55,7 +55,7 @@ def _write(path: Path, messages: list[schema.Message]) -> Path:
 
 def _memtui(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memtui.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "memtui", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -28,10 +28,10 @@ def _modules_after(code: str) -> set[str]:
 @pytest.mark.parametrize(
     "code",
     [
-        "import memtui.cli",
-        "import memtui.report, memtui.recording",
-        "from memtui.cli import build_parser; build_parser().parse_args(['report', 'x'])",
-        "import memtui_agent, memtui_agent.schema, memtui_agent.wire",
+        "import memtui.commands.cli",
+        "import memtui.reports.report, memtui.model.recording",
+        "from memtui.commands.cli import build_parser; build_parser().parse_args(['report', 'x'])",
+        "import memtui_agent, memtui_protocol.schema, memtui_protocol.wire",
     ],
 )
 def test_viewer_side_never_imports_torch(code: str) -> None:
@@ -44,7 +44,7 @@ def test_report_command_runs_without_torch(tmp_path: object) -> None:
     """`memtui report` on a missing file must fail cleanly without importing torch."""
     code = (
         "import sys\n"
-        "from memtui.cli import main\n"
+        "from memtui.commands.cli import main\n"
         "code = main(['report', '/nonexistent.memtui'])\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "print('exit', code)\n"
@@ -108,6 +108,8 @@ def _viewer_modules(headless_only: bool) -> list[str]:
         parts = path.relative_to(VIEWER.parent).with_suffix("").parts
         if headless_only and parts[:2] == ("memtui", "tui"):
             continue
+        if parts[-1] == "__main__":
+            continue  # importing it runs the command line
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return names
 
@@ -122,12 +124,34 @@ def _run_blocked(blocked: set[str], body: str, cwd: Path | None = None) -> str:
 
 
 def test_every_viewer_module_imports_without_torch_and_headless_ones_without_textual() -> None:
-    """Over every module, not a chosen few: torch nowhere in memtui/, Textual only in tui/."""
+    """Over every module, not a chosen few: torch, numpy and the agent nowhere in memtui/,
+    Textual only in tui/."""
     headless = _viewer_modules(headless_only=True)
-    assert "memtui.tui_commands" in headless and "memtui.report" in headless
-    _run_blocked({"torch", "textual"}, "".join(f"import {name}\n" for name in headless))
+    assert "memtui.commands.tui_commands" in headless and "memtui.reports.report" in headless
+    body = "".join(f"import {name}\n" for name in headless)
+    _run_blocked({"torch", "numpy", "textual", "memtui_agent"}, body)
     every = _viewer_modules(headless_only=False)
-    _run_blocked({"torch"}, "".join(f"import {name}\n" for name in every))
+    _run_blocked({"torch", "numpy", "memtui_agent"}, "".join(f"import {name}\n" for name in every))
+
+
+def test_the_protocol_loads_only_the_standard_library_and_msgspec() -> None:
+    """Every module of `memtui_protocol`, imported in a fresh interpreter, brings in nothing
+    but the standard library and msgspec: both halves, and the attach bootstrap inside a job
+    that cannot import memtui, rely on it."""
+    protocol = Path(__file__).parent.parent / "protocol"
+    names = ["memtui_protocol"] + [
+        f"memtui_protocol.{path.stem}"
+        for path in sorted(protocol.glob("*.py"))
+        if path.stem != "__init__"
+    ]
+    assert "memtui_protocol.schema" in names and "memtui_protocol.attach" in names
+    loaded = _modules_after("".join(f"import {name}\n" for name in names))
+    # What a bare interpreter with msgspec already holds (site's .pth hooks, msgspec's own
+    # imports) is not the protocol's doing.
+    baseline = _modules_after("import msgspec, msgspec.json, msgspec.structs")
+    tops = {name.split(".")[0] for name in loaded - baseline}
+    foreign = tops - set(sys.stdlib_module_names) - {"memtui_protocol"}
+    assert not foreign, f"memtui_protocol brought in {sorted(foreign)}"
 
 
 def test_headless_commands_run_with_textual_and_torch_unimportable(
@@ -140,7 +164,7 @@ def test_headless_commands_run_with_textual_and_torch_unimportable(
     body = f"""
 import os
 os.environ['XDG_RUNTIME_DIR'] = {str(tmp_path)!r}
-from memtui.cli import main
+from memtui.commands.cli import main
 codes = [
     main(['report', {str(recording)!r}]),
     main(['report', {str(recording)!r}, '--json']),
@@ -148,7 +172,7 @@ codes = [
     main(['estimate', '--params', '7e9', '--json']),
     main(['attach', '--list']),
 ]
-from memtui.tui_commands import list_jobs_text
+from memtui.commands.tui_commands import list_jobs_text
 print(list_jobs_text([dict(pid=1, started_unix=0, argv=['train.py'])]))
 print('codes', codes)
 """

@@ -149,7 +149,7 @@ def test_the_fingerprint_sees_a_job_monkeypatching_torch_or_the_agent(
     """A function a job defined, left on torch.Tensor or in the agent's modules, is named."""
     import torch
 
-    from memtui_agent import health
+    from memtui_agent.steps import health
 
     namespace: dict[str, Any] = {}
     exec(compile("def patched(self): pass", "<job patcher>", "exec"), namespace)
@@ -164,6 +164,6 @@ def test_the_fingerprint_sees_a_job_monkeypatching_torch_or_the_agent(
         health.HealthMonitor.close = original_close
     assert during == [
         "job code installed in torch or the agent: [] -> "
-        "['memtui_agent.health.HealthMonitor.close', 'torch.Tensor.memtui_test_patch']"
+        "['memtui_agent.steps.health.HealthMonitor.close', 'torch.Tensor.memtui_test_patch']"
     ]
     assert job_host._difference(before, job_host._fingerprint()) == []

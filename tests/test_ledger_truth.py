@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from memtui_agent import schema, wire
+from memtui_protocol import schema, wire
 
 JOB_TIMEOUT_S = 120
 RECORDING = "rec.memtui"
@@ -124,7 +124,12 @@ def _job_env(runtime_dir: Path) -> dict[str, str]:
     return env
 
 
-_AGENT_PRELOAD = ("torch", "memtui_agent.agent", "memtui_agent.tracker", "memtui_agent.emitter")
+_AGENT_PRELOAD = (
+    "torch",
+    "memtui_agent.startup.agent",
+    "memtui_agent.hooks.tracker",
+    "memtui_agent.output.emitter",
+)
 """What the agent's host imports while it starts, beside the other host (not inside a test)."""
 
 
@@ -627,7 +632,7 @@ def test_tensor_subclass_does_not_switch_off_activation_tracking(
 def test_sync_recounts_a_storage_freed_since_even_at_the_same_pointer() -> None:
     """The close-time sync skips unchanged piles and caches tensors by id and pointer; neither
     shortcut may keep out a storage that left the pile (freed, its pointer then reused)."""
-    from memtui_agent.ledger import WEIGHTS, Ledger
+    from memtui_agent.memory.ledger import WEIGHTS, Ledger
 
     ledger = Ledger()
     weight = torch.zeros(64)
@@ -652,7 +657,7 @@ def test_high_water_marks_match_an_eager_replay_of_random_event_sequences() -> N
     agree after any interleaving of packs, releases, gradient claims and gradient frees."""
     import random
 
-    from memtui_agent.ledger import ACTIVATIONS, GRADIENTS, Ledger
+    from memtui_agent.memory.ledger import ACTIVATIONS, GRADIENTS, Ledger
 
     def as_list(piles: schema.Piles) -> list[int]:
         return [piles.weights, piles.gradients, piles.optimizer_state, piles.activations]

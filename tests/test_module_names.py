@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui_agent import schema, wire
+from memtui.model.recording import read_recording
+from memtui_protocol import schema, wire
 
 LOSS_IN_FORWARD = """
 import sys, torch, memtui_agent

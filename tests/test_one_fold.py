@@ -9,11 +9,11 @@ from types import ModuleType
 
 import msgspec
 
-from memtui.recording import read_recording
-from memtui.report import report_of
-from memtui.session import Session
-from memtui.sources import ReplaySource, TailSource
-from memtui_agent import schema, wire
+from memtui.input.sources import ReplaySource, TailSource
+from memtui.model.recording import read_recording
+from memtui.model.session import Session
+from memtui.reports.report import report_of
+from memtui_protocol import schema, wire
 
 
 def _messages(builder: ModuleType) -> list[schema.Message]:

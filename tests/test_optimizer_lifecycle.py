@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui.report import build_report
+from memtui.model.recording import read_recording
+from memtui.reports.report import build_report
 
 pytestmark = pytest.mark.slow  # torch jobs, in the session's shared interpreter (`shared_python`)
 
@@ -332,8 +332,8 @@ def test_the_viewer_names_the_optimizer_only_where_several_step(
 ) -> None:
     import msgspec
 
-    from memtui.session import Session
-    from memtui_agent import schema
+    from memtui.model.session import Session
+    from memtui_protocol import schema
 
     def owners(steps: list[schema.Step]) -> list[str | None]:
         session = Session(live=False)

@@ -17,12 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui.sources import LiveSource
-from memtui_agent import schema, wire
-from memtui_agent.emitter import Emitter
-from memtui_agent.safe_open import RefusedPath, create_private
-from memtui_agent.socket_server import ACCEPTS_PER_POLL, BACKLOG_BYTES, MAX_VIEWERS, SocketServer
+from memtui.input.sources import LiveSource
+from memtui.model.recording import read_recording
+from memtui_agent.output.emitter import Emitter
+from memtui_agent.output.socket_server import (
+    ACCEPTS_PER_POLL,
+    BACKLOG_BYTES,
+    MAX_VIEWERS,
+    SocketServer,
+)
+from memtui_protocol import schema, wire
+from memtui_protocol.safe_open import RefusedPath, create_private
 
 TRAIN = """
 import os, signal, sys
@@ -250,7 +255,7 @@ def test_memtui_run_refuses_a_symlinked_recording_before_the_job_starts(
     script = tmp_path / "job.py"
     script.write_text("open('started', 'w').close()\n")
     result = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "run", "--headless", "-o", "rec.memtui", "job.py"],
+        [sys.executable, "-m", "memtui", "run", "--headless", "-o", "rec.memtui", "job.py"],
         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0
@@ -267,7 +272,7 @@ import sys
 import torch
 from torch import nn
 import memtui_agent
-from memtui_agent import pending
+from memtui_agent.steps import pending
 
 def broken():
     raise RuntimeError("psutil exploded")
@@ -324,7 +329,7 @@ def test_a_full_disk_is_reported_as_such_not_as_killed(tmp_path: Path) -> None:
     )
     inner = (
         f"mount -t tmpfs -o size=8k tmpfs {mount} || exit 77; "
-        f"exec {sys.executable} -m memtui.cli run --headless -o {mount}/rec.memtui {script}"
+        f"exec {sys.executable} -m memtui run --headless -o {mount}/rec.memtui {script}"
     )
     result = subprocess.run(
         ["unshare", "-rm", "sh", "-c", inner], cwd=tmp_path, env=_env(tmp_path),

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import read_recording
-from memtui_agent.pile_watch import AUDIT_CLOSES
+from memtui.model.recording import read_recording
+from memtui_agent.steps.pile_watch import AUDIT_CLOSES
 
 TRUTH = """
 import copy, json, sys, torch, memtui_agent

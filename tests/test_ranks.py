@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from memtui_agent.autostart import is_launcher, record_path_for_rank
+from memtui_agent.startup.autostart import is_launcher, record_path_for_rank
 
 pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
@@ -53,7 +53,7 @@ def test_torchrun_ddp_session_has_one_exact_recording_per_rank(
         assert end["optimizer_state"] == 2 * weights + 4 * 4  # AdamW: 2 moments, 4 step tensors
         assert rank["exit"]["status"] == "ok"
     text = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "report", str(tmp_path / "session")],
+        [sys.executable, "-m", "memtui", "report", str(tmp_path / "session")],
         capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     assert "session of 2 rank(s)" in text and "imbalance" in text
@@ -64,11 +64,11 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
     the imbalance line names the heaviest rank."""
     import asyncio
 
+    from memtui.commands.tui_commands import session_sources
     from memtui.tui.app import MemtuiApp
     from memtui.tui.ranks import RanksTable
     from memtui.tui.widgets import PilesPanel
-    from memtui.tui_commands import session_sources
-    from memtui_agent import schema, wire
+    from memtui_protocol import schema, wire
 
     for rank, weights in (("0", 1000), ("1", 2000)):
         piles = schema.Piles(weights, 0, 0, 0)
@@ -121,10 +121,10 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
 
 def test_the_view_model_owns_every_rank_and_emits_one_view_state() -> None:
     """No widget or app state: ranks, the shown rank, the job's exit all live in the model."""
-    from memtui.job_state import JobState
-    from memtui.view_model import ViewModel
-    from memtui_agent import schema
-    from memtui_agent.schema import ExitStatus
+    from memtui.model.job_state import JobState
+    from memtui.model.view_model import ViewModel
+    from memtui_protocol import schema
+    from memtui_protocol.schema import ExitStatus
 
     model = ViewModel({"0": ("rank-0", True), "1": ("rank-1", True)})
     for rank, weights in (("0", 1000), ("1", 3000)):
@@ -160,7 +160,7 @@ def test_the_view_model_owns_every_rank_and_emits_one_view_state() -> None:
 
 def test_attach_groups_the_ranks_of_one_job() -> None:
     """Sidecars of one `memtui run` session (same token, with ranks) become one attach entry."""
-    from memtui.tui_commands import group_ranks
+    from memtui.commands.tui_commands import group_ranks
 
     sidecars = [
         {"pid": 11, "rank": 1, "session": "s1", "socket": "/r/11.sock", "started_unix": 5.0},
@@ -174,8 +174,8 @@ def test_attach_groups_the_ranks_of_one_job() -> None:
 
 
 def test_launchers_get_a_session_folder_and_ranks_never_share_a_file(tmp_path: Path) -> None:
-    from memtui.run_command import UsageError, build_job, launches_ranks
-    from memtui.tui_commands import local_ranks
+    from memtui.commands.run_command import UsageError, build_job, launches_ranks
+    from memtui.commands.tui_commands import local_ranks
 
     assert launches_ranks(["torchrun", "--nproc-per-node", "2", "t.py"], None)
     assert launches_ranks(["python", "-m", "torch.distributed.run", "t.py"], None)
@@ -210,7 +210,7 @@ def test_ranks_a_launcher_starts_itself_are_armed_but_helper_processes_are_not(
     """Lightning's DDP launcher re-runs the script per rank with LOCAL_RANK set; those inherit
     the monitored parent's environment yet are ranks of their own. DataLoader workers keep
     their parent's LOCAL_RANK (or carry --multiprocessing-fork) and stay unmonitored."""
-    from memtui_agent.autostart import OWNER_RANK_VARIABLE, is_launched_rank
+    from memtui_agent.startup.autostart import OWNER_RANK_VARIABLE, is_launched_rank
 
     owner_rank_0 = {"MEMTUI_AGENT_OWNER": "100", OWNER_RANK_VARIABLE: "0"}
     assert is_launched_rank(["train.py"], {**owner_rank_0, "LOCAL_RANK": "1"})
@@ -258,7 +258,7 @@ def test_table_columns_grow_when_live_values_widen() -> None:
 def test_processes_in_a_session_folder_get_their_own_index(tmp_path: Path) -> None:
     """Non-rank processes of one session folder (a `-- COMMAND`'s interpreters) are numbered in
     the order their agents start; an index is never handed out twice (issue 14, D2)."""
-    from memtui.rank_report import session_files
+    from memtui.reports.rank_report import session_files
 
     paths = [record_path_for_rank(str(tmp_path), {}) for _ in range(3)]
     assert paths == [str(tmp_path / f"proc-{index}.memtui") for index in range(3)]

@@ -29,9 +29,9 @@ from typing import Any
 import psutil
 import pytest
 
-from memtui.recording import Recording, read_recording
-from memtui.sources import LiveSource, SourceError
-from memtui_agent import runtime_dir, schema, wire
+from memtui.input.sources import LiveSource, SourceError
+from memtui.model.recording import Recording, read_recording
+from memtui_protocol import runtime_dir, schema, wire
 
 pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
@@ -482,7 +482,7 @@ def test_socket_owned_by_another_user_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SourceError, match="another user"):
             LiveSource(path).check()
         result = subprocess.run(
-            [sys.executable, "-m", "memtui.cli", "attach", "--socket", str(path)],
+            [sys.executable, "-m", "memtui", "attach", "--socket", str(path)],
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -659,7 +659,7 @@ ZYGOTE = """
 # first optimizer step imports torch._dynamo (over a second): do that here too, and load the
 # agent's modules, without starting the agent.
 import torch._dynamo
-import memtui_agent.agent, memtui_agent.emitter, memtui_agent.tracker
+import memtui_agent.startup.agent, memtui_agent.output.emitter, memtui_agent.hooks.tracker
 
 warm = nn.Parameter(torch.zeros(2))
 warm.grad = torch.ones(2)
@@ -748,7 +748,7 @@ def test_stale_socket_and_sidecar_of_a_killed_job_are_cleaned_up(
     assert not socket_path.exists()
     assert not sidecar.exists()
     result = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "attach"],
+        [sys.executable, "-m", "memtui", "attach"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

@@ -6,9 +6,9 @@ from types import ModuleType
 
 import msgspec
 
-from memtui.report import render_text
-from memtui.session import Session
-from memtui_agent import schema
+from memtui.model.session import Session
+from memtui.reports.report import render_text
+from memtui_protocol import schema
 
 
 def _report(messages: list[schema.Message]) -> str:

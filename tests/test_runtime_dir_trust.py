@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from memtui_agent import runtime_dir
+from memtui_protocol import runtime_dir
 
 TIMEOUT_S = 60
 STRANGER = 12345
@@ -30,7 +30,7 @@ def _viewer(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
     env["MEMTUI_RUNTIME_DIR"] = str(runtime)
     return subprocess.run(
-        [sys.executable, "-m", "memtui.cli", *args],
+        [sys.executable, "-m", "memtui", *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

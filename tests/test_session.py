@@ -15,11 +15,11 @@ from types import ModuleType
 import msgspec
 import pytest
 
-import memtui.session as session_module
-from memtui.session import Session
-from memtui.sources import ReplaySource
-from memtui.step_rows import GAP_MEANINGS, gap_rows, pile_rows
-from memtui_agent import schema, wire
+import memtui.model.session as session_module
+from memtui.input.sources import ReplaySource
+from memtui.model.session import Session
+from memtui.model.step_rows import GAP_MEANINGS, gap_rows, pile_rows
+from memtui_protocol import schema, wire
 
 StepFactory = Callable[[int], schema.Step]
 
@@ -237,8 +237,8 @@ def test_the_view_state_carries_the_state_as_data(
     live_messages: list[schema.Message], demo_messages: list[schema.Message]
 ) -> None:
     """Widgets test `status`, `exit_status` and `replay`, never the header's words."""
-    from memtui.job_state import JobState
-    from memtui_agent.schema import ExitStatus
+    from memtui.model.job_state import JobState
+    from memtui_protocol.schema import ExitStatus
 
     def state(session: Session) -> tuple[JobState, ExitStatus | None, bool]:
         view = session.view_state()
@@ -412,7 +412,7 @@ def test_alerts_that_follow_from_non_finite_weights_are_folded_under_the_first(
     live_messages: list[schema.Message],
 ) -> None:
     """Every step after the weights go NaN repeats the alerts; the first must stay visible."""
-    from memtui.step_rows import folded_alerts
+    from memtui.model.step_rows import folded_alerts
 
     def alert(step: int, kind: str, message: str, **extra: object) -> schema.AlertNow:
         alert = schema.Alert(kind=kind, message=message, **extra)  # type: ignore[arg-type]

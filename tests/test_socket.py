@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from memtui_agent import schema, wire
+from memtui_protocol import schema, wire
 
 pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
@@ -103,7 +103,7 @@ def test_viewer_that_never_reads_does_not_stall_the_job(tmp_path: Path) -> None:
         assert job.wait(timeout=120) == 0
     finally:
         idle.close()
-    from memtui.recording import read_recording
+    from memtui.model.recording import read_recording
 
     recording = read_recording(tmp_path / "rec.memtui")
     assert len(recording.steps) == 3000
@@ -120,7 +120,7 @@ def test_viewer_killed_mid_stream_does_not_break_the_job(tmp_path: Path) -> None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         sock.close()
     assert job.wait(timeout=120) == 0
-    from memtui.recording import read_recording
+    from memtui.model.recording import read_recording
 
     assert len(read_recording(tmp_path / "rec.memtui").steps) == 200
 
@@ -160,11 +160,11 @@ def test_attach_socket_through_a_forwarded_unix_socket(tmp_path: Path) -> None:
     """The multi-node recipe: `memtui attach --list` on the node prints the socket, the viewer's
     side gets it through a Unix-socket forward, and `LiveSource` (what `attach --socket` opens)
     reads the job through it with no sidecar and no pid of its own."""
-    from memtui.sources import LiveSource
+    from memtui.input.sources import LiveSource
 
     job, runtime = _start(tmp_path, steps=60, pause=0.02)
     listing = subprocess.run(
-        [sys.executable, "-m", "memtui.cli", "attach", "--list"],
+        [sys.executable, "-m", "memtui", "attach", "--list"],
         env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(runtime)),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from memtui.recording import Recording, read_recording
+from memtui.model.recording import Recording, read_recording
 
 pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
@@ -85,7 +85,7 @@ def test_grad_scaler_skip_is_a_skipped_step_with_scale_and_unscaled_loss(
 def test_job_without_optimizer_gets_ticks_with_live_piles(
     tmp_path: Path, shared_python: Any
 ) -> None:
-    from memtui_agent import schema, wire
+    from memtui_protocol import schema, wire
 
     _, recording = _run(shared_python, tmp_path, NO_OPTIMIZER)
     assert recording.steps == []

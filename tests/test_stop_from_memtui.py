@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from memtui.job_process import JobProcess
-from memtui.recording import read_recording
-from memtui.report import render_text
-from memtui.session import Session
-from memtui_agent import schema
-from memtui_agent.config import AgentConfig
+from memtui.input.job_process import JobProcess
+from memtui.model.recording import read_recording
+from memtui.model.session import Session
+from memtui.reports.report import render_text
+from memtui_protocol import schema
+from memtui_protocol.config import AgentConfig
 
 
 def test_memtui_creates_the_stop_file_before_its_sigterm(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_quitting_the_tui_records_a_stop(
 ) -> None:
     """`memtui run train.py` (the runner) and `memtui run -- python train.py` (the bootstrap):
     what the TUI's quit does (stop file, SIGTERM) ends the recording `stopped`."""
-    from memtui.run_command import build_job
+    from memtui.commands.run_command import build_job
 
     monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(tmp_path / "rt"))
     monkeypatch.chdir(tmp_path)

@@ -10,7 +10,7 @@ from rich.style import Style
 from rich.text import Text
 from textual.app import App, ComposeResult
 
-from memtui.session import Session
+from memtui.model.session import Session
 from memtui.tui.timeline import (
     ALERT_COLOUR,
     AXIS_WIDTH,
@@ -23,7 +23,7 @@ from memtui.tui.timeline import (
     nice_scale,
     render_lines,
 )
-from memtui_agent.units import format_bytes
+from memtui_protocol.units import format_bytes
 
 W = PILE_COLOURS["weights"]
 G = PILE_COLOURS["gradients"]

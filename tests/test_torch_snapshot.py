@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from memtui.cli import main
-from memtui.session import Session
-from memtui.snapshot_report import build_snapshot_report, render_snapshot_text
-from memtui.sources import ReplaySource, SnapshotSource, SourceError, replay_source
-from memtui.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
-from memtui_agent import schema
+from memtui.commands.cli import main
+from memtui.input.sources import ReplaySource, SnapshotSource, SourceError, replay_source
+from memtui.input.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
+from memtui.model.session import Session
+from memtui.reports.snapshot_report import build_snapshot_report, render_snapshot_text
+from memtui_protocol import schema
 
 MiB = 1 << 20
 TRAIN_FRAMES = [
@@ -308,8 +308,8 @@ def test_snapshot_paths_never_import_torch(snap: Path) -> None:
     code = (
         "import sys, threading\n"
         "from pathlib import Path\n"
-        "from memtui.cli import main\n"
-        "from memtui.sources import replay_source\n"
+        "from memtui.commands.cli import main\n"
+        "from memtui.input.sources import replay_source\n"
         f"path = Path({str(snap)!r})\n"
         "assert main(['report', str(path), '--json']) == 0\n"
         "source = replay_source(path)\n"

@@ -19,7 +19,7 @@ from memtui.tui.app import MemtuiApp
 from memtui.tui.screens import AttachScreen, ConfirmQuit, HelpScreen
 from memtui.tui.timeline import AXIS_WIDTH, PileTimeline
 from memtui.tui.widgets import AlertsTable, DtypeTable, GapPanel, JobHeader, PilesPanel
-from memtui_agent import schema
+from memtui_protocol import schema
 
 Messages = list[schema.Message]
 
@@ -430,7 +430,7 @@ def test_five_thousand_steps_in_batches_of_fifty(
 
 def test_replay_of_a_torn_recording_shows_what_was_read_and_a_warning(tmp_path: Path) -> None:
     """Opening reads only the head; the damage found later becomes a note, not a blank screen."""
-    from memtui.sources import ReplaySource
+    from memtui.input.sources import ReplaySource
     from memtui.tui.widgets import NotesLine
 
     data = (Path(__file__).parent / "fixtures" / "demo.memtui").read_bytes()

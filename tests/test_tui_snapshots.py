@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from memtui.sources import ReplaySource
+from memtui.input.sources import ReplaySource
 from memtui.tui.app import MemtuiApp
-from memtui_agent import schema
+from memtui_protocol import schema
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((160, 48), id="160x48")]
 FIXTURE = "tests/fixtures/demo.memtui"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memtui_agent.units import format_bytes, parse_size
+from memtui_protocol.units import format_bytes, parse_size
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
     }
     expected = _source_packages()
     assert expected <= packages, expected - packages
-    assert "memtui_agent/bootstrap/sitecustomize.py" in names
+    assert "memtui_agent/startup/bootstrap/sitecustomize.py" in names
     assert not any(name.startswith("agent/") for name in names)
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
-    assert "memtui = memtui.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "memtui = memtui.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

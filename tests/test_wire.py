@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from memtui_agent import schema, wire
+from memtui_protocol import schema, wire
 
 
 def _hello() -> schema.Hello:

@@ -11,10 +11,10 @@ from typing import Any
 from rich.text import Text
 from textual.reactive import reactive
 
-from memtui.session import ViewState
+from memtui.model.session import ViewState
 from memtui.terminal_text import plain
 from memtui.tui.widgets import PanelTable, sync_rows
-from memtui_agent.units import format_bytes
+from memtui_protocol.units import format_bytes
 
 KIND_STYLES = {"OOM": "bold red", "ring full": "yellow", "none": "dim"}
 

@@ -19,8 +19,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
-from memtui.job_process import JobProcess
-from memtui.session import Session, ViewState
+from memtui.input.job_process import JobProcess
+from memtui.model.session import Session, ViewState
+from memtui.model.view_model import ViewModel
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
@@ -34,8 +35,7 @@ from memtui.tui.widgets import (
     PilesPanel,
     TopActivations,
 )
-from memtui.view_model import ViewModel
-from memtui_agent import schema
+from memtui_protocol import schema
 
 TICK_SECONDS = 0.5
 """How often a live view drains new frames and redraws (keys redraw at once). Each redraw of a

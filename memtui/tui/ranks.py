@@ -11,12 +11,12 @@ from typing import Any
 from rich.text import Text
 from textual.reactive import reactive
 
-from memtui.rank_rows import RankRow
-from memtui.session import ViewState
+from memtui.model.rank_rows import RankRow
+from memtui.model.session import ViewState
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.widgets import PanelTable, sync_rows
-from memtui_agent.schema import PILES
-from memtui_agent.units import format_bytes
+from memtui_protocol.schema import PILES
+from memtui_protocol.units import format_bytes
 
 HEAVIEST_STYLE = "bold #f85149"
 

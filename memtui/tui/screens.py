@@ -14,7 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
-from memtui.step_rows import format_age
+from memtui.model.step_rows import format_age
 from memtui.terminal_text import plain
 
 HELP_KEYS = (

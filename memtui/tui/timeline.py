@@ -17,10 +17,10 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from memtui_agent.units import BINARY, DECIMAL, format_bytes
+from memtui_protocol.units import BINARY, DECIMAL, format_bytes
 
 if TYPE_CHECKING:
-    from memtui.session import ViewState
+    from memtui.model.session import ViewState
 
 PILE_COLOURS = {
     "weights": "#4c8bf5",

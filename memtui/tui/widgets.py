@@ -14,12 +14,12 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from memtui.job_state import JobState
-from memtui.session import ViewState
-from memtui.step_rows import describe_rate
+from memtui.model.job_state import JobState
+from memtui.model.session import ViewState
+from memtui.model.step_rows import describe_rate
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.timeline import PILE_COLOURS
-from memtui_agent.units import format_bytes
+from memtui_protocol.units import format_bytes
 
 PILE_LABELS = {
     "weights": "weights",

@@ -1,0 +1,405 @@
+"""Two training steps on fake tensors, measured by the agent itself: `memtui estimate --batch`.
+
+`python -m memtui_agent.estimate.fake_step REQUEST_JSON` builds the user's model and batch under
+torch's `FakeTensorMode` (shapes, dtypes, strides and aliasing, no data), then runs the loop a job
+runs, `zero_grad`, forward, loss, backward, `optimizer.step()`, twice: the first step allocates the
+optimizer state, the second is the steady state. Nothing in it is an estimator of its own: the real
+`Tracker` installs its real hooks and feeds the real `Ledger`, which closes the two steps exactly
+as in a training job, so the estimate and a later `memtui run` of the same model count the same
+storages by the same rules. The one switch is `ledger.count_fake_storages`: fake storages have data
+pointer 0 (they are meta storages), so the ledger keys them by their StorageImpl instead; real jobs
+never turn it on.
+
+Prints one JSON line, a `FakeStepResult` per requested run; on failure one line on stderr and
+exit 2, which `memtui` shows as its own error. torch is imported only in the child: this module
+imports it lazily; its request and result types are in `memtui_protocol.estimate`.
+
+Known limitations:
+    - Tensors are fake CPU tensors: autocast and kernels are the CPU's. Attention through
+      `scaled_dot_product_attention` takes CPU's flash kernel where CUDA takes its own; both
+      save the output and a log-sum-exp, not the attention matrix.
+    - A model that reads tensor values in Python (`.item()`, data-dependent shapes such as
+      `nonzero`) or calls an op with no fake implementation cannot run; the error names the op.
+    - `--checkpointing` wraps each block of the model's largest `nn.ModuleList`/`nn.Sequential`
+      in `checkpoint(use_reentrant=True)` (or calls a Hugging Face model's
+      `gradient_checkpointing_enable` with that variant): that variant recomputes each region
+      under the agent's own hooks during backward, so what the recomputation holds is counted.
+      A block whose tensor inputs need no gradient (the first layers on raw inputs) runs
+      unwrapped, because a reentrant checkpoint would cut its parameters' gradients, and so
+      does a block with no parameters (ReLU, pooling, dropout: nothing to gain, and in-place
+      ones break under a reentrant checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from memtui_agent.estimate.count_params import CountError, one_line, resolve
+from memtui_protocol.estimate import (
+    EXIT_FAILED,
+    Autocast,
+    FakeStepRequest,
+    FakeStepResult,
+    OptimizerKind,
+    StepFigures,
+    Variant,
+)
+
+_OPTIMIZERS: dict[OptimizerKind, tuple[str, dict[str, Any]]] = {
+    OptimizerKind.SGD: ("SGD", {"lr": 1e-3}),
+    OptimizerKind.MOMENTUM: ("SGD", {"lr": 1e-3, "momentum": 0.9}),
+    OptimizerKind.ADAM: ("Adam", {}),
+    OptimizerKind.ADAMW: ("AdamW", {}),
+    OptimizerKind.ADAFACTOR: ("Adafactor", {}),
+    OptimizerKind.RMSPROP: ("RMSprop", {}),
+    OptimizerKind.ADAGRAD: ("Adagrad", {}),
+    OptimizerKind.NADAM: ("NAdam", {}),
+    OptimizerKind.RADAM: ("RAdam", {}),
+    OptimizerKind.ADAMAX: ("Adamax", {}),
+}
+
+
+class FakeStepError(Exception):
+    """A failure the user can act on, already phrased as one sentence."""
+
+
+def _fake_failure(spec: str, exc: BaseException) -> FakeStepError | None:
+    """The one-line reason a model cannot run on fake tensors, naming the op; None if `exc`
+    is not a fake-tensor limitation."""
+    from torch._subclasses import fake_tensor
+
+    func = getattr(exc, "func", None)
+    if isinstance(exc, fake_tensor.UnsupportedOperatorException):
+        why = "has no fake-tensor implementation"
+    elif isinstance(exc, fake_tensor.DataDependentOutputException):
+        why = "reads tensor values (e.g. .item()), which fake tensors do not have"
+    elif isinstance(exc, fake_tensor.DynamicOutputShapeException):
+        why = "has an output shape that depends on tensor values"
+    else:
+        return None
+    return FakeStepError(f"{spec} cannot run on fake tensors: {func} {why}")
+
+
+def _loss_of(output: Any, spec: str) -> Any:
+    """The output if it is a one-element tensor, else its `.loss` (Hugging Face outputs)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        if output.numel() == 1:
+            return output
+        shape = tuple(output.shape)
+        raise FakeStepError(
+            f"{spec}'s forward returned a tensor of shape {shape}, not a scalar loss: "
+            "return the loss, or an output with a .loss"
+        )
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    raise FakeStepError(
+        f"{spec}'s forward returned {type(output).__name__} with no scalar .loss: "
+        "return the loss, or an output with a .loss (give the batch its labels)"
+    )
+
+
+def _batch_of(spec: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise FakeStepError(
+            f"{spec} returned {type(value).__name__}, not a dict of the forward's keyword arguments"
+        )
+    return dict(value)
+
+
+def batch_size(batch: Mapping[str, Any]) -> int | None:
+    """Dim 0 of the first tensor in the batch: the batch dimension, by convention."""
+    import torch
+
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return None
+
+
+def double_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor with a dim 0 concatenated with itself: the same samples, twice as many."""
+    import torch
+
+    return {
+        key: torch.cat([value, value]) if isinstance(value, torch.Tensor) and value.dim() else value
+        for key, value in batch.items()
+    }
+
+
+def repeated_blocks(model: Any) -> Any:
+    """The model's largest `nn.ModuleList` or `nn.Sequential` by parameters (its layers)."""
+    import torch
+
+    containers = [
+        module
+        for module in model.modules()
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= 2
+    ]
+    if not containers:
+        return None
+    return max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
+
+
+def apply_checkpointing(model: Any) -> None:
+    """Activation checkpointing as the estimate assumes it (module docstring: reentrant).
+
+    Raises:
+        FakeStepError: the model has no repeated blocks to checkpoint.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if callable(enable) and getattr(model, "supports_gradient_checkpointing", False):
+        enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return
+    blocks = repeated_blocks(model)
+    if blocks is None:
+        raise FakeStepError(
+            "--checkpointing found no repeated blocks (an nn.ModuleList or nn.Sequential) "
+            "to checkpoint in the model"
+        )
+    for block in blocks:
+        if next(block.parameters(), None) is None:
+            # Nothing saved is worth recomputing in a parameter-free layer (activation,
+            # pooling, dropout), and a reentrant checkpoint breaks the in-place ones.
+            continue
+        forward = block.forward
+
+        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            # Reentrant checkpoints take positional tensors only; keywords ride in a partial.
+            return checkpoint(functools.partial(_forward, **kwargs), *args, use_reentrant=True)
+
+        block.forward = checkpointed
+
+
+def make_optimizer(kind: OptimizerKind, parameters: Any) -> Any:
+    """The torch.optim optimizer `--optimizer` names, over the trainable parameters."""
+    import torch
+
+    name, options = _OPTIMIZERS[kind]
+    trainable = [p for p in parameters if p.requires_grad]
+    if not trainable:
+        raise FakeStepError("the model has no trainable parameters: nothing to train")
+    return getattr(torch.optim, name)(trainable, **options)
+
+
+def train_steps(
+    model: Any,
+    batch: Mapping[str, Any],
+    optimizer: Any,
+    autocast: Autocast | None,
+    spec: str,
+    steps: int = 2,
+) -> None:
+    """Steps of the plain loop, `memtui estimate`'s assumption about the job: `zero_grad`
+    (freeing the gradients), forward and loss under autocast, backward, `optimizer.step()`."""
+    import torch
+
+    dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(autocast)  # type: ignore[arg-type]
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with cast:
+            loss = _loss_of(model(**batch), spec)
+        loss.backward()
+        optimizer.step()
+
+
+def _step_without_values(optimizer: Any) -> None:
+    """Make `optimizer.step()` runnable on fake parameters.
+
+    Optimizers keep their step count in a scalar tensor made from a Python number, and some
+    read values back with `.item()` (Adafactor reads its step and the norms of parameters and
+    updates), which a fake tensor cannot answer. So the step runs outside the fake mode, where
+    such scalars are real (counted as the same 4 bytes) while everything made from a parameter,
+    gradient or moment stays fake (fake tensors carry their mode), and a fake tensor's `.item()`
+    answers 1: values steer the update's arithmetic, never which tensors it allocates. torch's
+    own step wrapper and hooks still run inside, so the tracker sees the same step.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ValuesAsOne(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default and isinstance(
+                args[0], FakeTensor
+            ):
+                dtype = args[0].dtype
+                return True if dtype is torch.bool else 1 if not dtype.is_floating_point else 1.0
+            return func(*args, **(kwargs or {}))
+
+    step = optimizer.step
+
+    def step_without_values(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily(), ValuesAsOne():
+            return step(*args, **kwargs)
+
+    optimizer.step = step_without_values
+
+
+def _figures(step: Any) -> StepFigures:
+    return StepFigures(step.end.as_dict(), step.high.as_dict(), step.peak.as_dict())
+
+
+def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -> FakeStepResult:
+    """Build, train two steps on fake tensors under the real tracker, and read its frames.
+
+    `fake=False` trains the same steps on real tensors (allocating them): the reference the
+    tests compare the fake run with, in one process.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memtui_agent.hooks.tracker import Tracker
+    from memtui_agent.memory.ledger import Ledger, count_fake_storages
+    from memtui_agent.steps.pending import PendingStep
+    from memtui_protocol import schema
+    from memtui_protocol.config import AgentConfig
+    from memtui_protocol.schema import ActivationMode, NanCheck
+
+    started = time.perf_counter()
+    build_model, build_batch = resolve(request.model, "--model"), resolve(request.batch, "--batch")
+    steps: list[PendingStep] = []
+    names: dict[int, str] = {}
+    failures: list[tuple[str, BaseException]] = []
+
+    def emit(item: Any) -> None:
+        if isinstance(item, PendingStep):
+            steps.append(item)
+        elif isinstance(item, schema.Names) and item.kind == "module":
+            names.update(enumerate(item.names, start=item.first_id))
+
+    def fail(part: str, exc: BaseException) -> None:
+        failures.append((part, exc))
+
+    with contextlib.ExitStack() as undo:
+        undo.enter_context(warnings.catch_warnings())
+        # The ledger reads fake storages' data_ptr() (0), which torch flags as deprecated.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        count_fake_storages(fake)
+        undo.callback(count_fake_storages, False)
+        # Every hook on both steps: the estimate is the measured step, never a carried one.
+        config = AgentConfig(nan_check=NanCheck.OFF, activations=ActivationMode.EVERY)
+        tracker = Tracker(Ledger(), emit, fail, config)
+        tracker.install()
+        undo.callback(tracker.remove)
+        undo.enter_context(
+            FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        )
+        model = _call(build_model, request.model)
+        if not isinstance(model, torch.nn.Module):
+            raise FakeStepError(
+                f"{request.model} returned {type(model).__name__}, not a torch.nn.Module"
+            )
+        model.train()
+        if request.checkpointing or variant is Variant.CHECKPOINTED:
+            apply_checkpointing(model)
+        batch = _batch_of(request.batch, _call(build_batch, request.batch))
+        if variant is Variant.DOUBLE_BATCH:
+            batch = double_batch(batch)
+        optimizer = make_optimizer(request.optimizer, model.parameters())
+        if fake:
+            _step_without_values(optimizer)
+        try:
+            train_steps(model, batch, optimizer, request.autocast, request.model)
+        except FakeStepError:
+            raise
+        except Exception as exc:
+            reason = _fake_failure(request.model, exc)
+            if reason is not None:
+                raise reason from None
+            raise FakeStepError(
+                f"a training step of {request.model} raised {one_line(exc)}"
+            ) from None
+        params = {id(p): p for p in model.parameters()}.values()
+        total = sum(p.numel() for p in params)
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        size = batch_size(batch)
+    if failures:
+        part, exc = failures[0]
+        raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(exc)}")
+    if len(steps) != 2:
+        raise FakeStepError(f"expected two closed steps, the tracker closed {len(steps)}")
+    first, steady = steps
+    return FakeStepResult(
+        variant=variant.value,
+        params=total,
+        trainable=trainable,
+        batch_size=size,
+        first=_figures(first),
+        steady=_figures(steady),
+        top_modules=[(names.get(m.module, "<no module>"), m.bytes) for m in steady.top],
+        dtypes={pile: {d: s.bytes for d, s in by.items()} for pile, by in steady.dtypes.items()},
+        seconds=round(time.perf_counter() - started, 3),
+    )
+
+
+def _call(factory: Any, spec: str) -> Any:
+    """Call a user's factory; its own errors become one line naming it."""
+    try:
+        return factory()
+    except Exception as exc:
+        reason = _fake_failure(spec, exc)
+        if reason is not None:
+            raise reason from None
+        raise FakeStepError(f"{spec} raised {one_line(exc)}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the request's variants and print one JSON line; user output goes to stderr."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m memtui_agent.estimate.fake_step REQUEST_JSON", file=sys.stderr)
+        return EXIT_FAILED
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    request = FakeStepRequest.from_json(args[0])
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("--batch needs torch in this Python", file=sys.stderr)
+        return EXIT_FAILED
+    results = []
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            for variant in request.variants:
+                try:
+                    results.append(asdict(run_variant(request, variant)))
+                except FakeStepError as exc:
+                    if variant is Variant.AS_GIVEN:
+                        raise
+                    results.append({"variant": variant.value, "error": str(exc)})
+    except (FakeStepError, CountError) as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    except SystemExit as exc:
+        print(f"{request.model} called sys.exit({exc.code!r})", file=sys.stderr)
+        return EXIT_FAILED
+    except RecursionError:
+        print(f"{request.model} recursed too deeply", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""What autograd holds for a saved tensor while the agent's pack hook is on, and the unpack
+hook that gives it back.
+
+An activation is held through a wrapper whose `__del__` tells the ledger autograd released it;
+a weight is kept as autograd would keep it. Every wrapper records the tensor's version when it
+was saved: under saved-tensor hooks autograd no longer checks that a saved tensor was not
+modified in place before backward used it, so `unpack` makes that check itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from memtui_agent.memory.ledger import Ledger
+
+
+class Saved:
+    """What autograd holds instead of a saved tensor while our pack hook is active.
+
+    It holds `tensor.detach()`, never the tensor itself: ops that save their own output would
+    otherwise form a reference cycle through the graph and the wrapper would never be freed.
+    The alias shares the tensor's version counter, so unpacking can make the check autograd
+    skips under saved-tensor hooks (`unpack`).
+    """
+
+    __slots__ = ("__weakref__", "keys", "ledger", "tensor", "version")
+
+    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger, version: int) -> None:
+        self.tensor = tensor
+        self.keys = keys
+        self.ledger = ledger
+        self.version = version
+
+    def __del__(self) -> None:
+        try:
+            for key in self.keys:
+                self.ledger.release_activation(key)
+        except Exception:
+            pass
+
+
+unpack_samplers: list[Callable[[], None]] = []
+"""Called on every unpack while non-empty: FSDP2's gathered parameters are measured there."""
+
+
+class SavedOne:
+    """`Saved` for the common case of one storage: the key itself, no list."""
+
+    __slots__ = ("__weakref__", "key", "ledger", "tensor", "version")
+
+    def __init__(self, tensor: Any, key: Any, ledger: Ledger, version: int) -> None:
+        self.tensor = tensor
+        self.key = key
+        self.ledger = ledger
+        self.version = version
+
+    def __del__(self) -> None:
+        try:
+            self.ledger.release_activation(self.key)
+        except Exception:
+            pass
+
+
+class SavedWeight:
+    """A parameter (or a view of one) saved for backward: kept as autograd would keep it, with
+    the version it was saved at (a weight updated between forward and backward, a GAN's
+    classic mistake, must still stop the job as it does without hooks). No `__del__`: a weight
+    is not an activation."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: Any, version: int) -> None:
+        self.tensor = tensor
+        self.version = version
+
+
+MODIFIED_HINT = (
+    "Hint: the backtrace further above shows the operation that failed to compute its "
+    "gradient. (memtui's saved-tensor hooks make this check, which autograd skips under "
+    "saved-tensor hooks.)"
+)
+
+
+def unpack(saved: Any) -> Any:
+    if unpack_samplers:
+        unpack_samplers[0]()
+    kind = type(saved)
+    if kind is SavedOne or kind is Saved or kind is SavedWeight:
+        tensor = saved.tensor
+        if tensor._version != saved.version:
+            # What autograd raises without saved-tensor hooks: with them it checks nothing, and
+            # a job that modified a saved tensor in place would train on wrong gradients.
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {saved.version} instead. {MODIFIED_HINT}"
+            )
+        return tensor
+    return saved

@@ -1,0 +1,259 @@
+"""Which modules and optimizers the job uses, and their names, found without user code.
+
+A module seen by the global forward pre-hook that is not inside an already known tree becomes a
+root: its qualified names are computed once (as PyTorch's mod_tracker does) and sent once as a
+`Names` message; afterwards hooks refer to modules by integer id. Lookups are keyed by `id()` and
+confirmed through a weakref, so a freed module whose id is reused is never confused with a new one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
+from typing import Any
+
+from memtui_protocol import schema
+
+REWALK_EVERY = 64
+
+
+def _parameter_values(module: Any) -> Any:
+    return module._parameters.values()
+
+
+def _buffer_values(module: Any) -> Any:
+    return module._buffers.values()
+
+
+def _holds_nothing(module: Any) -> bool:
+    """No child, and no parameter or buffer that is set (a loss's `weight` buffer is None)."""
+    if getattr(module, "_modules", None):
+        return False
+    held = chain(
+        getattr(module, "_parameters", {}).values(), getattr(module, "_buffers", {}).values()
+    )
+    return all(value is None for value in held)
+
+
+class ModuleRegistry:
+    """Roots, module ids and parameter names for everything the job has run."""
+
+    def __init__(self, publish: Callable[[schema.Names], None]) -> None:
+        self._publish = publish
+        self._by_id: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._names: list[str] = []
+        self._empty_ids: dict[str, int] = {}
+        """Class name -> the name id all of its empty modules share (`lookup`)."""
+        self.roots: list[weakref.ref[Any]] = []
+        self.optimizers: list[weakref.ref[Any]] = []
+        self.param_names: dict[int, str] = {}
+        self._module_cache: tuple[int, list[weakref.ref[Any]]] | None = None
+        self._walks = 0
+        self.generation = 0
+        """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
+        self.tree_generation = 0
+        """Bumped by `note_tree_change` (torch's registration hooks, `Module._apply`): a module,
+        parameter or buffer was added or replaced somewhere."""
+        self._parameter_cache: tuple[Any, list[weakref.ref[Any]]] | None = None
+        self._parameter_calls = 0
+        self._walked_ids: frozenset[int] = frozenset()
+        """id() of every module found by the last walk of the trees."""
+        self.parameter_walks = 0
+        """How many times `parameters()` walked the trees (facts about them are redone then)."""
+
+    def lookup(self, module: Any) -> int:
+        """Name id of a module, registering its tree if it is new.
+
+        A new module that holds nothing (no parameter, buffer or child) is not a tree: jobs
+        build such modules at every call (Hugging Face models create `CrossEntropyLoss()` in
+        `forward`), and registering each one would grow the name table, the recording and the
+        roots without end. All of one class share one name id instead.
+        """
+        known = self._by_id.get(id(module))
+        if known is not None and known[0]() is module:
+            return known[1]
+        if _holds_nothing(module):
+            return self._empty_module_id(type(module).__name__)
+        self._add_root(module)
+        return self._by_id[id(module)][1]
+
+    def _empty_module_id(self, class_name: str) -> int:
+        """The one name id of the empty modules of a class, published the first time."""
+        module_id = self._empty_ids.get(class_name)
+        if module_id is None:
+            module_id = self._empty_ids[class_name] = len(self._names)
+            self._names.append(class_name)
+            self._publish(schema.Names(kind="module", first_id=module_id, names=[class_name]))
+        return module_id
+
+    def name(self, module_id: int) -> str:
+        """The qualified name behind an id."""
+        return self._names[module_id] if 0 <= module_id < len(self._names) else "<no module>"
+
+    def _add_root(self, root: Any) -> None:
+        first_id = len(self._names)
+        root_name = type(root).__name__
+        new_names = []
+        for qualified, module in root.named_modules():
+            name = qualified or root_name
+            self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names))
+            new_names.append(name)
+        for qualified, parameter in root.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(parameter), qualified)
+        self._names.extend(new_names)
+        self.roots.append(weakref.ref(root))
+        self.generation += 1
+        if new_names:
+            self._publish(schema.Names(kind="module", first_id=first_id, names=new_names))
+
+    def add_optimizer(self, optimizer: Any) -> bool:
+        """Remember an optimizer; True the first time it is seen."""
+        if any(ref() is optimizer for ref in self.optimizers):
+            return False
+        self.optimizers.append(weakref.ref(optimizer))
+        self.generation += 1
+        return True
+
+    def live_roots(self) -> Iterator[Any]:
+        """Roots still alive; dead ones are dropped so their memory no longer counts."""
+        alive = [ref for ref in self.roots if ref() is not None]
+        self.roots = alive
+        for ref in alive:
+            root = ref()
+            if root is not None:
+                yield root
+
+    def live_optimizers(self) -> Iterator[Any]:
+        """Optimizers still alive."""
+        self.optimizers = [ref for ref in self.optimizers if ref() is not None]
+        for ref in self.optimizers:
+            optimizer = ref()
+            if optimizer is not None:
+                yield optimizer
+
+    def modules(self) -> list[Any]:
+        """Every module of every live root, walked again only when it may have changed.
+
+        Walking `named_modules()` each step costs more than the rest of a step close; the list
+        is rebuilt when a root or optimizer appears and every `REWALK_EVERY` calls, which
+        catches modules added later (adapters, swapped heads).
+        """
+        self._walks += 1
+        cache = self._module_cache
+        generations = (self.generation, self.tree_generation)
+        if cache is not None and cache[0] == generations and self._walks % REWALK_EVERY:
+            modules = [module for ref in cache[1] if (module := ref()) is not None]
+            if len(modules) == len(cache[1]):
+                return modules
+        # The cache holds weak references only: a module the job drops (a swapped head, a
+        # whole model) is freed at once, exactly as without the agent; a dead one forces a walk.
+        seen: dict[int, Any] = {}
+        for root in self.live_roots():
+            for module in root.modules():
+                seen.setdefault(id(module), module)
+        modules = list(seen.values())
+        self._module_cache = (generations, [weakref.ref(module) for module in modules])
+        self._walked_ids = frozenset(seen)
+        return modules
+
+    def note_tree_change(self, module: Any, *_args: Any) -> None:
+        """A module of a known tree registered or converted a child, parameter or buffer: walk
+        the trees again.
+
+        Installed as torch's global module/parameter/buffer registration hook (returning None
+        leaves the registration unchanged) and called after `Module._apply`. Modules outside
+        the known trees are ignored: a job that builds a module at every step (a loss module in
+        a forward) registers its buffers each time, and attaching it to a tree is a
+        registration on a known module.
+        """
+        # Any module of the last walk counts (one attached since has no name id yet); an id
+        # reused by an unrelated module only costs one walk.
+        if id(module) in self._walked_ids or id(module) in self._by_id:
+            self.tree_generation += 1
+
+    def weight_tensors(self, parameters: list[Any]) -> list[Any]:
+        """`parameters` (this close's `self.parameters()`) and the buffers of every root."""
+        buffers = list(chain.from_iterable(map(_buffer_values, self.modules())))
+        return parameters + [t for t in buffers if t is not None]
+
+    def parameters(self) -> list[Any]:
+        """Every known parameter once: those of the modules, then optimizer-only ones.
+
+        Read from each module's `_parameters` when the trees may have changed (a registration
+        or conversion, a new root or optimizer, a parameter group added, a parameter freed, and
+        every `REWALK_EVERY` calls, which catches a direct write to `_parameters`); otherwise
+        the last walk's parameters, held by weak references. The walk runs in C iterators
+        (`map`, `chain`), not a Python loop per parameter.
+        """
+        optimizers = list(self.live_optimizers())
+        key = (
+            self.generation,
+            self.tree_generation,
+            tuple(len(group["params"]) for o in optimizers for group in o.param_groups),
+        )
+        cache = self._parameter_cache
+        self._parameter_calls += 1
+        due = self._parameter_calls % REWALK_EVERY == 0
+        if not due and cache is not None and cache[0] == key:
+            found = [parameter for ref in cache[1] if (parameter := ref()) is not None]
+            if len(found) == len(cache[1]):
+                return found
+        found = list(chain.from_iterable(map(_parameter_values, self.modules())))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                found += group["params"]
+        unique = dict(zip(map(id, found), found, strict=False))
+        unique.pop(id(None), None)
+        parameters = list(unique.values())
+        self.parameter_walks += 1
+        self._parameter_cache = (key, [weakref.ref(parameter) for parameter in parameters])
+        return parameters
+
+    @staticmethod
+    def gradients(parameters: list[Any]) -> list[Any]:
+        """The `.grad` of each of `parameters` (this step's `parameters()`) that has one."""
+        return [grad for p in parameters if (grad := p.grad) is not None]
+
+    def optimizer_state_tensors(self) -> list[Any]:
+        """Every tensor held in the state of every live optimizer."""
+        return state_tensors(self.live_optimizers())
+
+
+def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
+    """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
+    import torch
+
+    tensor = torch.Tensor
+    found: list[Any] = []
+    for optimizer in optimizers:
+        states = [state for state in list(optimizer.state.values()) if type(state) is dict]
+        values = list(chain.from_iterable(map(dict.values, states)))
+        found += [value for value in values if isinstance(value, tensor)]
+        found += [
+            item
+            for value in values
+            if type(value) is list or type(value) is tuple
+            for item in value
+            if isinstance(item, tensor)
+        ]
+    return found
+
+
+def holds_sequences(optimizers: Iterable[Any]) -> bool:
+    """Whether some optimizer keeps lists or tuples in its state (LBFGS's history): tensors
+    appended to them change no count a close can read without walking the state."""
+    for optimizer in optimizers:
+        for state in list(optimizer.state.values()):
+            if type(state) is dict and {list, tuple} & set(map(type, state.values())):
+                return True
+    return False
+
+
+def state_bytes(optimizer: Any) -> int:
+    """Bytes of the unique storages in one optimizer's state (its first step's growth)."""
+    from memtui_agent.memory.ledger import storages_of
+
+    tensors = state_tensors([optimizer])
+    unique = {key: nbytes for t in tensors for key, nbytes, _, _ in storages_of(t)}
+    return sum(unique.values())

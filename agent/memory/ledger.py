@@ -1,0 +1,556 @@
+"""Incremental pile counters over unique storages.
+
+Every tensor the hooks see is reduced to its storages, keyed by `(device index, data_ptr)`, and
+each storage is counted once with `nbytes()`, so tied weights, views and flat buffers never count
+twice (DESIGN.md, "Memory piles"). A storage can belong to several piles at once (a weight packed
+by autograd as `weight.t()`); it is counted in the first of weights, gradients, optimizer state,
+activations that claims it.
+
+Updates are O(1) per hook event. Membership in weights, gradients and optimizer state lasts until
+the next `sync()` of that pile or until the storage is freed (a weakref callback on the storage,
+as PyTorch's mem_tracker does); activation membership lasts while any autograd pack wrapper holds
+the storage. Callbacks can fire on autograd worker threads, hence the lock.
+
+Known limitations:
+    - Tensor subclasses whose storage is not reachable through `untyped_storage()` (wrapper
+      subclasses, some quantized types) are skipped rather than guessed.
+    - Storages packed inside `checkpoint(use_reentrant=False)` regions are packed by the
+      checkpoint's own hooks, not ours, so recomputed activations are not counted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from memtui_protocol.schema import PILES, DtypeStat, ModuleBytes, Piles
+
+WEIGHTS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS = range(4)
+_ALL_BITS = (1, 2, 4, 8)
+NO_MODULE = -1
+"""Module id for activations packed outside any module's forward (e.g. the loss function)."""
+
+Key = int
+"""A storage's identity: its data pointer and device in one int (`storage_key`)."""
+StorageInfo = tuple[Key, int, str, Any]
+"""(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
+ENTRY_POOL = 4096
+"""Freed entries kept for reuse: hooks then allocate no new objects the garbage collector
+tracks, which matters because each young-generation collection also walks autograd graphs."""
+
+
+def local_tensor(tensor: Any) -> Any:
+    """This rank's part of a DTensor (its local shard); any other tensor as it is.
+
+    Health checks and forecasts must work on the local shard: operating on the DTensor itself
+    would dispatch a distributed op (a collective, or an implicit replication) inside the job.
+    """
+    if type(tensor) is torch.Tensor:  # the common case, without a failing attribute lookup
+        return tensor
+    inner = getattr(tensor, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else tensor
+
+
+def storage_key(device: int, pointer: int) -> Key:
+    """`(device, data_ptr)` as one int: unlike a tuple, nothing for the garbage collector."""
+    return (pointer << 8) | (device + 1)
+
+
+_dtype_names: dict[Any, str] = {}
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+
+
+def dtype_inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
+    """Total bytes and dtype inventory of `(nbytes, dtype)` pairs, one per unique storage."""
+    inventory: dict[Any, list[int]] = {}
+    for size, dtype in storages:
+        stat = inventory.get(dtype)
+        if stat is None:
+            stat = inventory[dtype] = [0, 0]
+        stat[0] += size
+        stat[1] += 1
+    total = sum(stat[0] for stat in inventory.values())
+    named = {
+        dtype_name(dtype): DtypeStat(size, count) for dtype, (size, count) in inventory.items()
+    }
+    return total, named
+
+
+def dtype_name(dtype: Any) -> str:
+    """`torch.float32` -> `"float32"`, cached because it runs on every pack."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+_fake_storages = False
+"""Whether fake tensors (FakeTensorMode) are counted; see `count_fake_storages`."""
+
+
+def count_fake_storages(enabled: bool) -> None:
+    """Count fake tensors' storages as if they were real (`memtui estimate` only).
+
+    A FakeTensor's storage lives on the meta device with data pointer 0, so by default it
+    counts zero, like any meta tensor. The estimate's child process runs a training step on
+    fake tensors through the real hooks and ledger, and turns this on so each fake storage is
+    keyed by its StorageImpl address instead. Off in a training job, where fake tensors are
+    torch.compile's tracing values, never memory. The check sits in the zero-pointer branch of
+    `storages_of` only, so real tensors' hot path (`plain_storage`) is unchanged.
+    """
+    global _fake_storages
+    _fake_storages = enabled
+
+
+def storages_of(tensor: Any) -> list[StorageInfo]:
+    """The storages a tensor keeps alive: one for strided tensors, several for sparse ones.
+
+    Meta tensors own no memory and give an empty list, as do empty storages (fake tensors too,
+    unless `count_fake_storages` is on). Wrapper subclasses
+    (nested jagged tensors, DTensor, float8 wrappers) have no storage of their own: their inner
+    tensors are followed through `__tensor_flatten__`; anything else unreachable is skipped.
+    """
+    if tensor.is_meta:
+        return []
+    layout = tensor.layout
+    if layout is torch.strided:
+        parts = [tensor]
+    elif layout is torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+    elif layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        parts = [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    elif layout is torch.sparse_csc or layout is torch.sparse_bsc:
+        parts = [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    else:
+        parts = [tensor]
+    found: list[StorageInfo] = []
+    for part in parts:
+        try:
+            storage = part.untyped_storage()
+            nbytes = storage.nbytes()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            found.extend(_inner_storages(part))
+            continue
+        if nbytes == 0 or pointer == 0:
+            if nbytes and _fake_storages and storage.device.type == "meta":
+                # A fake tensor: its storage is a meta storage (pointer 0) that still has a
+                # distinct StorageImpl, alive exactly as long as a real one would be.
+                key = storage_key(part.get_device(), storage._cdata)
+                found.append((key, nbytes, dtype_name(part.dtype), storage))
+                continue
+            if type(part) is not torch.Tensor and type(part) is not torch.nn.Parameter:
+                found.extend(_inner_storages(part))
+            continue
+        found.append(
+            (storage_key(part.get_device(), pointer), nbytes, dtype_name(part.dtype), storage)
+        )
+    return found
+
+
+def plain_storage(tensor: Any) -> StorageInfo | None:
+    """`storages_of` for the hooks' common case, a plain strided tensor, without building a
+    list (it runs for every saved tensor and every gradient); None for anything else.
+
+    A meta tensor's storage has data pointer 0, so its key has no pointer (`not key >> 8`),
+    which callers treat as "holds no memory": no separate `is_meta` test on the hot path.
+    """
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+        return None
+    storage = tensor.untyped_storage()
+    dtype = tensor.dtype
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = dtype_name(dtype)
+    key = (storage.data_ptr() << 8) | (tensor.get_device() + 1)  # storage_key, inlined
+    return key, storage.nbytes(), name, storage
+
+
+def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
+    """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
+    flatten = getattr(wrapper, "__tensor_flatten__", None)
+    if flatten is None or depth > 4:
+        return []
+    names, _context = flatten()
+    found = []
+    for name in names:
+        inner = getattr(wrapper, name, None)
+        if isinstance(inner, torch.Tensor) and inner is not wrapper:
+            found.extend(storages_of(inner) if depth < 4 else [])
+    return found
+
+
+class _Entry:
+    """One unique storage and the piles that claim it."""
+
+    __slots__ = ("act_refs", "dtype", "mask", "module", "nbytes", "pile", "ref")
+
+    def __init__(self, nbytes: int, dtype: str) -> None:
+        self.ref: weakref.ref[Any] | None = None
+        self.reset(nbytes, dtype)
+
+    def reset(self, nbytes: int, dtype: str) -> _Entry:
+        """A fresh entry for a new storage (also how a pooled entry is reused)."""
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.mask = 0
+        self.pile = -1
+        self.act_refs = 0
+        self.module = NO_MODULE
+        return self
+
+
+class Ledger:
+    """The four piles, their per-step high-water marks and their dtype inventories."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[Key, _Entry] = {}
+        self._members: list[set[Key]] = [set(), set(), set()]
+        self._membership_changes = 0
+        """Bumped whenever a storage joins or leaves a persistent pile."""
+        self._pointer_sets: dict[int, tuple[int, frozenset[int]]] = {}
+        self.piles = [0, 0, 0, 0]
+        self._dtypes: list[dict[str, list[int]]] = [{}, {}, {}, {}]
+        self._module_live: dict[int, int] = {}
+        self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{}, {}, {}]
+        self._fingerprints: list[Any] = [None, None, None]
+        self._act_max_pending = False
+        self._peak_pending = False
+        self._pool: list[_Entry] = []
+        self._ref_keys: dict[int, Key] = {}
+        """id(weakref) -> key, for the one shared free callback."""
+        self._on_freed = self._freed
+        """The callback bound once: `self._freed` would make a new bound method per weakref."""
+        self.reset_step()
+
+    # ----- step window ---------------------------------------------------------------------
+
+    def reset_step(self) -> None:
+        """Start a new step window: high-water marks restart from the current state."""
+        with self._lock:
+            self.max = list(self.piles)
+            self.peak = list(self.piles)
+            self.peak_total = sum(self.piles)
+            self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            self._act_max_pending = False
+            self._peak_pending = False
+            self._module_max = dict(self._module_live)
+
+    def at_close(self) -> tuple[Piles, Piles, Piles, dict[str, dict[str, DtypeStat]]]:
+        """(current, max, peak, dtypes) for the step that is closing."""
+        with self._lock:
+            self._settle()
+            dtypes = {PILES[pile]: self._dtype_snapshot(pile) for pile in range(3)}
+            dtypes[PILES[ACTIVATIONS]] = dict(self._act_dtypes_at_max)
+            return Piles(*self.piles), Piles(*self.max), Piles(*self.peak), dtypes
+
+    def current(self) -> Piles:
+        """The piles now."""
+        return Piles(*self.piles)
+
+    def top_modules(self, limit: int) -> list[ModuleBytes]:
+        """Modules with the most saved-activation bytes live at once during the step."""
+        with self._lock:
+            held = [(module, size) for module, size in self._module_max.items() if size > 0]
+        ranked = heapq.nlargest(limit, held, key=operator.itemgetter(1))
+        return [ModuleBytes(module, size) for module, size in ranked]
+
+    def _settle(self) -> None:
+        """Take the high-water details owed since a pile last reached a new high.
+
+        While piles only grow, every increase is a new high, so the peak's composition and the
+        activation dtype inventory at the activations' maximum are taken lazily: just before
+        the first decrease after a new high, or when the step closes. Same result as a copy at
+        every new high, without allocating one per pack during forward.
+        """
+        if self._peak_pending:
+            self.peak = list(self.piles)
+            self._peak_pending = False
+        if self._act_max_pending:
+            self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
+            self._act_max_pending = False
+
+    def _dtype_snapshot(self, pile: int) -> dict[str, DtypeStat]:
+        return {name: DtypeStat(size, count) for name, (size, count) in self._dtypes[pile].items()}
+
+    # ----- membership ----------------------------------------------------------------------
+
+    def sync(self, pile: int, tensors: Iterable[Any]) -> bool:
+        """Make `pile` exactly the storages of `tensors` (weights or optimizer state or grads).
+
+        Called at a step close when the pile may have changed (`pile_watch.PileWatch`); it catches
+        reassigned buffers, `p.data = ...`, state loaded from a checkpoint and anything else no
+        hook reports. Returns whether the pile's storages changed.
+        """
+        tensors = tensors if isinstance(tensors, list) else list(tensors)
+        members = self._members[pile]
+        # The usual close changes nothing: the same tensor objects on the same pointers, and no
+        # storage of the pile freed or claimed since (both change its size). Checked in C.
+        try:
+            fingerprint = (
+                list(map(id, tensors)),
+                list(map(torch.Tensor.data_ptr, tensors)),
+                len(members),
+            )
+        except RuntimeError:  # sparse and wrapper tensors have no single data pointer
+            fingerprint = None
+        if fingerprint is not None and fingerprint == self._fingerprints[pile]:
+            return False
+        # Otherwise a cache keyed by id() and confirmed by data_ptr() skips re-deriving the
+        # storages of tensors seen before. It holds keys only, never tensors or storages, so it
+        # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
+        # reused) is derived again.
+        cache = self._sync_cache[pile]
+        fresh: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        found: set[Key] = set()
+        new_infos: list[StorageInfo] = []
+        for tensor in tensors:
+            ident = id(tensor)
+            try:
+                pointer = tensor.data_ptr()
+                if not pointer:  # a DTensor's own is 0: its local shard's identifies it
+                    pointer = local_tensor(tensor).data_ptr()
+            except RuntimeError:
+                pointer = 0
+            cached = cache.get(ident)
+            if cached is not None and cached[0] == pointer and pointer != 0:
+                keys = cached[1]
+                if len(keys) == 1:
+                    if keys[0] in members:
+                        fresh[ident] = cached
+                        found.add(keys[0])
+                        continue
+                elif all(key in members for key in keys):
+                    fresh[ident] = cached
+                    found.update(keys)
+                    continue
+            infos = storages_of(tensor)
+            fresh[ident] = (pointer, tuple(info[0] for info in infos))
+            for info in infos:
+                found.add(info[0])
+                new_infos.append(info)
+        self._sync_cache[pile] = fresh
+        changed = False
+        with self._lock:
+            for key in members - found:
+                self._clear_bit(key, pile)
+                changed = True
+            for info in new_infos:
+                if info[0] not in members:
+                    self._claim(info, pile)
+                    changed = True
+            if fingerprint is not None and 0 not in fingerprint[1]:
+                self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
+        return changed
+
+    def summarize(self, pile: int, tensors: list[Any]) -> tuple[int, dict[str, DtypeStat]] | None:
+        """Bytes and dtype inventory of `tensors`' unique storages, as `sync` would count them
+        for `pile`, without making them members (no entry, no weakref, no free callback).
+
+        For gradients between measured steps (`--activations auto`) that `gradient_batch`
+        cannot count from their parameters (views into shared storages): a fresh `.grad` per
+        parameter each step would otherwise cost a claim and a free callback per tensor. None
+        when this cannot be exact cheaply (a tensor that is not plain and strided, or a storage
+        another pile holds): the caller then syncs.
+        """
+        plain = torch.Tensor
+        if not tensors:
+            return 0, {}
+        if set(map(type, tensors)) != {plain} or set(map(_LAYOUT, tensors)) != {torch.strided}:
+            return None
+        storages = list(map(plain.untyped_storage, tensors))
+        unique = {
+            (pointer << 8) | (device + 1): (size, dtype)
+            for pointer, size, device, dtype in zip(
+                map(torch.UntypedStorage.data_ptr, storages),
+                map(torch.UntypedStorage.nbytes, storages),
+                map(plain.get_device, tensors),
+                map(_DTYPE, tensors),
+                strict=False,
+            )
+            if pointer and size
+        }
+        if not self.pointers_elsewhere(pile).isdisjoint(key >> 8 for key in unique):
+            return None
+        return dtype_inventory(unique.values())
+
+    def pointers_elsewhere(self, pile: int) -> frozenset[int]:
+        """Data pointers of the storages the other piles hold (any device), kept until their
+        membership changes: a close checks a few hundred fresh gradients against it in C,
+        without building a key per gradient. A pointer equal on two devices only makes the
+        caller take the exact general path."""
+        with self._lock:
+            cached = self._pointer_sets.get(pile)
+            if cached is not None and cached[0] == self._membership_changes:
+                return cached[1]
+            pointers = frozenset(
+                key >> 8
+                for other, members in enumerate(self._members)
+                if other != pile
+                for key in members
+            )
+            self._pointer_sets[pile] = (self._membership_changes, pointers)
+            return pointers
+
+    def member_count(self, pile: int) -> int:
+        """Storages in a persistent pile; it drops when one is freed (a weakref callback), which
+        tells a step close that the pile changed without a walk."""
+        return len(self._members[pile])
+
+    def add(self, pile: int, tensor: Any) -> None:
+        """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""
+        infos = storages_of(tensor)
+        with self._lock:
+            for info in infos:
+                if info[0] not in self._members[pile]:
+                    self._claim(info, pile)
+
+    def claim(
+        self, pile: int, key: Key, nbytes: int, dtype: str, storage: Any, tensor: Any = None
+    ) -> None:
+        """Claim one storage for a persistent pile (a fresh gradient's, read by its hook).
+
+        With `tensor` (whose data starts at the storage's), the next `sync` of the pile finds
+        it in its cache instead of deriving its storage again.
+        """
+        with self._lock:
+            if key not in self._members[pile]:
+                self._claim((key, nbytes, dtype, storage), pile)
+        if tensor is not None:
+            self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
+
+    def _claim(self, info: StorageInfo, pile: int) -> None:
+        key, nbytes, dtype, storage = info
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = self._new_entry(nbytes, dtype)
+        if entry.ref is None:
+            entry.ref = weakref.ref(storage, self._on_freed)
+            self._ref_keys[id(entry.ref)] = key
+        self._members[pile].add(key)
+        self._membership_changes += 1
+        self._set_mask(key, entry, entry.mask | _ALL_BITS[pile])
+
+    def _clear_bit(self, key: Key, pile: int) -> None:
+        self._members[pile].discard(key)
+        self._membership_changes += 1
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._set_mask(key, entry, entry.mask & ~_ALL_BITS[pile])
+
+    def _freed(self, ref: weakref.ref[Any]) -> None:
+        """A claimed storage was deallocated: it leaves every pile."""
+        with self._lock:
+            key = self._ref_keys.pop(id(ref), None)
+            entry = self._entries.get(key) if key is not None else None
+            if entry is None or entry.ref is not ref:
+                return
+            for members in self._members:
+                members.discard(key)
+            self._membership_changes += 1
+            self._set_mask(key, entry, 0)
+
+    def _new_entry(self, nbytes: int, dtype: str) -> _Entry:
+        pool = self._pool
+        return pool.pop().reset(nbytes, dtype) if pool else _Entry(nbytes, dtype)
+
+    def _drop_entry(self, key: Key, entry: _Entry) -> None:
+        del self._entries[key]
+        if entry.ref is not None:
+            self._ref_keys.pop(id(entry.ref), None)
+            entry.ref = None
+        if len(self._pool) < ENTRY_POOL:
+            self._pool.append(entry)
+
+    # ----- activations ---------------------------------------------------------------------
+
+    def acquire_activation(self, key: Key, nbytes: int, dtype: str, module: int) -> None:
+        """A pack hook saved a tensor on this storage.
+
+        A storage no pile holds yet (most activations) goes straight to the activations pile;
+        one already counted elsewhere keeps its pile by precedence.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.act_refs += 1
+                if entry.act_refs == 1:
+                    entry.module = module
+                    self._set_mask(key, entry, entry.mask | 8)
+                return
+            entry = self._entries[key] = self._new_entry(nbytes, dtype)
+            entry.act_refs = 1
+            entry.module = module
+            entry.mask = 8
+            entry.pile = ACTIVATIONS
+            self._account(ACTIVATIONS, entry, nbytes)
+
+    def release_activation(self, key: Key) -> None:
+        """A pack wrapper was freed (its graph was released)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.act_refs == 0:
+                return
+            entry.act_refs -= 1
+            if entry.act_refs:
+                return
+            if entry.mask != 8:
+                self._set_mask(key, entry, entry.mask & ~8)
+                return
+            # An activation and nothing else: it leaves every pile.
+            entry.mask = 0
+            entry.pile = -1
+            self._account(ACTIVATIONS, entry, -entry.nbytes)
+            self._drop_entry(key, entry)
+
+    # ----- the one place where bytes move --------------------------------------------------
+
+    def _set_mask(self, key: Key, entry: _Entry, mask: int) -> None:
+        entry.mask = mask
+        pile = (mask & -mask).bit_length() - 1 if mask else -1
+        old = entry.pile
+        if pile == old:
+            return
+        nbytes = entry.nbytes
+        if old >= 0:
+            self._account(old, entry, -nbytes)
+        entry.pile = pile
+        if pile >= 0:
+            self._account(pile, entry, nbytes)
+        else:
+            self._drop_entry(key, entry)
+
+    def _account(self, pile: int, entry: _Entry, delta: int) -> None:
+        if delta < 0 and (self._peak_pending or self._act_max_pending):
+            self._settle()
+        piles = self.piles
+        piles[pile] += delta
+        stat = self._dtypes[pile].get(entry.dtype)
+        if stat is None:
+            stat = self._dtypes[pile][entry.dtype] = [0, 0]
+        stat[0] += delta
+        stat[1] += 1 if delta > 0 else -1
+        if stat[1] == 0:
+            del self._dtypes[pile][entry.dtype]
+        if pile == ACTIVATIONS:
+            live = self._module_live.get(entry.module, 0) + delta
+            self._module_live[entry.module] = live
+            if live > self._module_max.get(entry.module, 0):
+                self._module_max[entry.module] = live
+        if delta > 0:
+            if piles[pile] > self.max[pile]:
+                self.max[pile] = piles[pile]
+                if pile == ACTIVATIONS:
+                    self._act_max_pending = True
+            total = piles[0] + piles[1] + piles[2] + piles[3]
+            if total > self.peak_total:
+                self.peak_total = total
+                self._peak_pending = True

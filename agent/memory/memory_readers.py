@@ -1,0 +1,99 @@
+"""The process's and the machine's memory as the agent reads it at each step close: the host's
+(RSS every step, a few microseconds from /proc; the machine's memory through psutil at most once
+a second) and NVML's GPU process and device figures (GPU jobs only).
+
+Kept apart from the step frame it feeds (pending.py) so each reader is cached, tested and
+replaced in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from memtui_protocol import schema
+
+_process: Any = None
+_statm: tuple[int, int] | None = None
+"""(pid, fd) of this process's /proc/self/statm, opened once: a read is a few microseconds,
+against about 30 (psutil opens and parses the file at every call)."""
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def process_rss() -> int:
+    """Resident set size of this process: /proc/self/statm where Linux has it, else psutil."""
+    global _statm
+    pid = os.getpid()
+    try:
+        if _statm is None or _statm[0] != pid:  # first call, or a forked child
+            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return _psutil_rss()
+
+
+def close_readers() -> None:
+    """Close the kept /proc file (the agent is leaving; a later read opens it again)."""
+    global _statm
+    statm, _statm = _statm, None
+    if statm is not None and statm[0] == os.getpid():
+        try:
+            os.close(statm[1])
+        except OSError:
+            pass
+
+
+def _psutil_rss() -> int:
+    """RSS through a cached psutil handle (no /proc)."""
+    global _process
+    if _process is None:
+        import psutil
+
+        _process = psutil.Process()
+    return int(_process.memory_info().rss)
+
+
+SYSTEM_MEMORY_SECONDS = 1.0
+_system: tuple[float, Any] = (float("-inf"), None)
+
+
+def host_now() -> schema.Host:
+    """Process RSS (every step) and the machine's memory (at most once a second).
+
+    Runs on the training thread as the step closes. `psutil.virtual_memory()` costs about
+    95 us (it parses /proc/meminfo) against 28 us for RSS, and the machine's figure moves
+    slowly, so it is re-read only once a second.
+    """
+    global _system
+    import psutil
+
+    now = time.monotonic()
+    if now - _system[0] >= SYSTEM_MEMORY_SECONDS:
+        _system = (now, psutil.virtual_memory())
+    system = _system[1]
+    return schema.Host(rss=process_rss(), system_total=system.total, system_used=system.used)
+
+
+_nvml: Any = None
+
+
+def with_nvml(allocator: schema.Allocator, device_index: int | None) -> schema.Allocator:
+    """Add NVML's process/device figures (GPU jobs only; never raises)."""
+    global _nvml
+    if device_index is None or allocator.allocated is None:
+        return allocator
+    if _nvml is None:
+        from memtui_agent.memory.nvml import NvmlReader
+
+        _nvml = NvmlReader()
+    memory = _nvml.read(device_index)
+    return msgspec.structs.replace(
+        allocator,
+        process_gpu=memory.process_gpu,
+        device_used=memory.device_used,
+        device_total=memory.device_total,
+        nvml_note=memory.note,
+    )

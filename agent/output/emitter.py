@@ -1,0 +1,228 @@
+"""Frames out of the job: recorded on the caller's thread, served to viewers by one thread.
+
+A step is in the recording before control returns to the job: `put` encodes the frame and
+appends it to the file with one `os.write` on the thread that closed the step, so a process
+killed with SIGKILL right after `optimizer.step()` leaves that step in the file. Everything a
+frame holds is known at that moment without waiting for the device (see pending.py); a loss or
+scale still in GPU memory follows in a later frame (`late_values.LateValues`). What stays off
+the training thread is the socket: `put` only appends the encoded bytes to a bounded queue, and
+the emitter thread, every `SERVE_SECONDS`, hands them to the socket server and sends the
+once-a-second tick. A failing disk or socket turns that output off and is reported once; the job
+goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from memtui_agent.output.socket_server import SocketServer
+from memtui_agent.steps.late_values import LateValues
+from memtui_protocol import schema, wire
+from memtui_protocol.safe_open import create_private
+
+QUEUE_LIMIT = 10_000
+TICK_SECONDS = 1.0
+SERVE_SECONDS = 0.1
+"""How often the emitter thread hands queued frames to viewers. The training thread does not
+wake it per frame: waking costs the step an Event.set, and the woken thread then competes with
+the job for the GIL right as the next step starts. A viewer redraws a few times a second."""
+MAX_LATE = schema.LATE_SEARCH
+"""Steps whose device values may be in flight at once; older ones are given up (and counted)."""
+
+
+class Pending(Protocol):
+    """A closed step whose frame is built at `put` (pending.PendingStep)."""
+
+    def finalize(
+        self, late: list[schema.StepLate] | None = None
+    ) -> tuple[schema.Step, LateValues | None]:
+        """The frame now, and the device values still on their way to the host."""
+        ...
+
+
+Item = schema.Message | Pending
+
+
+class Emitter:
+    """Synchronous recording, asynchronous serving."""
+
+    def __init__(
+        self,
+        recording: Path | None,
+        server: SocketServer | None,
+        hello: schema.Hello,
+        on_error: Callable[[str, BaseException], None],
+        tick: Callable[[], schema.Tick | None] | None = None,
+    ) -> None:
+        self._outbox: deque[tuple[bytes, bool]] = deque()
+        self._late: deque[LateValues] = deque()
+        self._file_lock = threading.RLock()
+        """Frames come from the training thread, the tick thread and error reports. Reentrant:
+        a signal handler that ends the recording (SIGTERM from memtui, `stop_signal`) runs on
+        the training thread, possibly between the bytecodes of a frame's write under this
+        lock; a plain lock would deadlock the job there."""
+        self._wake = threading.Event()
+        self._stopping = False
+        self._on_error = on_error
+        self._tick = tick
+        self._last_frame = time.monotonic()
+        self.dropped = 0
+        """Frames the socket queue had no room for (the recording never drops one)."""
+        self.late_lost = 0
+        self.frames_written = 0
+        self.bytes_written = 0
+        self._server = server
+        self._fd: int | None = None
+        opening = wire.preamble() + wire.encode(hello)
+        if recording is not None:
+            try:
+                self._fd = create_private(recording)
+                self._write(opening)
+            except OSError as exc:
+                self._close_file()
+                on_error("recording", exc)
+        if server is not None:
+            server.set_opening(opening)
+        self._thread = threading.Thread(target=self._run, name="memtui-emitter", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Item) -> None:
+        """Record `item` before returning, queue it for viewers; never raises into the job."""
+        try:
+            message = self._message(item)
+            frames = wire.encode_frames(message)
+        except Exception as exc:
+            self._on_error("frame", exc)
+            return
+        self._send(frames, isinstance(message, schema.Names))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Serve what is queued (bounded by `timeout`), then close the socket and the file."""
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        with self._file_lock:
+            self._close_file()
+
+    @property
+    def recording_open(self) -> bool:
+        """Whether frames still reach the recording file."""
+        return self._fd is not None
+
+    # ----- the caller's thread ------------------------------------------------------------------
+
+    def _message(self, item: Item) -> schema.Message:
+        if isinstance(item, schema.End):
+            return msgspec.structs.replace(item, late=[*item.late, *self._late_values(wait=True)])
+        if isinstance(item, schema.Message):
+            return item
+        step, pending = item.finalize(self._late_values(wait=False))
+        if pending is not None:
+            self._late.append(pending)
+            if len(self._late) > MAX_LATE:  # the device is that far behind: give the oldest up
+                self._late.popleft()
+                self.late_lost += 1
+        return step
+
+    def _late_values(self, wait: bool) -> list[schema.StepLate]:
+        """Values of earlier steps that have reached the host (all of them when `wait`)."""
+        ready = []
+        while self._late:
+            pending = self._late[0]
+            try:
+                if wait:
+                    pending.wait()  # the job is ending: one wait here is harmless
+                elif not pending.ready():
+                    break
+                ready.append(pending.values())
+            except Exception as exc:  # a device error: those values are lost, not the frame
+                self.late_lost += 1
+                self._on_error("late-values", exc)
+            self._late.popleft()
+        return ready
+
+    def _send(self, frames: list[bytes], is_names: bool = False) -> None:
+        if self._fd is not None:
+            error = None
+            with self._file_lock:
+                try:
+                    for frame in frames:
+                        if self._fd is not None:
+                            self._write(frame)
+                except OSError as exc:
+                    self._close_file()
+                    error = exc
+            if error is not None:
+                self._on_error("recording", error)
+        self._last_frame = time.monotonic()
+        if self._server is None:
+            return
+        for frame in frames:
+            if len(self._outbox) >= QUEUE_LIMIT:
+                self.dropped += 1
+                continue
+            self._outbox.append((frame, is_names))
+
+    def _write(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        self.frames_written += 1
+        self.bytes_written += len(data)
+
+    def _close_file(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+    # ----- the emitter thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(SERVE_SECONDS)
+            self._wake.clear()
+            try:
+                self._serve()
+                if not self._stopping:
+                    self._maybe_tick()
+            except Exception as exc:  # never let the thread die silently mid-run
+                self._on_error("emitter", exc)
+            if self._stopping and not self._outbox:
+                break
+        if self._server is not None:
+            try:
+                self._server.close()
+            except OSError:
+                pass
+
+    def _serve(self) -> None:
+        server = self._server
+        if server is None:
+            return
+        while self._outbox:
+            frame, is_names = self._outbox.popleft()
+            server.publish(frame, is_names=is_names)
+        server.poll()
+
+    def _maybe_tick(self) -> None:
+        if self._tick is None or time.monotonic() - self._last_frame < TICK_SECONDS:
+            return
+        message = self._tick()
+        if message is None:
+            self._last_frame = time.monotonic()
+        else:
+            self._send(wire.encode_frames(message))

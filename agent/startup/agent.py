@@ -1,0 +1,381 @@
+"""One monitored process: ledger, hooks, emitter, socket and sidecar wired together.
+
+The agent owns the recording: it writes the preamble and hello synchronously at start (so even a
+job that dies at once leaves a readable file) and an `End` message at finish. A reader that finds
+no `End` knows the process was killed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket as _socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from memtui_agent.memory.memory_readers import close_readers
+from memtui_agent.steps.failures import first_line, is_oom, requested_bytes
+from memtui_protocol import schema
+from memtui_protocol.config import AgentConfig
+from memtui_protocol.runtime_dir import (
+    Sidecar,
+    ensure_private_dir,
+    process_create_time,
+    write_sidecar,
+)
+from memtui_protocol.units import format_bytes
+
+
+class Agent:
+    """Everything that runs inside the training process."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.pid = os.getpid()
+        self.record = Path(config.record).resolve() if config.record is not None else None
+        self.argv = list(config.argv) if config.argv is not None else list(sys.argv)
+        self.config = config.replace(
+            record=str(self.record) if self.record is not None else None, argv=tuple(self.argv)
+        )
+        """The configuration, passed whole to the tracker and the step closer."""
+        self._reported: set[str] = set()
+        self._early: list[schema.AgentError] = []
+        """Failures reported before the emitter existed (a refused runtime dir, say)."""
+        self._finished = False
+        self._forked_child = False
+        self.detached = False
+        """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
+        self.socket_path: Path | None = None
+        self.sidecar: Path | None = None
+        self.tracker: Any = None
+        self.emitter: Any = None
+
+    def start(self) -> None:
+        """Import torch, install hooks, open the recording and the socket."""
+        import torch
+
+        from memtui_agent.hooks.tracker import Tracker
+        from memtui_agent.memory.ledger import Ledger
+        from memtui_agent.output.emitter import Emitter
+        from memtui_agent.output.socket_server import SocketServer
+
+        started = time.time()
+        hello = schema.Hello(
+            format_version=schema.FORMAT_VERSION,
+            agent_version=_agent_version(),
+            pid=self.pid,
+            argv=self.argv,
+            started=_dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(),
+            started_unix=started,
+            torch=str(torch.__version__),
+            device=_device_description(torch),
+            python=platform.python_version(),
+            hostname=_socket.gethostname(),
+            cwd=os.getcwd(),
+            recording=str(self.record) if self.record is not None else None,
+            rank=_env_int("RANK"),
+            local_rank=_env_int("LOCAL_RANK"),
+            world_size=_env_int("WORLD_SIZE"),
+            budget=self.config.budget,
+            process_create_time=_create_time(),
+        )
+        server = None
+        if self.config.socket:
+            try:
+                directory = ensure_private_dir()
+                self.socket_path = directory / f"{self.pid}.sock"
+                server = SocketServer(self.socket_path)
+            except OSError as exc:
+                self.report_failure("socket", exc)
+                server = None
+                self.socket_path = None
+        try:
+            self.ledger = Ledger()
+            self.tracker = Tracker(self.ledger, self._emit, self.report_failure, self.config)
+            self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
+            early, self._early = self._early, []
+            for error in early:
+                self.emitter.put(error)
+            self.tracker.install()
+            if self.config.alloc_events:
+                self._arm_alloc_events()
+        except BaseException:
+            # Leave nothing behind: no hooks in the job, no socket for viewers to find.
+            if self.tracker is not None:
+                self.tracker.remove()
+            if self.emitter is not None:
+                self.emitter.close(timeout=1.0)
+            elif server is not None:
+                server.close()
+            raise
+        if self.socket_path is not None:
+            try:
+                self.sidecar = write_sidecar(
+                    self.socket_path.parent,
+                    str(self.pid),
+                    Sidecar(
+                        pid=self.pid,
+                        argv=self.argv,
+                        started=hello.started,
+                        started_unix=started,
+                        socket=str(self.socket_path),
+                        recording=hello.recording,
+                        rank=hello.rank if hello.rank is not None and hello.rank >= 0 else None,
+                        process_create_time=hello.process_create_time,
+                        session=self.config.session,
+                    ),
+                )
+            except OSError as exc:
+                self.report_failure("sidecar", exc)
+
+    def _arm_alloc_events(self) -> None:
+        """`--alloc-events`: the recorder drains the allocator's history at every close."""
+        from memtui_agent.memory.alloc_events import AllocEventsRecorder
+
+        closer = self.tracker.closer
+        recorder = AllocEventsRecorder(
+            fail=self.report_failure,
+            note=self.note,
+            keep_frees=closer.gpu_events.snapshot_path is not None,
+        )
+        closer.alloc_events = recorder
+        recorder.arm()
+        # The recorder keeps frees for the OOM snapshot; one owner of the history, not two.
+        closer.gpu_events.history_owner = recorder
+
+    # ----- plumbing -----------------------------------------------------------------------------
+
+    def _emit(self, item: Any) -> None:
+        if self.emitter is not None and not self._forked_child:
+            if hasattr(item, "dropped"):
+                item.dropped = self.emitter.dropped
+            self.emitter.put(item)
+
+    def _tick(self) -> schema.Tick | None:
+        if self.tracker is None:
+            return None
+        return self.tracker.tick()
+
+    def report_failure(self, component: str, exc: BaseException) -> None:
+        """Say once, on stderr and in the stream, that a part of the agent turned itself off."""
+        if component in self._reported:
+            return
+        self._reported.add(component)
+        message = f"{type(exc).__name__}: {exc}"
+        try:
+            print(
+                f"memtui: {component} failed and is off for the rest of this run ({message}); "
+                "the job continues",
+                file=sys.stderr,
+            )
+        except Exception:
+            pass
+        self._stream(schema.AgentError(time=time.time(), component=component, message=message))
+
+    def _stream(self, error: schema.AgentError) -> None:
+        """Into the recording and to viewers; kept for the emitter if it does not exist yet.
+
+        A failed recording still reaches viewers (the emitter skips a closed file).
+        """
+        if self.emitter is not None:
+            self.emitter.put(error)
+        elif not self._finished:
+            self._early.append(error)
+
+    def note(self, component: str, message: str) -> None:
+        """Say once, on stderr and in the stream, that an option has no effect in this job."""
+        if component in self._reported:
+            return
+        self._reported.add(component)
+        try:
+            print(f"memtui: {message}", file=sys.stderr)
+        except Exception:
+            pass
+        self._stream(schema.AgentError(time=time.time(), component=component, message=message))
+
+    # ----- user-facing ------------------------------------------------------------------------
+
+    def watch(self, model: Any, optimizer: Any) -> None:
+        """Register a model tree and an optimizer ahead of their first use."""
+        tracker = self.tracker
+        if model is not None:
+            tracker.registry.lookup(model)
+        if optimizer is not None:
+            tracker.registry.add_optimizer(optimizer)
+        tracker._on_new_objects()
+
+    def finish(
+        self, exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
+    ) -> None:
+        """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once."""
+        if self._finished or self._forked_child or os.getpid() != self.pid:
+            return
+        self._finished = True
+        tracker = self.tracker
+        recorder = tracker.closer.alloc_events if tracker is not None else None
+        if recorder is not None and recorder.never_started():
+            self.note(
+                "alloc-events",
+                "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
+                "keeps no history)",
+            )
+        if tracker is not None:
+            try:
+                tracker.release_held_skip()  # a skipped step whose update() never came
+                tracker.resync(walk_all=True)  # exit piles from the objects alive now
+            except Exception as exc:
+                self.report_failure("end-piles", exc)
+        late: list[schema.StepLate] = []
+        if tracker is not None:
+            try:
+                late = tracker.late_health(wait=True)  # the end of the job may wait
+            except Exception as exc:
+                self.report_failure("health", exc)
+        try:
+            end = (
+                self._stopped_message(exit_code) if stopped else self._end_message(exit_code, error)
+            )
+            end = msgspec.structs.replace(end, late=late)
+        except Exception as exc:
+            end = schema.End(time=time.time(), status="error", error=f"agent: {exc}")
+        if self.emitter is not None:
+            self.emitter.put(end)
+        try:
+            if tracker is not None and threading.current_thread() is threading.main_thread():
+                tracker.remove()
+        except Exception as exc:
+            self.report_failure("remove-hooks", exc)
+        if self.emitter is not None:
+            self.emitter.close()
+        close_readers()  # the agent leaves no file of its own open in the job
+        if self.sidecar is not None:
+            try:
+                self.sidecar.unlink()
+            except OSError:
+                pass
+
+    def _stopped_message(self, exit_code: int | None) -> schema.End:
+        """memtui stopped the job: where it was, and that nothing went wrong in it."""
+        tracker = self.tracker
+        return schema.End(
+            time=time.time(),
+            status=schema.ExitStatus.STOPPED,
+            code=exit_code,
+            error="stopped from memtui (SIGTERM)",
+            step=tracker.closed_steps + 1 if tracker is not None else None,
+            phase=tracker.phase() if tracker is not None else None,
+            piles=tracker.current_piles() if tracker is not None else None,
+        )
+
+    def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
+        tracker = self.tracker
+        step = tracker.closed_steps + 1 if tracker is not None else None
+        piles = tracker.current_piles() if tracker is not None else None
+        if self.detached:
+            closed = tracker.closed_steps if tracker is not None else None
+            return schema.End(
+                time=time.time(), status=schema.ExitStatus.DETACHED.value, step=closed, piles=piles
+            )
+        if error is None or (isinstance(error, SystemExit) and exit_code == 0):
+            status = "ok" if not exit_code else "error"
+            return schema.End(
+                time=time.time(),
+                status=status,
+                code=exit_code,
+                error=None if status == "ok" else f"exit code {exit_code}",
+                step=tracker.closed_steps if tracker is not None else None,
+                piles=piles,
+                alloc_events=self._unfinished_alloc_events(),
+            )
+        phase = tracker.phase() if tracker is not None else None
+        where = None
+        context = tracker.error_context if tracker is not None else None
+        if context is not None and context.matches(error):
+            phase, where = context.phase, context.where
+        oom = is_oom(error)
+        observed = tracker.closer.gpu_events.last_oom if tracker is not None else None
+        alerts = []
+        if oom:
+            asked = (observed or {}).get("requested") or requested_bytes(error)
+            size = f" asking for {format_bytes(asked)}" if asked is not None else ""
+            held = f"; tracked piles held {format_bytes(piles.total)}" if piles is not None else ""
+            if observed is not None:
+                held += f"; {format_bytes(observed['free'])} was free on the device"
+            alerts.append(
+                schema.Alert(
+                    kind="oom",
+                    message=f"out of memory in {phase} of step {step}{size}{held}: "
+                    f"{first_line(error)}",
+                    where=where,
+                )
+            )
+        return schema.End(
+            time=time.time(),
+            status="error",
+            code=exit_code,
+            requested=(observed or {}).get("requested")
+            or (requested_bytes(error) if oom else None),
+            error_type=type(error).__name__,
+            error=first_line(error),
+            step=step,
+            phase=phase,
+            oom=oom,
+            piles=piles,
+            alerts=alerts,
+            alloc_events=self._unfinished_alloc_events(),
+        )
+
+    def _unfinished_alloc_events(self) -> schema.AllocEvents | None:
+        """`--alloc-events`: what the allocator did after the last close (up to an OOM)."""
+        recorder = self.tracker.closer.alloc_events if self.tracker is not None else None
+        return recorder.unfinished() if recorder is not None else None
+
+    def disable_in_fork_child(self) -> None:
+        """Called in a forked child: hooks become no-ops, nothing is written or sent."""
+        self._forked_child = True
+        if self.tracker is not None:
+            for component in self.tracker.enabled:
+                self.tracker.enabled[component] = False
+        self.emitter = None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _create_time() -> float | None:
+    """This process's start, as viewers compute it for a pid (a reused pid is another job)."""
+    found = process_create_time(os.getpid())
+    if found is not None:
+        return found
+    try:
+        import psutil
+
+        return float(psutil.Process().create_time())
+    except Exception:
+        return None
+
+
+def _device_description(torch: Any) -> str:
+    """ "cuda" or "cpu", without creating a CUDA context (that would change the job)."""
+    try:
+        if torch.cuda.is_available():
+            return "cuda"
+    except Exception:
+        pass
+    return "cpu"
+
+
+def _agent_version() -> str:
+    from memtui_agent import __version__
+
+    return __version__

@@ -1,0 +1,239 @@
+"""Start the agent when the job imports torch, configured from the environment `memtui run` sets.
+
+Starting at the import of torch, not before, keeps the job's own start-up intact: scripts often set
+`OMP_NUM_THREADS` or allocator options before importing torch, and importing it for them would
+silently change those. A post-import hook on `sys.meta_path` wraps torch's loader once, calls
+`start()` after torch's module has executed, and restores the original loader on the module.
+
+The configuration travels as the environment variables of `AgentConfig.to_env` (all optional,
+read by `AgentConfig.from_env`: memtui_protocol/config.py).
+
+MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
+(spawned DataLoader workers) do not start duplicates; a child that is a new rank (another
+`LOCAL_RANK`, as Lightning's DDP launcher starts them) does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from memtui_protocol.config import AgentConfig
+
+OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
+OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
+"""The `LOCAL_RANK` of the owning process (absent: 0), to tell its helpers from new ranks."""
+
+
+def config_from_environment() -> AgentConfig:
+    """The configuration `memtui run` put in this process's environment."""
+    return AgentConfig.from_env(os.environ)
+
+
+class _LoaderProxy:
+    """Delegates to torch's loader and runs a callback after torch's module has executed."""
+
+    def __init__(self, loader: Any, callback: Callable[[], None]) -> None:
+        self._loader = loader
+        self._callback = callback
+
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._callback()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _TorchImportWatcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps torch's spec so that `callback` runs once torch is loaded."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._busy = False
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "torch" or self._busy:
+            return None
+        self._busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._busy = False
+        _remove_watcher(self)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _LoaderProxy(spec.loader, self._callback)
+        return spec
+
+
+def _remove_watcher(watcher: Any) -> None:
+    try:
+        sys.meta_path.remove(watcher)
+    except ValueError:
+        pass
+
+
+def when_torch_imported(callback: Callable[[], None]) -> None:
+    """Run `callback` right after torch is imported (at once if it already is)."""
+    if "torch" in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _TorchImportWatcher(callback))
+
+
+LAUNCHERS = ("torch/distributed/run.py", "torch/distributed/launch.py")
+
+
+def is_launcher(argv: list[str]) -> bool:
+    """Whether this process is a distributed launcher (torchrun), not a training rank."""
+    program = argv[0].replace(os.sep, "/") if argv else ""
+    return os.path.basename(program) == "torchrun" or program.endswith(LAUNCHERS)
+
+
+def is_launched_rank(argv: list[str], environ: dict[str, str]) -> bool:
+    """Whether a process that inherited a monitored parent is a training rank of its own.
+
+    Launchers such as Lightning's DDP re-run the script as a fresh interpreter per rank, with
+    `LOCAL_RANK` set; those ranks are monitored too. Helper processes of a monitored process
+    (DataLoader workers, a forkserver) keep their parent's `LOCAL_RANK`, and multiprocessing's
+    spawned children carry `--multiprocessing-fork`: they stay unmonitored.
+    """
+    if "--multiprocessing-fork" in argv:
+        return False
+    local = environ.get("LOCAL_RANK", "0")
+    return local.isdigit() and local != environ.get(OWNER_RANK_VARIABLE, "0")
+
+
+def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | None:
+    """A session folder (an existing directory) gets one recording per process.
+
+    A multi-rank job (`WORLD_SIZE` > 1) always records into a session folder, made here if the
+    path is new; so does every `memtui run -- COMMAND` (`memtui run` makes the folder), whose
+    command may start any number of Python processes, one after another or side by side.
+
+    Ranks are named by their global rank (`rank-3.memtui`), other processes by a process index
+    (`proc-0.memtui`, `proc-1.memtui`, in the order their agents start), so every process of a
+    multi-process job writes its own file and none overwrites another's.
+    """
+    rank = environ.get("RANK")
+    if not rank and environ.get("NODE_RANK", "0") == "0":
+        rank = environ.get("LOCAL_RANK")  # launchers that set only LOCAL_RANK (Lightning)
+    world = environ.get("WORLD_SIZE", "")
+    if record and not os.path.isdir(record) and world.isdigit() and int(world) > 1:
+        # Ranks of a launcher `memtui run` did not recognise: one file would be written by
+        # every rank at once, so they make a session folder instead (beside a file, if one
+        # is already there).
+        record = record + "-ranks" if os.path.exists(record) else record
+        os.makedirs(record, exist_ok=True)
+    if not record or not os.path.isdir(record):
+        return record
+    if rank and rank.isdigit():
+        return os.path.join(record, f"rank-{int(rank)}.memtui")
+    return os.path.join(record, f"proc-{claim_process_index(record)}.memtui")
+
+
+PROCESS_INDEX_FILE = ".process-index"
+
+
+def claim_process_index(folder: str) -> int:
+    """The next process index of a session folder, claimed once, by whichever process asks.
+
+    The counter lives in a small file beside the recordings, read and advanced under an
+    exclusive `flock`, so siblings starting at the same moment never get the same index; an
+    index is never reused, not even after its process ended (a pid would be, by the system).
+    """
+    import fcntl
+
+    path = os.path.join(folder, PROCESS_INDEX_FILE)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
+        index = int(text) if text.isdigit() else 0
+        os.pwrite(descriptor, str(index + 1).encode("ascii"), 0)  # never fewer digits
+    finally:
+        os.close(descriptor)  # releases the lock
+    return index
+
+
+def arm_from_environment(install_exit_handlers: bool) -> bool:
+    """Arm the agent for this process; False when another process already owns monitoring.
+
+    Args:
+        install_exit_handlers: record uncaught exceptions (via `sys.excepthook`) and the end of
+            the process (via `atexit`). The runner, which sees exceptions itself, passes False.
+    """
+    owner = os.environ.get(OWNER_VARIABLE)
+    if owner and owner != str(os.getpid()) and not is_launched_rank(sys.argv, dict(os.environ)):
+        return False
+    config = config_from_environment()
+
+    def start_agent() -> None:
+        from memtui_agent.startup import api
+
+        if is_launcher(sys.argv):
+            return  # torchrun itself trains nothing; its workers get their own agents
+        try:
+            record = record_path_for_rank(config.record, dict(os.environ))
+            if api.start(config=config.replace(record=record)) is not None:
+                os.environ[OWNER_VARIABLE] = str(os.getpid())
+                os.environ[OWNER_RANK_VARIABLE] = os.environ.get("LOCAL_RANK", "0")
+        except Exception as exc:  # never into the user's import of torch
+            print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    when_torch_imported(start_agent)
+    if install_exit_handlers:
+        _install_exit_handlers()
+        from memtui_agent.startup.stop_signal import record_stops
+
+        record_stops(config.stop_file)
+    return True
+
+
+def _install_exit_handlers() -> None:
+    """Record the end of a process that no runner wraps (`memtui run -- COMMAND`).
+
+    An uncaught exception reaches `sys.excepthook`. A `SystemExit` never does and atexit cannot
+    see its code, so `sys.exit` is wrapped to remember the requested code (a bare
+    `raise SystemExit(N)` is still recorded as a clean exit: a documented limitation).
+    """
+    from memtui_agent.startup import api
+    from memtui_agent.steps.failures import exit_code_of, without_agent_frames
+
+    api.exit_owned = True  # the handlers below record the end; api's fallback stays out
+    previous_hook = sys.excepthook
+    original_exit = sys.exit
+    requested: list[object] = []
+
+    def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        try:
+            api.stop(exit_code=1, error=error)
+            traceback = without_agent_frames(traceback)
+            error = error.with_traceback(traceback)
+        except Exception:
+            pass
+        previous_hook(kind, error, traceback)
+
+    def exit(status: object = None) -> None:
+        requested[:] = [status]
+        original_exit(status)
+
+    def at_exit() -> None:
+        code = exit_code_of(SystemExit(requested[0])) if requested else 0
+        api.stop(exit_code=code, error=SystemExit(code) if code else None)
+
+    sys.excepthook = excepthook
+    sys.exit = exit
+    atexit.register(at_exit)

@@ -1,0 +1,106 @@
+"""Bootstrap for `memtui run -- COMMAND`: arm the agent in every Python process of the command.
+
+Python imports this module at start-up because `memtui run` put its folder first on PYTHONPATH.
+It must leave the interpreter as if it had not been there, apart from the armed agent:
+
+- the user's own `sitecustomize` (the next one on sys.path) runs, and whatever it raises reaches
+  `site` as it would without us (an ImportError inside it is not mistaken for "no module");
+- afterwards `sys.modules["sitecustomize"]` is the user's module, or absent if there is none
+  (ending with `ModuleNotFoundError(name="sitecustomize")` is how "absent" is said to `site`,
+  which ignores exactly that error), and our folder is off `sys.path`, so a later
+  `import sitecustomize` finds what it would have found;
+- an interpreter without memtui (a system Python the command runs) says nothing on its own
+  stderr, which the command may capture: it appends one line to the file `memtui run` names in
+  MEMTUI_NOTES, and `memtui run` says it once.
+
+Our own failures never raise: a broken install must not stop the user's command.
+"""
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+NOTES_VARIABLE = "MEMTUI_NOTES"
+
+
+def _note(message: str) -> None:
+    """Tell `memtui run` (one line in its notes file), or stderr where no run asked."""
+    path = os.environ.get(NOTES_VARIABLE)
+    try:
+        if not path:
+            print(f"memtui: {message}", file=sys.stderr)
+            return
+        line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        try:
+            os.write(descriptor, line.encode("utf-8", "replace"))
+        finally:
+            os.close(descriptor)
+    except Exception:
+        pass
+
+
+def _leave_sys_path() -> list[str]:
+    """Take our folder off sys.path; the rest of sys.path, where the user's module lives."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
+    return list(sys.path)
+
+
+def _load_user_sitecustomize(path: list[str]) -> object:
+    """Import the user's `sitecustomize`, if any, as `import sitecustomize` would.
+
+    Returns:
+        The user's module, or None when there is none.
+
+    Raises:
+        Whatever the user's module raises while it runs.
+    """
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop("sitecustomize", None)
+        raise
+    return module
+
+
+def _arm() -> None:
+    try:
+        from memtui_agent.startup import autostart
+    except Exception as exc:
+        _note(f"agent unavailable in this interpreter ({type(exc).__name__}: {exc})")
+        return
+    try:
+        autostart.arm_from_environment(install_exit_handlers=True)
+    except Exception as exc:
+        _note(f"agent not armed ({type(exc).__name__}: {exc})")
+
+
+def _main() -> object:
+    """Chain, arm, then hand `site` the outcome the user's own sitecustomize would have had."""
+    ours = sys.modules.get("sitecustomize")
+    user_error: BaseException | None = None
+    user_module = None
+    try:
+        user_module = _load_user_sitecustomize(_leave_sys_path())
+    except Exception as exc:
+        user_error = exc
+    finally:
+        if user_module is None:
+            sys.modules["sitecustomize"] = ours  # the import system expects ours until we end
+    _arm()
+    if user_error is not None:
+        raise user_error  # `site` prints it as "Error in sitecustomize", as without us
+    if user_module is None:
+        raise ModuleNotFoundError("No module named 'sitecustomize'", name="sitecustomize")
+    sys.modules["sitecustomize"] = user_module
+    return user_module
+
+
+_main()

@@ -1,0 +1,280 @@
+"""When to measure activations, and the exact figures a step that repeats a measured one carries.
+
+Counting every saved tensor costs a Python call per saved tensor, per gradient and per module
+call (benchmarks/ablation.py). In `auto` mode the full hook set is armed only for steps whose
+activations can differ from one already measured: the first steps of an optimizer, a new input
+signature, a recent alert or armed NaN probes, a budget nearly reached, and an audit step every
+`audit_every` steps. Any other step repeats a measured one: same calls to the same root modules
+with the same input shapes, dtypes, devices and modes, from the same persistent piles. Its
+activation figures are carried from that step, which is exact for every job whose activations
+depend on shapes only. An audit that finds a repeat measuring differently (MoE routing,
+data-dependent masks) switches the job to measuring every step and says why.
+
+The policy is plain bookkeeping; `Tracker` arms and disarms the hooks it asks for.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from memtui_protocol import schema
+
+FIRST_STEPS = 3
+"""Steps measured after an optimizer appears (its state and the graph settle in them)."""
+AUDIT_EVERY = 100
+KEEP_REFERENCES = 512
+"""Measured signatures remembered. Dynamic padding makes one signature per padded length, a few
+hundred in a text dataset: a job cycling through more than this measures the rest. About 3.7 KiB
+each on a BERT (the figures, the calls' shapes, their tree): under 2 MiB when full."""
+KEEP_CALLS = 8192
+"""Root calls remembered over all signatures: bounds the memory of a job that calls its model
+many times per step (an RL rollout), which then keeps fewer signatures."""
+MAX_SIGNATURE_ITEMS = 64
+"""Values looked at per root call; a call with more gets an opaque (never repeating) signature."""
+
+Signature = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Everything a step says about its activations (what a repeating step carries)."""
+
+    step: int
+    end_activations: int
+    high: schema.Piles
+    peak: schema.Piles
+    dtypes: dict[str, schema.DtypeStat]
+    top: tuple[schema.ModuleBytes, ...]
+
+    def same_as(self, other: Figures) -> bool:
+        """Whether two measurements agree (the step number aside)."""
+        return (
+            self.end_activations == other.end_activations
+            and self.high == other.high
+            and self.peak == other.peak
+            and self.dtypes == other.dtypes
+            and self.top == other.top
+        )
+
+
+class _Prefixes:
+    """The remembered signatures' call sequences as a tree, so that a step's calls so far are
+    checked against all of them in one dictionary lookup per root call (a scan of every
+    signature at every call would cost as much as the hooks it saves, at a few hundred)."""
+
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.children: dict[Signature, _Prefixes] = {}
+        self.count = 0
+
+    def add(self, calls: tuple[Signature, ...]) -> None:
+        node = self
+        node.count += 1
+        for call in calls:
+            node = node.children.setdefault(call, _Prefixes())
+            node.count += 1
+
+    def remove(self, calls: tuple[Signature, ...]) -> None:
+        node = self
+        node.count -= 1
+        for call in calls:
+            child = node.children[call]
+            child.count -= 1
+            if not child.count:
+                del node.children[call]
+                return
+            node = child
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a closing step's activation figures came about."""
+
+    measured: bool
+    carried: Figures | None = None
+    """The measured step whose figures this one repeats (None: measured, or not known)."""
+    alert: schema.Alert | None = None
+
+
+@functools.cache
+def _autocast_device() -> str:
+    """The device type whose autocast state a signature holds: CUDA where the process has it.
+    Asked once: `torch.cuda.is_available()` costs about 0.8 us, at every root call."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+    """What of a root call can change its activations: the module, its training flag, grad
+    and autocast modes, and each argument's shape, dtype, device and requires_grad (plain
+    values as themselves)."""
+    import torch
+
+    budget = [MAX_SIGNATURE_ITEMS]
+    device = _autocast_device()
+    modes = (
+        id(module),
+        module.training,
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled(device),
+        torch.get_autocast_dtype(device),
+    )
+    return modes, _describe(args, 0, budget), _describe(kwargs, 0, budget)
+
+
+def _describe(value: Any, depth: int, budget: list[int]) -> Any:
+    """One argument's part of a signature, spending `budget[0]` items at most.
+
+    A module-level function, not a closure over itself: a recursive closure is a reference
+    cycle, garbage for the job's collector at every root call.
+    """
+    import torch
+
+    budget[0] -= 1
+    if budget[0] < 0:
+        return object()  # too much to compare: this call never repeats
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return tuple(_describe(item, depth + 1, budget) for item in value)
+    if depth < 3 and isinstance(value, dict):
+        return tuple((key, _describe(item, depth + 1, budget)) for key, item in value.items())
+    return type(value)
+
+
+class ActivationPolicy:
+    """Per-step decisions (arm or not) and the measured figures repeats are checked against."""
+
+    def __init__(self, mode: schema.ActivationMode, audit_every: int = AUDIT_EVERY) -> None:
+        self.mode = mode
+        self.audit_every = audit_every
+        self._references: OrderedDict[tuple[Any, ...], Figures] = OrderedDict()
+        self._prefixes: dict[tuple[Any, ...], _Prefixes] = {}
+        """Per start key, the call sequences of `_references` (`_Prefixes`)."""
+        self._cursor: _Prefixes | None = None
+        """Where this step's calls so far are in `_prefixes` (None: no signature begins so)."""
+        self._kept_calls = 0
+        self._measure_next = 0
+        """Steps still to measure whatever their signature (first steps, after a surprise)."""
+        self._start: tuple[Any, ...] = (0, 0, 0, ())
+        self._calls: list[Signature] = []
+        self._armed_at_start = False
+        self._armed_late = False
+
+    # ----- within a step -----------------------------------------------------------------------
+
+    def measure_next(self, steps: int) -> None:
+        """Measure at least the next `steps` steps (a new optimizer, an alert)."""
+        self._measure_next = max(self._measure_next, steps)
+
+    def begin(self, start: schema.Piles) -> None:
+        """A new step starts from these persistent piles (the previous step's close); the
+        live optimizers join the key at its first root call."""
+        self._start = (start.weights, start.gradients, start.optimizer_state, ())
+        self._calls = []
+        self._armed_at_start = False
+        self._armed_late = False
+
+    def first_armed(self) -> None:
+        """The step is armed before its first root call (the agent's very first step)."""
+        self._armed_at_start = True
+
+    def root_call(
+        self,
+        signature: Signature,
+        step: int,
+        must_measure: bool,
+        optimizers: tuple[tuple[int, bool], ...] = (),
+    ) -> bool:
+        """A top-level call of a root module; True when the hooks must be armed from now on.
+
+        `optimizers` (id of each live optimizer, and whether it holds state yet) is read at the
+        step's first call: one built since the last close (a second training stage), or its
+        first step, makes the step new.
+        """
+        first = not self._calls
+        if first:
+            self._start = (*self._start[:3], optimizers)
+            self._cursor = self._prefixes.get(self._start)
+        self._calls.append(signature)
+        if self._cursor is not None:
+            self._cursor = self._cursor.children.get(signature)
+        if self.mode is not schema.ActivationMode.AUTO or self._armed_at_start or self._armed_late:
+            return False  # `every` is always armed, `off` never; an armed step stays armed
+        audit = step % self.audit_every == 0
+        if first and (must_measure or self._measure_next > 0 or audit):
+            self._armed_at_start = True
+            return True
+        if self._cursor is not None:  # the calls so far begin some remembered signature
+            return False
+        if first:
+            self._armed_at_start = True  # a new signature: measured whole
+        else:
+            self._armed_late = True  # diverged from every repeat mid-step: measured in part
+        return True
+
+    @property
+    def saw_calls(self) -> bool:
+        """Whether a root module was called in the step (else nothing decides arming)."""
+        return bool(self._calls)
+
+    # ----- at the close ----------------------------------------------------------------------
+
+    def close(self, step: int, figures: Figures) -> Verdict:
+        """The verdict for the closing step; `figures` is what the ledger measured."""
+        key = (self._start, tuple(self._calls))
+        self._measure_next = max(0, self._measure_next - 1)
+        if self.mode is schema.ActivationMode.OFF:
+            return Verdict(measured=False)
+        armed_throughout = self.mode is schema.ActivationMode.EVERY or self._armed_at_start
+        if armed_throughout and not self._armed_late:
+            known = self._references.get(key)
+            self._remember(key, figures)
+            if known is not None and not known.same_as(figures) and self._calls:
+                return self._varies(step, known, figures)
+            return Verdict(measured=True)
+        if not self._armed_late:
+            known = self._references.get(key)
+            if known is not None:
+                self._references.move_to_end(key)
+                return Verdict(measured=False, carried=known)
+        # Measured in part, or a repeat of a prefix that then ran differently: not known
+        # exactly; the next step is measured whatever it looks like.
+        self._measure_next = max(self._measure_next, 1)
+        return Verdict(measured=False)
+
+    def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
+        start, calls = key
+        if key not in self._references:
+            self._prefixes.setdefault(start, _Prefixes()).add(calls)
+            self._kept_calls += len(calls)
+        self._references[key] = figures
+        self._references.move_to_end(key)
+        while len(self._references) > 1 and (
+            len(self._references) > KEEP_REFERENCES or self._kept_calls > KEEP_CALLS
+        ):
+            (old_start, old_calls), _ = self._references.popitem(last=False)
+            tree = self._prefixes[old_start]
+            tree.remove(old_calls)
+            if not tree.count:
+                del self._prefixes[old_start]
+            self._kept_calls -= len(old_calls)
+
+    def _varies(self, step: int, known: Figures, figures: Figures) -> Verdict:
+        """A repeat measured differently: activations depend on the data, measure every step."""
+        self.mode = schema.ActivationMode.EVERY
+        message = (
+            f"step {step} repeats step {known.step} (same calls, shapes and piles) but its "
+            f"activations differ (max {figures.high.activations:,} B vs "
+            f"{known.high.activations:,} B, peak {figures.peak.total:,} B vs "
+            f"{known.peak.total:,} B): they depend on the data (routing, masks), so every "
+            "step is measured from now on"
+        )
+        return Verdict(measured=True, alert=schema.Alert(kind="activations_vary", message=message))

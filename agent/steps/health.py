@@ -1,0 +1,398 @@
+"""Numerical health: non-finite losses, gradients and activations, found cheaply and exactly.
+
+Healthy steps pay one fused check at step close: `torch._amp_foreach_non_finite_check_and_unscale_`
+with a scale of one over every gradient (per device and dtype, as GradScaler groups them), plus a
+finiteness check of the step's losses, read back with a single device-to-host transfer. These are
+exact: norm-based checks overflow on large finite values (1e25 in fp32, 6e4 in fp16) and raise
+false alarms.
+
+Finding the origin costs more, so it is paid only when needed:
+
+- On an alarm, which parameters have non-finite gradients is worked out at once (names in the
+  alert's `where`), and whether the update left the weights themselves non-finite.
+- Per-module output checks (one float32 sum per module output and input, kept on the device and
+  read at step close with the same single transfer)
+  are armed for the next `ARMED_STEPS` steps after an alarm, or for every step in `full` mode. The
+  first module in execution order whose output is non-finite while its inputs are finite is the
+  origin (`nonfinite_activation`).
+
+Trade-off: in the default mode a non-finite forward that happens once is reported (loss and
+gradient alerts with parameter names) but its module is named only if it recurs while armed;
+`full` mode names it the first time, at the price of a reduction over each module's inputs and
+outputs.
+
+Once the weights are non-finite every later step is non-finite too; those alerts carry `group`
+(the step of the first alert) so they are shown under it instead of burying it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from memtui_agent.memory.ledger import local_tensor
+from memtui_protocol import schema
+
+ARMED_STEPS = 20
+MAX_NAMES = 5
+MODES = ("default", "full", "off")
+DEFERRED_DEVICES = frozenset({"cuda"})
+"""Devices whose check results are read late: reading them at the close would wait for the
+device (a host sync the agent must not add). Tests swap in a stand-in device here."""
+MAX_DEFERRED = 8
+"""Checks waiting for their copy; past that the oldest is read with a wait (the device is
+that many steps behind the host, so the wait costs the job nothing it was not waiting for)."""
+
+
+def make_event(device: Any) -> Any:
+    """An event recorded behind the copies queued on `device`'s current stream."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+class _Deferred:
+    """One step's check results on their way to the host (pinned copy behind an event)."""
+
+    __slots__ = ("event", "host", "module_ids", "skipped", "step")
+
+    def __init__(self, step: int, checks: Any, skipped: bool, module_ids: list[int]) -> None:
+        self.step = step
+        self.skipped = skipped
+        self.module_ids = module_ids
+        self.host = checks.to("cpu", non_blocking=True)
+        self.event = make_event(checks.device)
+
+
+def _floating(value: Any) -> list[Any]:
+    """Floating-point tensors at the first level of a module's input or output."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return []
+
+
+_FLOATING = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+
+
+_ones: dict[Any, Any] = {}
+
+
+def _one(device: Any) -> Any:
+    """A cached `[1.0]` on `device`: the fused check's inverse scale, read-only."""
+    one = _ones.get(device)
+    if one is None:
+        one = _ones[device] = torch.ones(1, device=device)
+    return one
+
+
+def _checkable(grads: list[Any]) -> list[Any]:
+    """The gradients the fused check can read: strided floating-point local tensors (a DTensor
+    op here would be a collective in the job, so its local shard is checked). The common case,
+    plain tensors of usual float dtypes, is recognised in C without a loop per gradient."""
+    plain = torch.Tensor
+    if (
+        set(map(type, grads)) <= {plain}
+        and set(map(_LAYOUT, grads)) <= {torch.strided}
+        and set(map(_DTYPE, grads)) <= _FLOATING
+    ):
+        return grads
+    local = map(local_tensor, grads)
+    return [g for g in local if g.layout is torch.strided and g.is_floating_point()]
+
+
+def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
+    """Group tensors as the foreach kernels need them, in C++ (as torch's optimizers do)."""
+    if not tensors:
+        return {}
+    kinds = set(map(_DTYPE, tensors))
+    places = set(map(_DEVICE, tensors))
+    if len(kinds) == 1 and len(places) == 1:
+        return {(places.pop(), kinds.pop()): tensors}  # one group: nothing to sort
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
+    return {key: lists[0] for key, (lists, _) in grouped.items()}
+
+
+def _stacked(flags: list[Any], device: Any) -> Any:
+    """One tensor of 0-dim flags on `device` (moved one by one only when devices differ)."""
+    try:
+        return torch.stack(flags).to(device)
+    except RuntimeError:  # flags on several devices (a model split across GPUs)
+        return torch.stack([flag.to(device) for flag in flags])
+
+
+def _probe(tensors: list[Any]) -> Any:
+    """A 0-dim float32 device tensor that is non-finite iff some element is (no host sync).
+
+    One reduction per tensor, accumulated in float32: NaN and Inf propagate through a sum
+    (Inf + -Inf is NaN), and finite values cannot overflow it unless a module's outputs sum
+    past 3.4e38 (a half-precision norm would overflow at 6.5e4). Cheaper than `isfinite().all()`,
+    which writes a full-size boolean tensor first.
+    """
+    probe = None
+    for tensor in tensors:
+        tensor = local_tensor(tensor)
+        if not tensor.numel():
+            continue
+        total = torch.sum(tensor.detach(), dtype=torch.float32)
+        probe = total if probe is None else probe + total.to(probe.device)
+    return probe
+
+
+def _non_finite_flag(members: list[Any], device: Any) -> Any:
+    """`[1.0]` on `device` if some element of `members` (one device, one dtype) is not finite,
+    else `[0.0]`: the fused check with a scale of one, which leaves the values as they are."""
+    found = torch.zeros(1, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(members, found, _one(device))
+    return found
+
+
+def _on_host(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> bool:
+    """Whether every gradient and loss can be read at once (no device to wait for)."""
+    return all(device.type not in DEFERRED_DEVICES for device, _ in groups) and all(
+        loss.device.type not in DEFERRED_DEVICES for loss in losses
+    )
+
+
+def _host_checks(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> list[float]:
+    """`[grads non-finite, losses non-finite]` for host tensors, read directly: the same fused
+    check, without the small tensor ops that gather results on a device (a dozen ops, tens of
+    microseconds each on a CPU)."""
+    grads_bad = 0.0
+    for (device, _dtype), members in groups.items():
+        grads_bad = max(grads_bad, _non_finite_flag(members, device).item())
+    loss_bad = not all(math.isfinite(loss.item()) for loss in losses)
+    return [grads_bad, float(loss_bad)]
+
+
+class HealthMonitor:
+    """Per-step finiteness state: armed module checks, and when the weights went bad."""
+
+    def __init__(self, mode: str = "default") -> None:
+        self.mode = mode if mode in MODES else "default"
+        self.armed_until = 0
+        self.weights_bad_since: int | None = None
+        self._module_flags: list[tuple[int, Any, Any]] = []
+        self._probed: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
+        """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
+        self._deferred: list[_Deferred] = []
+
+    def watching_modules(self, step: int) -> bool:
+        """Whether module outputs are checked during this step."""
+        return self.mode == "full" or (self.mode == "default" and step <= self.armed_until)
+
+    def module_output(self, module_id: int, args: Any, output: Any) -> None:
+        """Record device flags for one module call (inputs finite, output finite)."""
+        outputs = _floating(output)
+        out_flag = _probe(outputs)
+        if out_flag is None:
+            return
+        self._module_flags.append((module_id, out_flag, self._input_probe(_floating(args))))
+        if len(outputs) == 1:
+            tensor = outputs[0]
+            self._probed[id(tensor)] = (weakref.ref(tensor), tensor._version, out_flag)
+
+    def _input_probe(self, inputs: list[Any]) -> Any:
+        """The input flag, reusing an earlier module's output flag for the same tensor.
+
+        Most inputs are the previous module's output, already reduced once. The flag is reused
+        only for that very tensor (a weakref, so an id reused by a new tensor never matches)
+        and only if nothing wrote to it since (its version counter is unchanged).
+        """
+        if len(inputs) == 1:
+            known = self._probed.get(id(inputs[0]))
+            if known is not None and known[0]() is inputs[0] and known[1] == inputs[0]._version:
+                return known[2]
+        return _probe(inputs)
+
+    def close(
+        self,
+        step: int,
+        grads: list[Any],
+        losses: list[Any],
+        named: Callable[[], list[tuple[str, Any]]],
+        skipped: bool,
+        module_name: Any,
+        groups: dict[tuple[Any, Any], list[Any]] | None = None,
+    ) -> list[schema.Alert]:
+        """Check the step; return its alerts. One host transfer when healthy.
+
+        `groups`: `grads` already grouped by (device, dtype) as plain strided tensors
+        (`gradient_batch`), or None to group them here."""
+        module_flags, self._module_flags = self._module_flags, []
+        self._probed.clear()
+        if self.mode == "off" or (not grads and not losses and not module_flags):
+            return []
+        if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
+            groups = _by_device_and_dtype(_checkable(grads))
+        if not module_flags and _on_host(groups, losses):
+            values = _host_checks(groups, losses)
+            return self._judge(step, values, named, skipped, module_flags, module_name)
+        checks = self._device_checks(groups, losses, module_flags)
+        if checks is None:
+            return []
+        if checks.device.type in DEFERRED_DEVICES:
+            ids = [module_id for module_id, _, _ in module_flags]
+            self._deferred.append(_Deferred(step, checks, skipped, ids))
+            return []
+        values = checks.tolist()  # on the host already: no device to wait for
+        return self._judge(step, values, named, skipped, module_flags, module_name)
+
+    def collect(
+        self, named: Callable[[], list[tuple[str, Any]]], module_name: Any, wait: bool = False
+    ) -> list[tuple[int, list[schema.Alert]]]:
+        """Alerts of earlier steps whose deferred checks have reached the host, with their
+        step; `wait` (at the end of the job) waits for the rest. Parameters are named from
+        their state now, since the step that went bad has returned to the job."""
+        found: list[tuple[int, list[schema.Alert]]] = []
+        while self._deferred:
+            deferred = self._deferred[0]
+            late = len(self._deferred) > MAX_DEFERRED
+            if not deferred.event.query():
+                if not (wait or late):
+                    break
+                deferred.event.synchronize()
+            self._deferred.pop(0)
+            flags = [(module_id, None, None) for module_id in deferred.module_ids]
+            values = deferred.host.tolist()  # landed: reading pinned memory waits for nothing
+            alerts = self._judge(deferred.step, values, named, deferred.skipped, flags, module_name)
+            if alerts:
+                found.append((deferred.step, alerts))
+        return found
+
+    def _judge(
+        self,
+        step: int,
+        values: list[float],
+        named: Callable[[], list[tuple[str, Any]]],
+        skipped: bool,
+        module_flags: list[tuple[int, Any, Any]],
+        module_name: Any,
+    ) -> list[schema.Alert]:
+        """The alerts that one step's check values call for (none when healthy)."""
+        grads_bad, loss_bad = values[0] > 0, values[1] > 0
+        module_ok = values[2 : 2 + len(module_flags)]
+        inputs_ok = values[2 + len(module_flags) :]
+        if not grads_bad and not loss_bad and all(module_ok):
+            return []
+        return self._alerts(
+            step,
+            named(),
+            skipped,
+            (loss_bad, grads_bad),
+            module_flags,
+            (module_ok, inputs_ok),
+            module_name,
+        )
+
+    def _device_checks(
+        self,
+        groups: dict[tuple[Any, Any], list[Any]],
+        losses: list[Any],
+        module_flags: list[tuple[int, Any, Any]],
+    ) -> Any:
+        """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
+        device = None
+        grads_bad = None
+        for (grad_device, _dtype), members in groups.items():
+            found = _non_finite_flag(members, grad_device)
+            device = device or grad_device
+            found = found.to(device)
+            grads_bad = found if grads_bad is None else grads_bad + found
+        if losses:
+            device = device or losses[0].device
+            if len(losses) == 1 and losses[0].device == device:
+                flat = losses[0].detach().reshape(1).float()
+            else:
+                flat = torch.stack(
+                    [loss.detach().float().reshape(()).to(device) for loss in losses]
+                )
+            loss_bad = (~torch.isfinite(flat)).any().float().reshape(1)
+        else:
+            loss_bad = None
+        if device is None and module_flags:
+            device = module_flags[0][1].device
+        if device is None:
+            return None
+        zero = torch.zeros(1, device=device)
+        parts = [
+            grads_bad if grads_bad is not None else zero,
+            loss_bad if loss_bad is not None else zero,
+        ]
+        if module_flags:
+            finite = torch.zeros((), device=device)
+            outputs = _stacked([flag for _, flag, _ in module_flags], device)
+            inputs = _stacked([f if f is not None else finite for _, _, f in module_flags], device)
+            parts.append(torch.isfinite(outputs))
+            parts.append(torch.isfinite(inputs))
+        return torch.cat([p.reshape(-1).float() for p in parts])
+
+    def _alerts(
+        self,
+        step: int,
+        parameters: list[tuple[str, Any]],
+        skipped: bool,
+        bad: tuple[bool, bool],
+        module_flags: list[tuple[int, Any, Any]],
+        module_checks: tuple[list[float], list[float]],
+        module_name: Any,
+    ) -> list[schema.Alert]:
+        loss_bad, grads_bad = bad
+        module_ok, inputs_ok = module_checks
+        grouped = self.weights_bad_since
+        alerts: list[schema.Alert] = []
+        if self.mode == "default" and not skipped:
+            self.armed_until = step + ARMED_STEPS
+        for index, ok in enumerate(module_ok):
+            if not ok:
+                module_id = module_flags[index][0]
+                where = module_name(module_id)
+                if inputs_ok[index]:
+                    message = f"output of {where} turned non-finite from finite inputs"
+                else:
+                    message = f"input of {where} was already non-finite (bad data or upstream)"
+                alerts.append(self._alert("nonfinite_activation", message, where, grouped))
+                break
+        if loss_bad:
+            alerts.append(self._alert("nonfinite_loss", "the loss is NaN or Inf", None, grouped))
+        if grads_bad and not skipped:
+            names = self._nonfinite_names([(name, p.grad) for name, p in parameters])
+            shown = ", ".join(names[:MAX_NAMES])
+            more = f" and {len(names) - MAX_NAMES} more" if len(names) > MAX_NAMES else ""
+            message = f"{len(names)} parameter gradient(s) are NaN or Inf"
+            if not loss_bad:
+                message += " under a finite loss"
+            alerts.append(self._alert("nonfinite_gradient", message, shown + more, grouped))
+        if self.weights_bad_since is None and not skipped:
+            bad_weights = self._nonfinite_names(parameters)
+            if bad_weights:
+                self.weights_bad_since = step
+        return alerts
+
+    def _alert(self, kind: str, message: str, where: str | None, group: int | None) -> schema.Alert:
+        if group is not None:
+            message += f" (weights non-finite since step {group})"
+        return schema.Alert(kind=kind, message=message, where=where, group=group)
+
+    @staticmethod
+    def _nonfinite_names(named: list[tuple[str, Any]]) -> list[str]:
+        """Names of tensors holding NaN/Inf (alarm path only: one transfer for all of them)."""
+        named = [(n, local_tensor(t)) for n, t in named if t is not None]
+        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        if not named:
+            return []
+        flags = [torch.isfinite(t).all() for _, t in named]
+        device = flags[0].device
+        flags = torch.stack([flag.to(device) for flag in flags]).tolist()
+        return [name for (name, _), ok in zip(named, flags, strict=True) if not ok]

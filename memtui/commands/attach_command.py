@@ -1,0 +1,181 @@
+"""`memtui attach PID` into a job started without memtui, `attach --headless -o OUT`, `detach`.
+
+Each refusal is one line on stderr and exit code 1, decided before anything touches the job
+where it can be (`attach_target`), otherwise answered by the job's bootstrap.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from memtui.commands.attach_inject import ANSWER_SECONDS, Injection
+from memtui.commands.attach_target import AttachRefused, Target, check_delivery, check_target
+from memtui.commands.bytecode import write_bytecode
+from memtui.terminal_text import terminal_safe
+from memtui_protocol.attach import Action, Answer
+from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars
+
+EXIT_REFUSED = 1
+STARTED_SECONDS = 120.0
+"""Default wait for the job's next step boundary, where the agent starts."""
+
+
+def _refuse(message: str) -> int:
+    print(f"memtui: cannot attach: {terminal_safe(message)}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def running_agent(pid: int) -> dict[str, Any] | None:
+    """The sidecar of an agent already running in `pid`, if any."""
+    try:
+        jobs = live_sidecars()
+    except RuntimeDirError:
+        return None
+    return next((job for job in jobs if int(job["pid"]) == pid), None)
+
+
+def job_name(argv: list[str]) -> str:
+    """What the job runs: its script, its `-m` module, or its program."""
+    for index, word in enumerate(argv[1:], start=1):
+        if word == "-m" and index + 1 < len(argv):
+            return argv[index + 1]
+        if word.endswith(".py"):
+            return Path(word).name
+    return Path(argv[0]).name if argv else "job"
+
+
+def recording_path(target: Target, output: str | None) -> Path:
+    """`-o OUT`, or the name `memtui run` would give, absolute (the job has its own cwd).
+
+    Raises:
+        AttachRefused: the name holds a link, a non-regular file or another user's file.
+    """
+    from memtui.commands.run_command import default_recording_name
+    from memtui_protocol.safe_open import refusal
+
+    path = Path(output) if output else default_recording_name(job_name(target.argv))
+    path = path.absolute()
+    problem = refusal(path)
+    if problem is not None:
+        raise AttachRefused(problem)
+    if not path.parent.is_dir():
+        raise AttachRefused(f"{path.parent}: no such folder")
+    return path
+
+
+def inject_agent(
+    pid: int,
+    output: str | None,
+    *,
+    budget: int | None = None,
+    nan_check: str = "default",
+    seconds: float = STARTED_SECONDS,
+) -> dict[str, Any]:
+    """Inject the agent into `pid` and wait until it records (or, after `seconds`, is armed).
+
+    Raises:
+        AttachRefused: any refusal, in one line; the job was left as it was.
+    """
+    target = check_target(pid)
+    method = check_delivery(target)
+    record = recording_path(target, output)
+    write_bytecode()  # the job imports the agent while it trains: no compiling in its step
+    injection = Injection(
+        target, method, Action.ATTACH, record=str(record), budget=budget, nan_check=nan_check
+    )
+    try:
+        injection.deliver()
+        answer = injection.wait({Answer.ARMED, Answer.STARTED, Answer.RUNNING}, ANSWER_SECONDS)
+        if answer is None:
+            raise AttachRefused(
+                f"pid {pid}'s main thread ran no Python for {ANSWER_SECONDS:.0f} s (busy in C "
+                "code, or waiting while another thread trains); nothing was started"
+            )
+        if answer["state"] is Answer.ARMED:
+            answer = injection.wait({Answer.STARTED}, seconds) or answer
+        if answer["state"] is Answer.REFUSED:
+            raise AttachRefused(str(answer.get("message")))
+        answer.setdefault("recording", str(record))
+        return answer
+    finally:
+        injection.close()
+
+
+def attach_headless(pid: int, output: str | None, seconds: float, **options: Any) -> int:
+    """`memtui attach PID --headless -o OUT`: inject, print the path, return once it records."""
+    existing = running_agent(pid)
+    if existing is not None:
+        where = existing.get("recording") or "nothing (no recording)"
+        return _refuse(f"pid {pid} already runs a memtui agent, recording to {where}")
+    try:
+        answer = inject_agent(pid, output, seconds=seconds, **options)
+    except AttachRefused as exc:
+        return _refuse(str(exc))
+    recording = terminal_safe(str(answer.get("recording")))
+    if answer["state"] is Answer.ARMED:
+        print(
+            f"memtui: pid {pid}: the agent is in place and starts recording to {recording} at "
+            "the job's next step",
+            file=sys.stderr,
+        )
+    elif answer["state"] is Answer.RUNNING:
+        return _refuse(f"pid {pid} already runs a memtui agent, recording to {recording}")
+    else:
+        print(f"memtui: attached to pid {pid}; recording to {recording}", file=sys.stderr)
+    print(recording)
+    return 0
+
+
+def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: Any) -> int | str:
+    """Before the TUI opens on a job without an agent: inject one.
+
+    Returns:
+        The injected agent's socket (the job's runtime folder may not be ours: its own
+        environment chose it), or an exit code after saying why not.
+    """
+    try:
+        answer = inject_agent(pid, output, seconds=seconds, **options)
+    except AttachRefused as exc:
+        return _refuse(str(exc))
+    if answer["state"] is Answer.ARMED:
+        return _refuse(
+            f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
+            "(memtui attach again then, or memtui detach to cancel)"
+        )
+    if not answer.get("socket"):
+        return _refuse(f"the agent in pid {pid} serves no socket (see the job's stderr)")
+    return str(answer["socket"])
+
+
+def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
+    """`memtui detach PID`: the agent writes its last frame and removes every hook."""
+    try:
+        target = check_target(pid, need_torch=False)
+        if running_agent(pid) is None:
+            raise AttachRefused(f"no memtui agent runs in pid {pid}")
+        injection = Injection(target, check_delivery(target), Action.DETACH)
+    except AttachRefused as exc:
+        print(f"memtui: cannot detach: {terminal_safe(str(exc))}", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        injection.deliver()
+        answer = injection.wait({Answer.DETACHED}, ANSWER_SECONDS + seconds)
+    except AttachRefused as exc:
+        print(f"memtui: cannot detach: {terminal_safe(str(exc))}", file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        injection.close()
+    if answer is None:
+        print(f"memtui: cannot detach: pid {pid} did not answer", file=sys.stderr)
+        return EXIT_REFUSED
+    message = terminal_safe(str(answer.get("message")))
+    if answer["state"] is Answer.REFUSED:
+        print(f"memtui: cannot detach: {message}", file=sys.stderr)
+        return EXIT_REFUSED
+    if answer["state"] is Answer.DETACHING:
+        print(f"memtui: pid {pid}: the agent stops at the job's next forward", file=sys.stderr)
+        return 0
+    print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
+    return 0

@@ -1,0 +1,534 @@
+"""The `memtui` command line: one small function per subcommand.
+
+Nothing heavy is imported at module level, so `memtui report` starts fast and never imports
+torch. Every user error ends as one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from memtui.errors import UsageError, UserError
+from memtui.exit_codes import EXIT_PARTIAL, EXIT_USAGE
+from memtui.terminal_text import terminal_safe
+from memtui_protocol.config import AgentConfig
+from memtui_protocol.estimate import Autocast, OptimizerKind
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of usage plus error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"memtui: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _size(text: str) -> int:
+    from memtui_protocol.units import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All subcommands and their flags."""
+    parser = _Parser(prog="memtui", description="Live memory monitor for PyTorch training.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = commands.add_parser(
+        "run",
+        help="run a training job under the agent",
+        description="Run script.py, -m module, or -- COMMAND with the memtui agent injected.",
+    )
+    run.add_argument("--headless", action="store_true", help="no TUI; print a summary at the end")
+    target = run.add_mutually_exclusive_group()
+    target.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    target.add_argument("--no-record", action="store_true", help="write no recording")
+    run.add_argument("--budget", type=_size, metavar="SIZE", help="memory budget, e.g. 24GB")
+    run.add_argument(
+        "--nan-check",
+        choices=("default", "full", "off"),
+        default="default",
+        help="NaN/Inf checks: one fused check per step, module outputs armed after an alarm "
+        "(default); module outputs every step (full); none (off)",
+    )
+    run.add_argument(
+        "--reset-peaks",
+        action="store_true",
+        help="CUDA: reset peak counters every step/phase (exact per-step peaks; your own "
+        "max_memory_allocated() readings lose their meaning)",
+    )
+    run.add_argument(
+        "--snapshot-on-oom",
+        action="store_true",
+        help="CUDA: dump a PyTorch memory snapshot beside the recording on out-of-memory",
+    )
+    run.add_argument(
+        "--alloc-events",
+        action="store_true",
+        help="CUDA: record the allocator's history (bounded ring, Python stacks); each step "
+        "lists its largest allocations with the source line, segment growth and any OOM",
+    )
+    _activations_flag(run)
+    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
+    run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
+
+    attach = commands.add_parser("attach", help="watch a running job live")
+    attach.add_argument(
+        "pid",
+        nargs="?",
+        type=int,
+        help="the job's pid (default: the only live job; with several, a list to choose from)",
+    )
+    attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
+    attach.add_argument(
+        "--list",
+        action="store_true",
+        help="print the live jobs with each rank's socket path (to forward over SSH) and exit",
+    )
+    attach.add_argument(
+        "--headless",
+        action="store_true",
+        help="inject the agent into PID, print the recording's path and return once it records",
+    )
+    attach.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="where an injected agent records (PID started "
+        "without memtui; default: memtui-<script>-<time>.memtui here)",
+    )
+    attach.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for the job's next step, where an injected agent starts",
+    )
+
+    detach = commands.add_parser(
+        "detach", help="stop the agent in a running job and remove its hooks; the job carries on"
+    )
+    detach.add_argument("pid", type=int, help="the job's pid")
+    detach.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="seconds to wait for the job"
+    )
+
+    replay = commands.add_parser("replay", help="open a recording in the TUI")
+    replay.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
+
+    report = commands.add_parser("report", help="summarise a recording")
+    report.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
+    report.add_argument("--json", action="store_true", help="print the JSON report")
+    report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
+
+    export = commands.add_parser("export", help="convert a recording for other tools")
+    export.add_argument("path", help="a .memtui recording")
+    export.add_argument("--format", required=True, choices=["chrome-trace", "csv"])
+    export.add_argument("-o", "--output", metavar="OUT", help="output file, '-' for stdout")
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="estimate training memory before training",
+        description="Bytes per GPU for weights, gradients and optimizer state; with --batch "
+        "also activations and peaks, measured over two training steps on fake tensors.",
+    )
+    counted = estimate.add_mutually_exclusive_group(required=True)
+    counted.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 1.5B, 10M")
+    counted.add_argument(
+        "--model", metavar="MODULE:CALLABLE", help="count a model's parameters on the meta device"
+    )
+    estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
+    estimate.add_argument(
+        "--scheme",
+        default="mixed-adam",
+        choices=["fp32-sgd", "fp32-momentum", "fp32-adam", "mixed-adam"],
+        help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes)",
+    )
+    estimate.add_argument(
+        "--batch",
+        metavar="MODULE:CALLABLE",
+        help="the forward's keyword arguments: train --model two steps on fake tensors",
+    )
+    estimate.add_argument(
+        "--optimizer",
+        choices=[kind.value for kind in OptimizerKind],
+        help="with --batch: the optimizer (default: adamw)",
+    )
+    estimate.add_argument(
+        "--autocast", choices=[cast.value for cast in Autocast], help="with --batch"
+    )
+    estimate.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --batch: checkpoint each block of the model's layer list",
+    )
+    estimate.add_argument(
+        "--device-memory",
+        type=_size,
+        metavar="SIZE",
+        help="with --batch: the GPU's memory, e.g. 80GB: verdict and what would fit",
+    )
+    estimate.add_argument("--gpus", type=int, default=1, metavar="G", help="data-parallel GPUs")
+    estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
+    estimate.add_argument(
+        "--fsdp", action="store_true", help="with --batch: fully sharded (as ZeRO stage 3)"
+    )
+    estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
+
+    demo = commands.add_parser("demo", help="run the bundled small training job")
+    demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
+    demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    _activations_flag(demo)
+    demo.add_argument("demo_args", nargs="*", help="arguments for the demo job, e.g. --steps 60")
+    return parser
+
+
+def _activations_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--activations",
+        choices=("auto", "every", "off"),
+        default="auto",
+        help="measure saved activations on the steps where they can change, carried to the "
+        "steps that repeat them (auto, default); on every step (every); never (off)",
+    )
+
+
+def agent_config(args: argparse.Namespace) -> AgentConfig:
+    """The agent's options from `memtui run`/`demo` flags (what a subcommand lacks: default)."""
+    from memtui_protocol.schema import ActivationMode, NanCheck
+
+    return AgentConfig(
+        budget=getattr(args, "budget", None),
+        nan_check=NanCheck(getattr(args, "nan_check", "default")),
+        reset_peaks=getattr(args, "reset_peaks", False),
+        snapshot_on_oom=getattr(args, "snapshot_on_oom", False),
+        alloc_events=getattr(args, "alloc_events", False),
+        activations=ActivationMode(args.activations),
+    )
+
+
+RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check", "--activations"}
+"""Flags of `memtui run` that take a value (the splitter must skip that value too)."""
+
+
+def split_job_argv(
+    tokens: list[str], value_flags: set[str], own_flags: set[str] | None, module_flag: bool
+) -> tuple[list[str], list[str]]:
+    """Split arguments into memtui's own and the job's.
+
+    The job's part starts at `--`, at the first token that is not one of memtui's flags, or (with
+    `module_flag`) right after `-m MODULE`; everything from there on belongs to the job, flags
+    included, so `memtui run -m mod --lr 3` passes `--lr 3` to the module.
+
+    Args:
+        value_flags: memtui's flags that take a value (the value is skipped too).
+        own_flags: memtui's other flags; None means every flag before the job is memtui's
+            (argparse then rejects the unknown ones).
+        module_flag: whether `-m MODULE` ends memtui's part.
+    """
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        if token == "--":
+            return tokens[:index], tokens[index + 1 :]
+        if token in value_flags:
+            index += 2
+            continue
+        if module_flag and token == "-m":
+            return tokens[: index + 2], tokens[index + 2 :]
+        if module_flag and token.startswith("-m") and len(token) > 2:
+            return tokens[: index + 1], tokens[index + 1 :]
+        is_own = token.startswith("-") if own_flags is None else token in own_flags
+        if not is_own:
+            return tokens[:index], tokens[index:]
+        index += 1
+    return tokens, []
+
+
+DEMO_FLAGS = {"--headless", "-h", "--help"}
+DEMO_VALUE_FLAGS = {"-o", "--output", "--activations"}
+
+
+def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """`memtui run` arguments: memtui's, then the script, module or command with its own."""
+    return split_job_argv(tokens, RUN_VALUE_FLAGS, None, module_flag=True)
+
+
+def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
+    """`memtui demo` arguments: memtui's own flags first, anything else goes to the demo job."""
+    return split_job_argv(tokens, DEMO_VALUE_FLAGS, DEMO_FLAGS, module_flag=False)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """`memtui run`: the job as a child, the TUI in this process (or a summary, headless)."""
+    from memtui.commands.bytecode import write_bytecode
+    from memtui.commands.run_command import build_job, run_headless
+
+    write_bytecode()  # the job imports the agent: compiled once, not at every start
+    target = list(args.target)
+    job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
+    if args.headless:
+        return run_headless(job)
+    from memtui.commands.tui_commands import run_tui
+
+    return run_tui(job)
+
+
+DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
+"""The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
+
+
+def demo_pace(extra: list[str]) -> list[str]:
+    """The demo's arguments with the TUI pace added where the user gave none, so each
+    argument appears once and the header shows what the demo really ran with."""
+    given = {arg.split("=", 1)[0] for arg in extra}
+    return [*(f"{flag}={value}" for flag, value in DEMO_PACE.items() if flag not in given), *extra]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`memtui demo`: the bundled tiny language model, recorded like any other job.
+
+    In the TUI the demo runs a little slower (a pause per step) so it can be watched live.
+    """
+    from memtui.commands.bytecode import write_bytecode
+    from memtui.commands.run_command import build_job, default_recording_name, run_headless
+
+    write_bytecode()
+    extra = list(args.demo_args)
+    output = args.output or str(default_recording_name("demo"))
+    if not args.headless:
+        extra = demo_pace(extra)
+    job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
+    if args.headless:
+        return run_headless(job)
+    from memtui.commands.tui_commands import run_tui
+
+    return run_tui(job)
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """`memtui attach [PID]`; a job started without memtui gets the agent injected first."""
+    from memtui.commands.tui_commands import attach
+
+    if args.list:
+        from memtui.commands.tui_commands import list_live_jobs
+
+        return list_live_jobs()
+    if (args.headless or args.output) and args.pid is None:
+        print("memtui: error: --headless and -o need a PID", file=sys.stderr)
+        return EXIT_USAGE
+    if args.headless:
+        from memtui.commands.attach_command import attach_headless
+
+        return attach_headless(args.pid, args.output, args.timeout)
+    if args.pid is not None and args.socket is None:
+        from memtui.commands.attach_command import attach_for_viewer, running_agent
+
+        if running_agent(args.pid) is None:
+            if not (sys.stdin.isatty() and sys.stdout.isatty()):
+                print(
+                    "memtui: error: memtui attach needs a terminal for its UI (use --headless "
+                    "-o PATH to record a job started without memtui)",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            injected = attach_for_viewer(args.pid, args.output, args.timeout)
+            if isinstance(injected, int):
+                return injected
+            return attach(None, injected)
+    return attach(args.pid, args.socket)
+
+
+def cmd_detach(args: argparse.Namespace) -> int:
+    """`memtui detach PID`."""
+    from memtui.commands.attach_command import detach
+
+    return detach(args.pid, args.timeout)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """`memtui replay PATH`."""
+    from memtui.commands.tui_commands import replay
+
+    return replay(args.path)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """`memtui report PATH [--json]`."""
+    from memtui.input.torch_snapshot import looks_like_snapshot
+    from memtui.model.recording import read_recording
+    from memtui.reports.report import render_text, report_of
+    from memtui.reports.report_format import strict_json
+
+    if looks_like_snapshot(args.path):
+        from memtui.reports.snapshot_report import report_snapshot
+
+        return report_snapshot(args.path, args.json, binary=not args.decimal)
+    if Path(args.path).is_dir():
+        return report_session(Path(args.path), args.json, binary=not args.decimal)
+    recording = read_recording(args.path)
+    if args.json:
+        print(strict_json(report_of(recording)))
+    else:
+        print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
+    if recording.warning:
+        warning = terminal_safe(f"{args.path}: {recording.warning}")
+        print(f"memtui: warning: {warning}", file=sys.stderr)
+        return EXIT_PARTIAL
+    return 0
+
+
+def report_session(folder: Path, as_json: bool, binary: bool) -> int:
+    """`memtui report DIR`: a session folder with one recording per rank."""
+    from memtui.reports.rank_report import build_session_report, read_session, render_session_text
+    from memtui.reports.report_format import strict_json
+
+    recordings, warnings = read_session(folder)
+    if as_json:
+        print(strict_json(build_session_report(recordings)))
+    else:
+        print(terminal_safe(render_session_text(recordings, binary), keep_newlines=True))
+    for warning in warnings:
+        print(f"memtui: warning: {terminal_safe(warning)}", file=sys.stderr)
+    return EXIT_PARTIAL if warnings else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`memtui export PATH --format chrome-trace|csv [-o OUT]`."""
+    from memtui.reports.export import run_export
+
+    return run_export(args.path, args.format, args.output)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """`memtui estimate`: training memory per GPU, before renting any."""
+    from memtui.reports.estimate import estimate, parse_count, render_text
+    from memtui.reports.model_count import ModelCountError, count_model
+
+    if args.batch is not None:
+        return cmd_estimate_step(args)
+    step_only = ("--optimizer", "--autocast", "--checkpointing", "--device-memory", "--fsdp")
+    given = [flag for flag in step_only if getattr(args, flag[2:].replace("-", "_"))]
+    if given:
+        raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
+    try:
+        trainable = None if args.trainable is None else parse_count(args.trainable)
+        if args.model:
+            params, counted = count_model(args.model)
+            trainable = counted if trainable is None else trainable
+        else:
+            params = parse_count(args.params)
+        result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
+    except (ValueError, ModelCountError) as exc:
+        raise UsageError(str(exc)) from None
+    print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
+    return 0
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def cmd_estimate_step(args: argparse.Namespace) -> int:
+    """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors."""
+    from memtui.reports.estimate import DEFAULT_SCHEME
+    from memtui.reports.model_estimate import (
+        ModelEstimateError,
+        Sharding,
+        build_result,
+        measure,
+        render_model_text,
+        variants_for,
+    )
+    from memtui_protocol.estimate import FakeStepRequest
+
+    if args.model is None:
+        raise UsageError("--batch needs --model (the module whose step it feeds)")
+    scheme = args.scheme if args.scheme != DEFAULT_SCHEME else None
+    for flag, value in (("--scheme", scheme), ("--trainable", args.trainable)):
+        if value is not None:
+            raise UsageError(f"{flag} is for parameter counts; with --batch the step is measured")
+    if args.gpus < 1:
+        raise UsageError(f"--gpus must be at least 1, not {args.gpus}")
+    if args.fsdp and args.zero is not None:
+        raise UsageError("give --fsdp or --zero, not both")
+    request = FakeStepRequest(
+        model=args.model,
+        batch=args.batch,
+        optimizer=OptimizerKind(args.optimizer or OptimizerKind.ADAMW.value),
+        autocast=Autocast(args.autocast) if args.autocast else None,
+        checkpointing=args.checkpointing,
+        variants=variants_for(args.checkpointing, args.device_memory),
+    )
+    try:
+        runs = measure(request)
+    except ModelEstimateError as exc:
+        raise UsageError(str(exc)) from None
+    sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
+    result = build_result(request, runs, sharding, args.device_memory)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(terminal_safe(render_model_text(result), keep_newlines=True))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `memtui` console script."""
+    parser = build_parser()
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    job_tokens: list[str] | None = None
+    splitters = {"run": split_run_argv, "demo": split_demo_argv}
+    if tokens and tokens[0] in splitters:
+        own, job_tokens = splitters[tokens[0]](tokens[1:])
+        tokens = [tokens[0], *own]
+    args, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        # Point at the subcommand's own help (`memtui run --help`), not the top level's.
+        commands = _subcommands(parser)
+        where = commands.get(args.command or "", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if job_tokens is not None:
+        setattr(args, "target" if args.command == "run" else "demo_args", job_tokens)
+    if args.version:
+        from memtui import __version__
+
+        print(f"memtui {__version__}")
+        return 0
+    handlers = {
+        "run": cmd_run,
+        "report": cmd_report,
+        "estimate": cmd_estimate,
+        "demo": cmd_demo,
+        "attach": cmd_attach,
+        "detach": cmd_detach,
+        "replay": cmd_replay,
+        "export": cmd_export,
+    }
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return handlers[args.command](args)
+    except UserError as exc:  # the one place a command's failure reaches the user
+        print(f"memtui: error: {terminal_safe(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""`memtui run`: start the job as a child with the agent injected, and exit with its code.
+
+Scripts and modules go through `python -m memtui_agent.startup.runner` (exact exit codes and
+exception phases); any other command gets the bootstrap `sitecustomize` on PYTHONPATH, which arms
+the agent in every Python process of the command that imports torch. The job's stdin, stdout and
+stderr are its own: in headless mode they pass through untouched.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from memtui import errors
+from memtui.terminal_text import terminal_safe
+from memtui_protocol.config import VARIABLES, AgentConfig
+from memtui_protocol.runtime_dir import runtime_dir
+from memtui_protocol.safe_open import refusal
+from memtui_protocol.units import format_bytes
+
+
+class UsageError(errors.UsageError):
+    """A bad command line for `run` or `demo`; `str()` is the one line to show."""
+
+
+@dataclass
+class JobSpec:
+    """What to run and how it is shown."""
+
+    command: list[str]
+    display: list[str]
+    env: dict[str, str]
+    recording: Path | None
+    notes: Path | None = None
+    """Where the command's interpreters leave what they could not say on their own stderr."""
+    session: str = ""
+    """This `memtui run`'s token (`AgentConfig.session`): ranks' sidecars carry it, so attach
+    groups them and the TUI finds the socket of a job it runs without a recording."""
+
+
+def bootstrap_dir() -> Path:
+    """Folder holding the bootstrap `sitecustomize.py` (found without importing the agent)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("memtui_agent")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("the memtui_agent package is not installed next to memtui")
+    return Path(next(iter(spec.submodule_search_locations))) / "startup" / "bootstrap"
+
+
+def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path:
+    """`memtui-<stem>-<YYYYmmdd-HHMMSS>.memtui` in the working directory."""
+    now = now or _dt.datetime.now()
+    stem = Path(target).stem or "job"
+    stem = stem.rsplit(".", 1)[-1]
+    return Path.cwd() / f"memtui-{stem}-{now:%Y%m%d-%H%M%S}.memtui"
+
+
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def launches_ranks(target: list[str], module: str | None) -> bool:
+    """Whether the command is a torch distributed launcher (torchrun), which starts ranks."""
+    if module in LAUNCHER_MODULES:
+        return True
+    if not target:
+        return False
+    if Path(target[0]).name == "torchrun":
+        return True
+    return any(
+        word == "-m" and following in LAUNCHER_MODULES
+        for word, following in itertools.pairwise(target)
+    )
+
+
+def build_job(
+    target: list[str],
+    module: str | None,
+    output: str | None,
+    no_record: bool,
+    config: AgentConfig | None = None,
+) -> JobSpec:
+    """Turn the parsed command line into the child's argv and environment.
+
+    `config` holds the agent's options; the recording, argv and session token are filled in
+    here and the whole config goes to the job as `AgentConfig.to_env()`.
+
+    Raises:
+        UsageError: nothing to run, a missing script, a command not found, a bad output path.
+    """
+    env = dict(os.environ)
+    env.pop("MEMTUI_AGENT_OWNER", None)
+    for variable in VARIABLES:  # a memtui run inside a monitored job starts afresh
+        env.pop(variable, None)
+    through_bootstrap = False
+    if module is not None:
+        command = [sys.executable, "-m", "memtui_agent.startup.runner", "--module", module, *target]
+        display = ["python", "-m", module, *target]
+        name = module
+    else:
+        if not target:
+            raise UsageError("nothing to run: give a script.py, -m module, or -- COMMAND")
+        first = target[0]
+        if first.endswith(".py"):
+            if not Path(first).is_file():
+                raise UsageError(f"no such script: {first}")
+            command = [sys.executable, "-m", "memtui_agent.startup.runner", *target]
+            display = ["python", *target]
+            name = first
+        else:
+            if shutil.which(first) is None:
+                raise UsageError(f"command not found: {first}")
+            command = list(target)
+            display = list(target)
+            name = first
+            existing = env.get("PYTHONPATH")
+            bootstrap = str(bootstrap_dir())
+            env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
+            through_bootstrap = True
+    recording = None
+    if not no_record:
+        recording = Path(output) if output else default_recording_name(name)
+        _refuse_unsafe(recording)
+        distributed = launches_ranks(target, module)
+        # A launcher starts ranks; any other command may start several Python processes (in
+        # turn or side by side): each records its own file in a session folder.
+        per_process = distributed or through_bootstrap
+        if per_process and not output:
+            recording = recording.with_suffix("")
+        if not recording.is_dir() and not recording.parent.exists():
+            raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
+        if per_process and not recording.is_dir():
+            # The session folder must exist before the processes start.
+            if os.path.lexists(recording):
+                who, unit = (
+                    ("a distributed launcher", "rank") if distributed else ("-- COMMAND", "process")
+                )
+                raise UsageError(
+                    f"-o {recording}: is a file; {who} needs a session folder "
+                    f"(one recording per {unit})"
+                )
+            recording.mkdir()
+        recording = recording.resolve()
+    # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
+    session = uuid.uuid4().hex
+    config = (config or AgentConfig()).replace(
+        record=str(recording) if recording is not None else None,
+        argv=tuple(display),
+        session=session,
+        # In the private runtime folder: no one else can make a SIGTERM read as our stop.
+        stop_file=str(runtime_dir() / f"stop-{session}"),
+    )
+    env.update(config.to_env())
+    notes = None
+    if through_bootstrap:
+        notes = make_notes_file()
+        env[NOTES_VARIABLE] = str(notes)
+    return JobSpec(
+        command=command,
+        display=display,
+        env=env,
+        recording=recording,
+        notes=notes,
+        session=config.session or "",
+    )
+
+
+NOTES_VARIABLE = "MEMTUI_NOTES"
+"""The bootstrap's own name for it is in `memtui_agent/startup/bootstrap/sitecustomize.py`."""
+MAX_NOTES = 5
+
+
+def make_notes_file() -> Path:
+    """A private empty file the bootstrap appends to (mode 0600, a fresh name)."""
+    descriptor, name = tempfile.mkstemp(prefix="memtui-notes-", suffix=".txt")
+    os.close(descriptor)
+    return Path(name)
+
+
+def take_notes(job: JobSpec) -> list[str]:
+    """What the command's interpreters noted (e.g. a Python without memtui), once each, as
+    lines for memtui's own stderr; the notes file is removed."""
+    if job.notes is None:
+        return []
+    try:
+        with open(job.notes, encoding="utf-8", errors="replace") as handle:
+            text = handle.read(1 << 20)
+    except OSError:
+        text = ""
+    finally:
+        try:
+            job.notes.unlink()
+        except OSError:
+            pass
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.strip():
+            counts[line] = counts.get(line, 0) + 1
+    lines = [
+        f"memtui: not monitored ({count} process{'es' if count > 1 else ''}): "
+        + terminal_safe(note)
+        for note, count in list(counts.items())[:MAX_NOTES]
+    ]
+    if len(counts) > MAX_NOTES:
+        lines.append(f"memtui: ... and {len(counts) - MAX_NOTES} more such notes")
+    return lines
+
+
+def _refuse_unsafe(recording: Path) -> None:
+    """Refuse, before the job starts, a recording or `.log` name the agent would not create.
+
+    The agent creates both with O_EXCL|O_NOFOLLOW (memtui_protocol.safe_open); saying so here is
+    one clear line instead of a job that runs unrecorded.
+    """
+    if recording.is_symlink():
+        raise UsageError(refusal(recording) or f"{recording}: is a symbolic link")
+    if recording.is_dir():
+        return
+    for path in (recording, recording.with_name(recording.name + ".log")):
+        reason = refusal(path)
+        if reason is not None:
+            raise UsageError(reason)
+
+
+def exit_code_of(returncode: int) -> int:
+    """A child killed by signal N exits the shell way: 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_headless(job: JobSpec) -> int:
+    """Run the job with its own stdio; print where the recording is and a summary after."""
+    if job.recording is not None:
+        print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)
+    try:
+        child = subprocess.Popen(job.command, env=job.env)
+    except OSError as exc:
+        take_notes(job)
+        print(f"memtui: cannot start {job.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    forwarded = {}
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    # Ctrl-C reaches the child through the terminal's process group; the parent just waits for
+    # the child to decide. SIGTERM/SIGHUP sent to memtui alone are passed on.
+    forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        forwarded[signum] = signal.signal(signum, forward)
+    try:
+        returncode = child.wait()
+    finally:
+        for signum, previous in forwarded.items():
+            signal.signal(signum, previous)
+    code = exit_code_of(returncode)
+    for line in take_notes(job):
+        print(line, file=sys.stderr)
+    print(summary_line(job, code), file=sys.stderr)
+    return code
+
+
+MAX_SUMMARY_RECORDINGS = 8
+"""Recordings listed one per line at the end of a run of a session folder."""
+FULL_BELOW = 1024 * 1024
+"""Free bytes under which a folder counts as full (a frame or two would not fit)."""
+
+
+def incomplete_reason(recording: Path) -> str:
+    """Why a job that exited by itself left no final frame: a full disk, or the agent stopped.
+
+    The agent cannot record that its own recording failed, so the folder's free space is the
+    evidence: a full disk is the common cause (the agent says which on the job's stderr).
+    """
+    try:
+        info = os.statvfs(recording.parent)
+    except OSError:
+        return "no final frame (see the job's stderr)"
+    if info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0:
+        return "disk full"
+    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+
+
+STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
+
+
+def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
+    """A few lines for the end of a run: how the job ended and where it was recorded.
+
+    `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
+    say (the process dies without its final frame), so the summary does.
+    """
+    if job.recording is None:
+        return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
+    if job.recording.is_dir():
+        return _session_summary(job.recording, code)
+    if not job.recording.exists():
+        return (
+            f"memtui: job exited with code {code}; no recording was written (the job never "
+            "imported torch, or the agent could not start)"
+        )
+    from memtui.input.recording_file import (
+        RecordingError,  # after the job: not in its start-up path
+    )
+
+    try:
+        status, steps, piles = _outcome(job.recording, code)
+    except RecordingError as exc:
+        return f"memtui: job exited with code {code}; recording unreadable: {exc}"
+    if stopped:
+        status = STOPPED_BY_MEMTUI
+    lines = (
+        f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
+        f"memtui: recording {job.recording}  (memtui report {job.recording})"
+    )
+    others = Path(f"{job.recording}-ranks")
+    if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
+        lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
+    return lines
+
+
+def _outcome(path: Path, code: int | None) -> tuple[str, int, str]:
+    """(how it ended, steps, highest piles) of one recording of a job that exited with `code`.
+
+    Raises:
+        RecordingError: the recording cannot be read.
+    """
+    from memtui.model.recording import read_recording
+    from memtui.reports.report import pile_peaks
+
+    recording = read_recording(path)
+    peaks = pile_peaks(recording)
+    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
+    status = recording.status() if recording.end is None else recording.end.status
+    if recording.end is None and code is not None and code < 128:  # exited by itself
+        status = f"exited, recording incomplete: {incomplete_reason(path)}"
+    return str(status), len(recording.steps), piles
+
+
+def _session_summary(folder: Path, code: int) -> str:
+    """A session folder: one line per recording (every rank, every Python process), so a
+    process that ran no step is seen beside the one that trained."""
+    from memtui.input.recording_file import RecordingError
+    from memtui.reports.rank_report import session_files
+
+    files = session_files(folder)
+    lines = [
+        f"memtui: job exited with code {code}; {len(files)} recording(s) in {folder}  "
+        f"(memtui report {folder})"
+    ]
+    if not files:
+        lines[0] += "; none written (no Python process imported torch, or no agent started)"
+    for label, path in files[:MAX_SUMMARY_RECORDINGS]:
+        name = f"rank {label}" if label.isdigit() else label
+        try:
+            status, steps, piles = _outcome(path, None)  # each process's own code is unknown
+        except RecordingError as exc:
+            lines.append(f"memtui:   {name}: unreadable: {exc}")
+            continue
+        lines.append(f"memtui:   {name}: {status} after {steps} steps; highest piles: {piles}")
+    if len(files) > MAX_SUMMARY_RECORDINGS:
+        lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")
+    return "\n".join(lines)

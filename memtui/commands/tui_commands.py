@@ -1,0 +1,354 @@
+"""The commands that open the TUI: `run` (without --headless), `demo`, `attach`, `replay`.
+
+Textual is imported here, lazily, so `memtui report` and headless runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from memtui.commands.run_command import (
+    JobSpec,
+    launches_ranks,
+    summary_line,
+    take_notes,
+)
+from memtui.errors import UsageError, UserError
+from memtui.exit_codes import EXIT_PARTIAL
+from memtui.input.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.model.step_rows import format_age
+from memtui.terminal_text import terminal_safe
+from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
+
+
+def _need_terminal(command: str) -> str | None:
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return f"memtui {command} needs a terminal for its UI (use --headless for a summary)"
+    return None
+
+
+class SessionSocketSource(LiveSource):
+    """The socket of the job `memtui run --no-record` started, found by its session token."""
+
+    def __init__(self, token: str, job_exited: Any) -> None:
+        super().__init__(Path("/nonexistent"), label="live socket")
+        self.token = token
+        self._job_exited = job_exited
+
+    def check(self) -> None:
+        """The socket appears only once the job imports torch; `run` waits for it."""
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        while not stop.is_set():
+            try:
+                jobs = live_sidecars()
+            except RuntimeDirError as exc:
+                return f"{exc}; refusing to use it"
+            for job in jobs:
+                if job.get("session") == self.token:
+                    self.socket_path = Path(str(job["socket"]))
+                    self.label = str(self.socket_path)
+                    try:
+                        LiveSource.check(self)
+                    except SourceError as exc:
+                        return str(exc)
+                    return LiveSource.run(self, sink, stop)
+            if self._job_exited():
+                return "the job ended before its agent started (did it import torch?)"
+            stop.wait(0.1)
+        return None
+
+
+class FirstRecordingTail(TailSource):
+    """The first recording to appear in a `-- COMMAND` session folder, followed as it grows.
+
+    The command's other Python processes record beside it; `report` and `replay` on the
+    folder show them all.
+    """
+
+    def __init__(self, folder: Path, job_exited: Any) -> None:
+        super().__init__(folder / "proc-0.memtui", job_exited)
+        self.folder = folder
+
+    def run(self, sink: Any, stop: threading.Event) -> str | None:
+        from memtui.reports.rank_report import session_files
+
+        while not stop.is_set():
+            files = session_files(self.folder)
+            if files:
+                self.path = files[0][1]
+                self.label = str(self.path)
+                return TailSource.run(self, sink, stop)
+            if self._job_exited():
+                return "the job ended before its agent started (did it import torch?)"
+            stop.wait(self._poll)
+        return None
+
+
+def run_tui(job_spec: JobSpec) -> int:
+    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
+    problem = _need_terminal("run")
+    if problem:
+        take_notes(job_spec)
+        raise UsageError(problem)
+    from memtui.input.job_process import JobProcess, recording_log_path
+
+    log_path = recording_log_path(job_spec.recording)
+    try:
+        job = JobProcess(job_spec.command, job_spec.env, log_path)
+    except OSError as exc:
+        take_notes(job_spec)
+        print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127
+    try:
+        # Textual only after the job has started: its import (about 0.2 s) overlaps the job's
+        # own start instead of delaying it. Anything failing from here stops the job.
+        from memtui.tui.app import MemtuiApp, run_app
+
+        source, ranks = _live_source(job_spec, job)
+        run_app(MemtuiApp(source, job=job, ranks=ranks))
+    finally:
+        if job.poll() is None:
+            job.terminate()
+    code = job.wait()
+    for line in take_notes(job_spec):
+        print(line, file=sys.stderr)
+    print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
+    if log_path is not None:
+        print(f"memtui: job output kept in {log_path}", file=sys.stderr)
+    return code
+
+
+def _live_source(job_spec: JobSpec, job: Any) -> tuple[Any, dict[str, Any] | None]:
+    """What the TUI follows for a job it started, and each rank's source for a session folder."""
+
+    def exited() -> bool:
+        return job.poll() is not None
+
+    folder = job_spec.recording
+    if folder is not None and folder.is_dir() and not launches_ranks(job_spec.display, None):
+        # `-- COMMAND`: one recording per Python process; the screen follows the first.
+        return FirstRecordingTail(folder, exited), None
+    if folder is not None and folder.is_dir():
+        # A session folder: follow each rank's recording as the ranks write them.
+        ranks = {
+            str(rank): TailSource(folder / f"rank-{rank}.memtui", exited)
+            for rank in local_ranks(job_spec.display)
+        }
+        return next(iter(ranks.values())), ranks
+    if folder is not None:
+        return TailSource(folder, exited), None
+    return SessionSocketSource(job_spec.session, exited), None
+
+
+def local_ranks(argv: list[str]) -> range:
+    """The global ranks a torchrun command starts on this node (`--nproc-per-node N`, and
+    `--node-rank K` on several nodes); rank 0 alone when the count is not a number."""
+    options: dict[str, str] = {}
+    for index, word in enumerate(argv):
+        name, _, value = word.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--nproc-per-node", "--node-rank"):
+            options[name] = value or (argv[index + 1] if index + 1 < len(argv) else "")
+    count = options.get("--nproc-per-node", "1")
+    node = options.get("--node-rank", "0")
+    per_node = int(count) if count.isdigit() else 1
+    first = int(node) * per_node if node.isdigit() else 0
+    return range(first, first + per_node)
+
+
+def session_sources(folder: Path) -> dict[str, Any]:
+    """One replay source per rank recording of a session folder.
+
+    Raises:
+        SourceError: the folder holds no rank recordings, or one of them is unreadable.
+    """
+    from memtui.reports.rank_report import NO_RECORDINGS, session_files
+
+    files = session_files(folder)
+    if not files:
+        raise SourceError(f"{folder}: {NO_RECORDINGS}")
+    sources = {}
+    for label, file in files:
+        source = ReplaySource(file)
+        source.check()
+        source.label = f"{folder}/{file.name}"
+        sources[label] = source
+    return sources
+
+
+def replay(path: str) -> int:
+    """`memtui replay PATH`: the recording at its last step, the cursor free; a session
+    folder opens every rank (`r` switches)."""
+    ranks = None
+    if Path(path).is_dir():
+        ranks = session_sources(Path(path))
+        source = next(iter(ranks.values()))
+    else:
+        source = replay_source(Path(path))
+        source.check()
+    return _open_app("replay", source, ranks=ranks, warning=source.warning)
+
+
+def _open_app(command: str, source: Any, **options: Any) -> int:
+    """Show a checked source in the TUI (after making sure there is a terminal to show it on).
+
+    A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
+    `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
+    """
+    problem = _need_terminal(command)
+    if problem:
+        raise UsageError(problem)
+    from memtui.tui.app import MemtuiApp, run_app
+
+    app = MemtuiApp(source, **options)
+    code = run_app(app)
+    return replay_outcome(app.sessions, code)
+
+
+def replay_outcome(sessions: dict[str, Any], code: int) -> int:
+    """The exit code after a TUI over recordings: each recording's damage warning printed in
+    full, and `EXIT_PARTIAL` where there was one (a crash's non-zero code wins)."""
+    warnings = [
+        (label, session.warning)
+        for label, session in sessions.items()
+        if not session.live and session.warning
+    ]
+    for label, warning in warnings:
+        where = f"rank {label}: " if label else ""
+        print(f"memtui: warning: {terminal_safe(where + warning)}", file=sys.stderr)
+    return code or (EXIT_PARTIAL if warnings else 0)
+
+
+def list_jobs_text(jobs: list[dict[str, Any]], now: float | None = None) -> str:
+    """The live jobs as lines: pid, age, command, recording."""
+    now = now if now is not None else time.time()
+    lines = []
+    for job in jobs:
+        age = format_age(max(0.0, now - float(job.get("started_unix") or now)))
+        command = " ".join(job.get("argv") or [])
+        if "ranks" in job:
+            command += f"  [{len(job['ranks'])} ranks]"
+        recording = job.get("recording") or "-"
+        lines.append(terminal_safe(f"{job['pid']:>8}  {age:>7}  {command}  ->  {recording}"))
+    return "\n".join(lines)
+
+
+def group_ranks(sidecars: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per job: the ranks of a distributed job (same `memtui run` session) together.
+
+    A grouped entry is its rank 0's sidecar (or lowest rank's) with `ranks` listing every
+    member, so the attach list shows one line per job and attaching opens all its ranks.
+    """
+    groups: dict[str, list[dict[str, Any]]] = {}
+    single = []
+    for job in sidecars:
+        if job.get("rank") is not None and job.get("session"):
+            groups.setdefault(str(job["session"]), []).append(job)
+        else:
+            single.append(job)
+    grouped = []
+    for members in groups.values():
+        members.sort(key=lambda job: int(job["rank"]))
+        if len(members) == 1:
+            single.append(members[0])
+            continue
+        grouped.append(dict(members[0], ranks=members))
+    return sorted(single + grouped, key=lambda job: float(job.get("started_unix") or 0))
+
+
+def trusted_live_jobs() -> list[dict[str, Any]]:
+    """The live jobs, grouped. A sidecar skipped as untrustworthy is one warning line each.
+
+    Raises:
+        UserError: the runtime directory is not ours alone.
+    """
+    problems: list[str] = []
+    try:
+        jobs = group_ranks(live_sidecars(problems=problems))
+    except RuntimeDirError as exc:
+        raise UserError(f"{exc}; refusing to use it") from None
+    for problem in problems:
+        print(f"memtui: warning: {terminal_safe(problem)}", file=sys.stderr)
+    return jobs
+
+
+def _no_jobs_line() -> str:
+    return f"no live memtui jobs (looked in {terminal_safe(str(runtime_dir()))})"
+
+
+def list_live_jobs() -> int:
+    """`memtui attach --list`: each live job, then one socket path per rank (what to forward
+    with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
+    jobs = trusted_live_jobs()
+    if not jobs:
+        raise UserError(_no_jobs_line())
+    for job in jobs:
+        print(terminal_safe(list_jobs_text([job])))
+        for member in job.get("ranks", [job]):
+            rank = member.get("rank")
+            label = f"rank {rank}" if rank is not None else "socket"
+            print(f"          {label}: {terminal_safe(member['socket'])}")
+    return 0
+
+
+def attach(pid: int | None, socket_path: str | None = None) -> int:
+    """`memtui attach [PID]`: one job attaches at once; several are listed to choose from; a
+    distributed job attaches with all its ranks (`r` switches)."""
+    ranks = None
+    if socket_path is not None:
+        source = LiveSource(Path(socket_path))
+    else:
+        jobs = trusted_live_jobs()
+        if pid is not None:
+            jobs = [
+                job
+                for job in jobs
+                if pid in {int(member["pid"]) for member in job.get("ranks", [job])}
+            ]
+            if not jobs:
+                raise UserError(f"no live memtui job with pid {pid}")
+        if not jobs:
+            raise UserError(_no_jobs_line())
+        chosen = jobs[0] if len(jobs) == 1 else None
+        if chosen is None:
+            problem = _need_terminal("attach")
+            if problem:
+                print(terminal_safe(list_jobs_text(jobs), keep_newlines=True))
+                print("memtui: several jobs: give a PID", file=sys.stderr)
+                return 2
+            chosen = _choose_job(jobs)
+            if chosen is None:
+                return 0
+        source = LiveSource(Path(str(chosen["socket"])), label=f"attached to pid {chosen['pid']}")
+        if "ranks" in chosen:
+            ranks = {
+                str(member["rank"]): LiveSource(
+                    Path(str(member["socket"])),
+                    label=f"attached to rank {member['rank']} (pid {member['pid']})",
+                )
+                for member in chosen["ranks"]
+            }
+            source = next(iter(ranks.values()))
+    for member in (ranks or {"": source}).values():
+        member.check()  # a SourceError is the user's one line (cli.main)
+    return _open_app("attach", source, ranks=ranks)
+
+
+def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A small app showing only the attach list; the chosen job's sidecar, or None."""
+    from textual.app import App
+
+    from memtui.tui.screens import AttachScreen
+
+    class Chooser(App[dict[str, Any] | None]):
+        CSS_PATH = str(Path(__file__).parent.parent / "tui" / "app.tcss")
+
+        def on_mount(self) -> None:
+            self.push_screen(AttachScreen(jobs), self.exit)
+
+    return Chooser().run()

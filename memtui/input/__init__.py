@@ -1,0 +1,2 @@
+"""Reading frames: recordings, growing files and sockets (`frame_stream`, `sources`), input
+files opened safely, and PyTorch memory snapshots."""

@@ -1,0 +1,82 @@
+"""The one read-decode-deliver loop behind every source: a file, a growing file, a socket.
+
+memray reads its file and its socket with one `Source::read`; so does memtui. Each source only
+says how to get the next bytes (and what its own end means, by raising `StreamEnd`); decoding,
+delivery in batches and the wording of damage are here, once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from memtui_protocol import schema, wire
+
+CHUNK = 1 << 20
+"""Bytes asked for per read, from a file or a socket."""
+
+Sink = Callable[[list[schema.Message]], None]
+Read = Callable[[], bytes | None]
+"""The next bytes; b"" at the end of the input; None when nothing came yet (the reader waited)."""
+
+
+class StreamEnd(Exception):
+    """Raised by a reader or a sink: the stream is over, for `reason` (None: a clean end)."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def pump(read: Read, decoder: wire.FrameDecoder, sink: Sink, stop: threading.Event) -> str | None:
+    """Read, decode and hand message batches to `sink` until the input ends or `stop` is set.
+
+    Returns what went wrong on the way, in one line (None: a clean end): the frame the decoder
+    could not read, or what a resynchronising decoder skipped and left unread.
+    """
+    try:
+        while not stop.is_set():
+            chunk = read()
+            if chunk is None:
+                continue
+            batch: list[schema.Message] = []
+            refused: wire.WireError | None = None
+            try:
+                batch.extend(decoder.feed(chunk) if chunk else decoder.finish())
+            except wire.WireError as exc:
+                refused = exc  # the frames before it in this chunk are still delivered
+            if batch:
+                sink(batch)
+            if refused is not None:
+                return stopped_at(refused, decoder)
+            if not chunk:
+                return damage_warning(decoder)
+    except StreamEnd as end:
+        return end.reason
+    return None
+
+
+def stopped_at(exc: wire.WireError, decoder: wire.FrameDecoder) -> str:
+    """A frame the decoder cannot read (a newer version, a bad frame without resync)."""
+    if decoder.frames == 0:
+        return str(exc)
+    return f"{exc}; showing the {decoder.frames} frames before it"
+
+
+def damage_warning(decoder: wire.FrameDecoder) -> str | None:
+    """What a resynchronising decoder skipped and what it left unread, in one line."""
+    parts = []
+    if decoder.damaged:
+        regions = (
+            "1 damaged region" if decoder.damaged == 1 else f"{decoder.damaged} damaged regions"
+        )
+        parts.append(
+            f"{decoder.first_damage}; skipped {decoder.skipped_bytes} bytes ({regions}) and "
+            "showed every valid frame around them"
+        )
+    if decoder.pending:
+        parts.append(
+            f"the last {decoder.pending} bytes are a partial frame (the writer stopped "
+            "mid-frame); everything before them is shown"
+        )
+    return "; ".join(parts) or None

@@ -1,0 +1,146 @@
+"""The job child of `memtui run` (TUI mode): its output captured, teed to a file, and its end.
+
+Headless runs leave the job's stdio alone; with the TUI on screen the job's output cannot go to
+the terminal, so it is read here line by line (progress bars redrawn with carriage returns keep
+their latest state), kept in a bounded buffer for the output pane, and written unchanged to
+`<recording>.log` so nothing the job printed is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from memtui_protocol.config import AgentConfig
+from memtui_protocol.runtime_dir import ensure_private_dir
+from memtui_protocol.safe_open import create_private
+
+MAX_LINES = 5000
+
+
+def recording_log_path(recording: Path | None) -> Path | None:
+    """`<recording>.log`: where the job's output is kept beside its recording."""
+    return recording.with_name(recording.name + ".log") if recording is not None else None
+
+
+class JobProcess:
+    """A started job: output lines for the UI, exit code when it ends, polite termination."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path | None) -> None:
+        self.lines: deque[str] = deque(maxlen=MAX_LINES)
+        self._lock = threading.Lock()
+        self.log_path = log_path
+        self._stop_file = AgentConfig.from_env(env).stop_file
+        self._log = None
+        if log_path is not None:
+            try:  # never through a planted link (see memtui_protocol.safe_open)
+                self._log = os.fdopen(create_private(log_path), "wb")
+            except OSError as exc:
+                self.lines.append(f"memtui: job output not saved: {exc}")
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self.process.pid
+        self._reader = threading.Thread(target=self._read, name="memtui-job-output", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        stream = self.process.stdout
+        assert stream is not None
+        pending = b""
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            if not chunk:
+                break
+            if self._log is not None:
+                try:
+                    self._log.write(chunk)
+                    self._log.flush()
+                except OSError:
+                    self._log = None
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            with self._lock:
+                for raw in complete:
+                    self.lines.append(_last_redraw(raw))
+        if pending:
+            with self._lock:
+                self.lines.append(_last_redraw(pending))
+        if self._log is not None:
+            self._log.close()
+
+    def take_lines(self) -> list[str]:
+        """Lines printed since the last call."""
+        with self._lock:
+            lines = list(self.lines)
+            self.lines.clear()
+        return lines
+
+    def poll(self) -> int | None:
+        """Exit code (128+N for signal N), or None while the job runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return 128 - code if code < 0 else code
+
+    stopped = False
+    """Whether memtui stopped the job (the user quit the TUI while it ran)."""
+
+    def terminate(self, grace: float = 5.0) -> None:
+        """SIGTERM the job's process group, then SIGKILL if it is still there after `grace`."""
+        if self.process.poll() is not None:
+            return
+        self.stopped = True
+        self._ask_to_stop()
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except OSError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return
+            time.sleep(0.05)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _ask_to_stop(self) -> None:
+        """Create the stop file the job's runner looks for on SIGTERM, so its recording ends
+        `stopped`, not killed (best effort: without it the job still stops)."""
+        if self._stop_file is None:
+            return
+        try:
+            ensure_private_dir(Path(self._stop_file).parent)
+            os.close(create_private(self._stop_file))
+        except OSError:
+            pass
+
+    def wait(self) -> int:
+        """Block until the job ends; its exit code."""
+        self.process.wait()
+        self._reader.join(timeout=2.0)
+        if self._stop_file is not None and self.stopped:
+            try:  # left behind when the job died before its handler ran
+                os.unlink(self._stop_file)
+            except OSError:
+                pass
+        code = self.poll()
+        return 0 if code is None else code
+
+
+def _last_redraw(raw: bytes) -> str:
+    """A line as the terminal would finally show it: the part after the last carriage return."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r")
+    return text.rsplit("\r", 1)[-1]

@@ -1,0 +1,89 @@
+"""The ranks of a distributed job side by side: pure functions over each rank's latest step.
+
+Shared by the TUI's ranks table and its imbalance line, so both compare the same numbers: each
+pile's high-water mark in each rank's latest step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtui_protocol import schema
+from memtui_protocol.schema import PILES
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank: its latest step, each pile's high in that step, and which piles it leads."""
+
+    label: str
+    step: int | None
+    piles: tuple[int | None, ...]
+    heaviest: frozenset[str]
+    state: str
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One pile across ranks: highest and lowest value, and the rank holding the highest."""
+
+    high: int
+    low: int
+    heaviest: str
+
+    @property
+    def ratio(self) -> float | None:
+        """max/min (None when the lowest rank holds nothing)."""
+        return self.high / self.low if self.low else None
+
+    @property
+    def differs(self) -> bool:
+        """Whether any rank holds more than another (equal ranks have no heaviest to mark)."""
+        return self.high != self.low
+
+
+def spread(values: dict[str, int]) -> Spread:
+    """The spread of one pile's value per rank (ties: the first rank listed is the heaviest)."""
+    heaviest = max(values, key=values.__getitem__)
+    return Spread(values[heaviest], min(values.values()), heaviest)
+
+
+def _latest(latest: dict[str, schema.Step | None], pile: str) -> dict[str, int]:
+    """Each reporting rank's high of `pile` in its latest step."""
+    return {label: getattr(step.max, pile) for label, step in latest.items() if step}
+
+
+def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> tuple[RankRow, ...]:
+    """A row per rank; `heaviest` names the piles where this rank holds the most."""
+    leaders = {}
+    for pile in PILES:
+        values = _latest(latest, pile)
+        pile_spread = spread(values) if len(values) >= 2 else None
+        if pile_spread is not None and pile_spread.differs:
+            leaders[pile] = pile_spread.heaviest
+    rows = []
+    for label, step in latest.items():
+        piles = tuple(getattr(step.max, pile) if step else None for pile in PILES)
+        leads = frozenset(pile for pile, leader in leaders.items() if leader == label)
+        rows.append(
+            RankRow(label, step.step if step else None, piles, leads, states.get(label, ""))
+        )
+    return tuple(rows)
+
+
+def imbalance_line(latest: dict[str, schema.Step | None]) -> str | None:
+    """`weights 1.05x (heaviest rank 0), gradients equal, ...`: max/min of each pile across
+    ranks (None before two ranks report)."""
+    parts = []
+    for pile in PILES:
+        values = _latest(latest, pile)
+        if len(values) < 2:
+            return None
+        pile_spread = spread(values)
+        if not pile_spread.differs:
+            parts.append(f"{pile} equal")
+            continue
+        ratio = pile_spread.ratio
+        shown = f"{ratio:.2f}x" if ratio is not None else "n/a"
+        parts.append(f"{pile} {shown} (heaviest rank {pile_spread.heaviest})")
+    return ", ".join(parts)

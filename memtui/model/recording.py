@@ -1,0 +1,151 @@
+"""Reading a recording: the same frame parser as the socket, plus what a file can go wrong with.
+
+A recording that cannot be opened or does not start like a memtui recording is an error with one
+sentence for the user. A recording whose tail is torn or corrupt still yields every frame before
+the damage, with a warning: nothing already recorded is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memtui.input.frame_stream import CHUNK, damage_warning, pump
+from memtui.input.input_files import InputFileError, open_input
+from memtui.input.recording_file import RecordingError
+from memtui.model.step_rows import module_label
+from memtui_protocol import schema, wire
+from memtui_protocol.runtime_dir import pid_alive
+
+
+@dataclass(frozen=True)
+class StepAlert:
+    """An alert with the step it belongs to, in the order the stream carried it."""
+
+    step: int | None
+    alert: schema.Alert
+    time: float
+    """When the job raised it, by its own clock (the frame's time)."""
+    final: bool = False
+    """Raised by the job's last frame (an OOM, a crash), after every closed step."""
+
+
+@dataclass
+class Recording:
+    """Everything decoded from one recording, in order."""
+
+    path: Path
+    hello: schema.Hello
+    module_names: dict[int, str] = field(default_factory=dict)
+    steps: list[schema.Step] = field(default_factory=list)
+    last_tick: schema.Tick | None = None
+    agent_errors: list[schema.AgentError] = field(default_factory=list)
+    alerts: list[StepAlert] = field(default_factory=list)
+    end: schema.End | None = None
+    warning: str | None = None
+    names_dropped: int = 0
+    """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
+
+    def module_name(self, module_id: int) -> str:
+        """Qualified module name for an id; activations outside any module get a label."""
+        return module_label(self.module_names, module_id)
+
+    def status(self) -> str:
+        """ok / error from the agent's last word; running or killed when it has none."""
+        if self.end is not None:
+            return self.end.status
+        if self.hello.hostname == os.uname().nodename and pid_alive(
+            self.hello.pid, self.hello.process_create_time
+        ):
+            return "running"
+        return "killed"
+
+
+def apply(recording: Recording, message: schema.Message) -> None:
+    """Fold one message into a recording: the one fold behind the report, export and the TUI.
+
+    Every alert lands in `recording.alerts` as it arrives, wherever the stream carried it (an
+    early `AlertNow`, a step, a late device value of an earlier step, the `End`), so the report
+    and the screen cannot disagree about which alerts a job raised.
+    """
+    if isinstance(message, schema.Step):
+        if message.late:
+            _add_late(recording, message.late, message.t_end)
+        recording.steps.append(message)
+        if message.alerts:  # most steps have none: the TUI folds thousands a second
+            recording.alerts.extend(
+                StepAlert(message.step, alert, message.t_end) for alert in message.alerts
+            )
+    elif isinstance(message, schema.AlertNow):
+        recording.alerts.append(StepAlert(message.step, message.alert, message.time))
+    elif isinstance(message, schema.Tick):
+        recording.last_tick = message
+    elif isinstance(message, schema.Names):
+        # Bounded over the whole recording too: ten full Names frames must not cost ten times.
+        room = max(0, schema.MAX_NAMES - len(recording.module_names))
+        for offset, name in enumerate(message.names[:room]):
+            recording.module_names[message.first_id + offset] = name
+        recording.names_dropped += max(0, len(message.names) - room)
+    elif isinstance(message, schema.AgentError):
+        recording.agent_errors.append(message)
+    elif isinstance(message, schema.End):
+        _add_late(recording, message.late, message.time)
+        recording.end = message
+        recording.alerts.extend(
+            StepAlert(message.step, alert, message.time, final=True) for alert in message.alerts
+        )
+    elif isinstance(message, schema.Hello):
+        recording.hello = message  # a job that said hello again (a reconnecting agent)
+
+
+def _add_late(recording: Recording, late: list[schema.StepLate], time: float) -> None:
+    """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
+    recording.alerts.extend(
+        StepAlert(number, alert, time) for number, alert in schema.apply_late(recording.steps, late)
+    )
+
+
+def read_recording(path: str | os.PathLike[str]) -> Recording:
+    """Decode a recording file.
+
+    A damaged frame in the middle is skipped (the decoder finds the next valid frame) and the
+    warning says how many bytes were lost, so one bad sector hides one step, not the rest.
+
+    Raises:
+        RecordingError: missing, a directory or not a regular file, unreadable, empty, not a
+            recording, a version this memtui does not read, or damaged before its hello.
+    """
+    path = Path(path)
+    decoder = wire.FrameDecoder(resync=True)
+    folded: list[Recording] = []
+
+    def take(batch: list[schema.Message]) -> None:
+        for message in batch:
+            if folded:
+                apply(folded[0], message)
+            elif isinstance(message, schema.Hello):
+                folded.append(Recording(path=path, hello=message))
+            else:
+                raise RecordingError(f"{path}: damaged (first message is not the job's hello)")
+
+    try:
+        with open_input(path) as handle:
+            warning = pump(lambda: handle.read(CHUNK), decoder, take, threading.Event())
+    except InputFileError as exc:
+        raise RecordingError(str(exc)) from None
+    except OSError as exc:
+        raise RecordingError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not folded:
+        if warning is not None and warning != damage_warning(decoder):
+            raise RecordingError(f"{path}: {warning}")  # a frame it refused, not a torn tail
+        if decoder.bytes_consumed == 0 and decoder.pending == 0:
+            raise RecordingError(f"{path}: empty file, not a recording")
+        raise RecordingError(f"{path}: truncated before its header was complete")
+    recording = folded[0]
+    recording.warning = warning
+    if recording.names_dropped:
+        dropped = f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
+        recording.warning = f"{recording.warning}; {dropped}" if recording.warning else dropped
+    return recording

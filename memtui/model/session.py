@@ -1,0 +1,413 @@
+"""The Session model: messages in, immutable ViewStates out. No Textual, no torch.
+
+Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see a
+`ViewState`, cannot tell them apart. Everything the screen shows is computed here by pure code and
+tested without an app: the cursor, alerts navigation, units, the gap rows and their meaning.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
+from memtui.model.job_state import JobState, ending_text, exit_status
+from memtui.model.rank_rows import RankRow
+from memtui.model.recording import Recording, apply
+from memtui.model.step_rows import (
+    AlertRow,
+    GapRow,
+    PileRow,
+    allocator_lines,
+    distributed_notes,
+    dtype_rows,
+    folded_alerts,
+    gap_rows,
+    module_label,
+    pile_rows,
+)
+from memtui_protocol import schema
+from memtui_protocol.schema import ExitStatus
+
+MAX_STEPS = 200_000
+MAX_ALERTS = 10_000
+RATE_WINDOW_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class ViewState:
+    """Everything the screen shows, for one cursor position. Widgets only read this."""
+
+    title: str
+    job: str
+    state: str
+    """The header's words for `status` (display only: test `status`, never this text)."""
+    status: JobState
+    exit_status: ExitStatus | None
+    """How the job ended, once `status` is ENDED (None: unknown, no agent ever spoke)."""
+    replay: bool
+    """A recording read back (the state already says which step of how many)."""
+    source: str
+    step: int | None
+    steps_total: int
+    steps_per_second: float | None
+    binary: bool
+    piles: tuple[PileRow, ...]
+    gap: tuple[GapRow, ...]
+    dtypes: tuple[tuple[str, str, int, int], ...]
+    top_activations: tuple[tuple[str, int], ...]
+    alerts: tuple[AlertRow, ...]
+    timeline_steps: tuple[int, ...]
+    timeline_piles: tuple[tuple[int, int, int, int], ...]
+    timeline_allocated: tuple[int | None, ...]
+    timeline_reserved: tuple[int | None, ...]
+    timeline_alerts: frozenset[int]
+    timeline_carried: frozenset[int]
+    """Steps in the window whose activations were carried from a measured step."""
+    cursor_step: int | None
+    notes: tuple[str, ...] = ()
+    allocator_lines: tuple[str, ...] = ()
+    loss: float | None = None
+    skipped: bool = False
+    microbatches: int = 0
+    activations_measured: bool = True
+    """The cursor step's activations were measured (hooks armed); else carried or unknown."""
+    activations_from: int | None = None
+    """The measured step whose activation figures the cursor step carries."""
+    distributed_lines: tuple[str, ...] = ()
+    alloc_recorded: bool = False
+    """The job runs with `--alloc-events`: the allocations table is on screen."""
+    alloc_rows: tuple[AllocRow, ...] = ()
+    ranks: tuple[RankRow, ...] = ()
+    """Every rank side by side (only with several ranks)."""
+    rank: str = ""
+    """The label of the rank on screen."""
+    step_owner: str | None = None
+    """Whose step the cursor is on, where that needs saying: the optimizer when several step,
+    or that a backward closed it (a job without an optimizer)."""
+
+
+@dataclass
+class Session:
+    """One job's Recording (the one fold of its stream), plus the viewer's cursor, pause and
+    unit choices.
+
+    The stream is folded by `recording.apply`, the same function `memtui report` and `export`
+    use, so the screen and the report cannot disagree; the Session adds only what a viewer
+    needs on top (the cursor, bounded history, the step rate).
+    """
+
+    source_label: str = ""
+    live: bool = True
+    recording: Recording | None = None
+    """None until the job's hello arrives (every stream starts with it)."""
+    cursor: int | None = None
+    optimizer_names: set[str] = field(default_factory=set)
+    follow: bool = True
+    paused: bool = False
+    binary: bool = True
+    disconnected: str | None = None
+    exit_code: int | None = None
+    stopped: bool = False
+    """memtui itself stopped the job (quit from the TUI): no final frame, yet not killed."""
+    warning: str | None = None
+    dropped_steps: int = 0
+    alerts_trimmed: int = 0
+    """Oldest alerts dropped past MAX_ALERTS (keeps every alert's key stable)."""
+    alloc_recorded: bool = False
+    version: int = 0
+    """Bumped on every change, so the UI can skip rendering when nothing moved."""
+    _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    _alert_rows: tuple[tuple[int, int], list[AlertRow]] = field(
+        default_factory=lambda: ((0, 0), [])
+    )
+
+    # ----- the recording, read through ----------------------------------------------------
+
+    @property
+    def hello(self) -> schema.Hello | None:
+        return self.recording.hello if self.recording is not None else None
+
+    @property
+    def steps(self) -> list[schema.Step]:
+        return self.recording.steps if self.recording is not None else []
+
+    @property
+    def end(self) -> schema.End | None:
+        return self.recording.end if self.recording is not None else None
+
+    @property
+    def module_names(self) -> dict[int, str]:
+        return self.recording.module_names if self.recording is not None else {}
+
+    @property
+    def agent_errors(self) -> list[schema.AgentError]:
+        return self.recording.agent_errors if self.recording is not None else []
+
+    @property
+    def last_tick(self) -> schema.Tick | None:
+        return self.recording.last_tick if self.recording is not None else None
+
+    @property
+    def alerts(self) -> list[AlertRow]:
+        """Every alert in the order the stream carried it (an `End`'s without a step: 0)."""
+        if self.recording is None:
+            return []
+        first, alerts = self.alerts_trimmed, self.recording.alerts
+        # Alerts are only appended (and trimmed at the front): rebuild the rows only then.
+        if self._alert_rows[0] != (first, len(alerts)):
+            rows = [
+                AlertRow(
+                    item.step or 0,
+                    item.alert.kind,
+                    item.alert.message,
+                    item.alert.where,
+                    item.alert.group,
+                    key=f"alert-{first + index}",
+                )
+                for index, item in enumerate(alerts)
+            ]
+            self._alert_rows = ((first, len(alerts)), rows)
+        return self._alert_rows[1]
+
+    # ----- input --------------------------------------------------------------------------
+
+    def ingest(self, messages: list[schema.Message]) -> None:
+        """Fold a batch of messages in, in order (from a socket or a recording)."""
+        for message in messages:
+            recording = self.recording
+            if recording is None:
+                if isinstance(message, schema.Hello):
+                    self.recording = Recording(path=Path(self.source_label), hello=message)
+                continue  # nothing comes before a hello in any stream memtui reads
+            apply(recording, message)
+            if type(message) is schema.Step:
+                self._stepped(message, recording.steps)
+            elif isinstance(message, schema.End):
+                self.alloc_recorded |= message.alloc_events is not None
+        if self.recording is not None and len(self.recording.alerts) > MAX_ALERTS:
+            cut = len(self.recording.alerts) - MAX_ALERTS + MAX_ALERTS // 10
+            del self.recording.alerts[:cut]
+            self.alerts_trimmed += cut
+        if messages:
+            self.version += 1
+
+    def _stepped(self, step: schema.Step, steps: list[schema.Step]) -> None:
+        """The viewer's side of a new step: its rate, the cursor, bounded history."""
+        if step.optimizer is not None:
+            self.optimizer_names.add(step.optimizer)
+        self.alloc_recorded |= step.alloc_events is not None
+        self._step_times.append(step.t_end)
+        if len(steps) > MAX_STEPS:
+            # Bounded history: drop the oldest tenth at once so trimming stays rare.
+            cut = MAX_STEPS // 10
+            del steps[:cut]
+            self.dropped_steps += cut
+            if self.cursor is not None:
+                self.cursor = max(0, self.cursor - cut)
+        if self.follow and not self.paused:
+            self.cursor = len(steps) - 1
+
+    def mark_disconnected(self, reason: str) -> None:
+        """The stream ended; without an `End` the job died or the socket broke."""
+        self.disconnected = reason
+        self.version += 1
+
+    # ----- viewer actions -------------------------------------------------------------------
+
+    def toggle_pause(self) -> None:
+        """Freeze the live view on the current step (frames keep arriving) or resume following."""
+        self.paused = not self.paused
+        if not self.paused:
+            self.follow = True
+            self.cursor = len(self.steps) - 1 if self.steps else None
+        self.version += 1
+
+    def move(self, delta: int) -> None:
+        """Step the cursor; moving off the newest step stops following live frames."""
+        if not self.steps:
+            return
+        current = self.cursor if self.cursor is not None else len(self.steps) - 1
+        self.cursor = min(max(current + delta, 0), len(self.steps) - 1)
+        self.follow = self.cursor == len(self.steps) - 1
+        self.version += 1
+
+    def home(self) -> None:
+        """First step."""
+        self.move(-len(self.steps))
+
+    def end_key(self) -> None:
+        """Newest step, following live frames again."""
+        self.move(len(self.steps))
+
+    def jump_to_step(self, number: int) -> None:
+        """Put the cursor on the step with this number (e.g. from a selected alert)."""
+        for index in range(len(self.steps) - 1, -1, -1):
+            if self.steps[index].step == number:
+                self.cursor = index
+                self.follow = index == len(self.steps) - 1
+                self.version += 1
+                return
+
+    def next_alert(self, direction: int = 1) -> None:
+        """Move to the nearest step after (or before) the cursor that has an alert."""
+        if not self.steps or self.cursor is None:
+            return
+        here = self.steps[self.cursor].step
+        # Grouped alerts (every step after the weights went non-finite) are not stops of their
+        # own: navigation lands on the first alert of the group instead.
+        steps_with_alerts = sorted({alert.step for alert in self.alerts if alert.group is None})
+        if direction > 0:
+            targets = [number for number in steps_with_alerts if number > here]
+            target = targets[0] if targets else None
+        else:
+            targets = [number for number in steps_with_alerts if number < here]
+            target = targets[-1] if targets else None
+        if target is not None:
+            self.jump_to_step(target)
+
+    def toggle_units(self) -> None:
+        """Binary (KiB/MiB/GiB) <-> decimal (kB/MB/GB)."""
+        self.binary = not self.binary
+        self.version += 1
+
+    # ----- output ---------------------------------------------------------------------------
+
+    def job_state(self) -> JobState:
+        """Waiting, live, paused, or ended (a recording read to its end, a closed stream)."""
+        if self.end is not None or self.disconnected is not None or not self.live:
+            return JobState.ENDED
+        if self.hello is None:
+            return JobState.WAITING
+        return JobState.PAUSED if self.paused else JobState.LIVE
+
+    def status_text(self) -> str:
+        """live / paused / waiting, or how the job ended with its exit status."""
+        state = self.job_state()
+        if state is not JobState.ENDED:
+            return str(state)
+        return ending_text(
+            self.end,
+            self.hello,
+            exit_code=self.exit_code,
+            disconnected=self.disconnected,
+            stopped=self.stopped,
+        )
+
+    def state_text(self) -> str:
+        """The header's words: the status, after "replay step i of n" in a replay."""
+        if self.live:
+            return self.status_text()
+        position = (self.cursor or 0) + 1 if self.steps else 0
+        return f"replay step {position} of {len(self.steps)} · {self.status_text()}"
+
+    def steps_per_second(self) -> float | None:
+        """Closed steps per second over the last few seconds of the job's own clock."""
+        if len(self._step_times) < 2:
+            return None
+        newest = self._step_times[-1]
+        recent = [stamp for stamp in self._step_times if newest - stamp <= RATE_WINDOW_SECONDS]
+        if len(recent) < 2 or recent[-1] == recent[0]:
+            return None
+        return (len(recent) - 1) / (recent[-1] - recent[0])
+
+    def view_state(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> ViewState:
+        """The immutable view of the cursor step, the timeline window and the alerts."""
+        hello = self.hello
+        step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
+        window = self._timeline_window(timeline_width)
+        job = " ".join(hello.argv) if hello is not None else ""
+        title = (
+            f"pid {hello.pid} · {hello.device} · torch {hello.torch}" if hello is not None else ""
+        )
+        notes = list(extra_notes)
+        if self.warning:
+            notes.append(self.warning)
+        notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])
+        if self.dropped_steps:
+            notes.append(f"{self.dropped_steps} oldest steps dropped from the view")
+        return ViewState(
+            title=title,
+            job=job,
+            state=self.state_text(),
+            status=self.job_state(),
+            exit_status=exit_status(self.end, self.hello, self.stopped)
+            if self.job_state() is JobState.ENDED
+            else None,
+            replay=not self.live,
+            source=self.source_label,
+            step=step.step if step is not None else None,
+            steps_total=self.steps[-1].step if self.steps else 0,
+            steps_per_second=self.steps_per_second(),
+            binary=self.binary,
+            piles=pile_rows(step, self._live_piles() if step is None else None),
+            gap=gap_rows(step, self._live_piles() if step is None else None),
+            dtypes=dtype_rows(step),
+            top_activations=tuple(
+                (self.module_label(item.module), item.bytes)
+                for item in (step.top_activations if step is not None else [])
+            ),
+            alerts=folded_alerts(self.alerts[-2000:])[:500],
+            timeline_steps=tuple(item.step for item in window),
+            timeline_allocated=tuple(item.allocator.allocated for item in window),
+            timeline_reserved=tuple(item.allocator.reserved for item in window),
+            timeline_piles=tuple(
+                (s.peak.weights, s.peak.gradients, s.peak.optimizer_state, s.peak.activations)
+                for s in window
+            ),
+            timeline_alerts=frozenset(alert.step for alert in self.alerts),
+            timeline_carried=frozenset(s.step for s in window if not s.activations_measured),
+            cursor_step=step.step if step is not None else None,
+            notes=tuple(notes),
+            allocator_lines=allocator_lines(step, self.binary),
+            loss=step.loss if step is not None else None,
+            skipped=step.skipped if step is not None else False,
+            microbatches=step.microbatches if step is not None else 0,
+            activations_measured=step.activations_measured if step is not None else True,
+            activations_from=step.activations_from if step is not None else None,
+            distributed_lines=distributed_notes(step, self.binary),
+            alloc_recorded=self.alloc_recorded,
+            alloc_rows=self._alloc_rows(step),
+            step_owner=self._step_owner(step),
+        )
+
+    def _step_owner(self, step: schema.Step | None) -> str | None:
+        if step is None:
+            return None
+        if step.closed_by is schema.StepTrigger.BACKWARD:
+            return "step = one backward() (no optimizer stepped)"
+        if len(self.optimizer_names) > 1 and step.optimizer is not None:
+            return f"{step.optimizer} step {step.optimizer_step}"
+        return None
+
+    def _alloc_rows(self, step: schema.Step | None) -> tuple[AllocRow, ...]:
+        """The cursor step's allocator events; on the newest step also the step that never
+        closed (where an OOM that killed the job is)."""
+        if not self.alloc_recorded:
+            return ()
+        newest = step is None or self.cursor == len(self.steps) - 1
+        end_events = self.end.alloc_events if self.end is not None and newest else None
+        return alloc_rows(
+            step.alloc_events if step is not None else None,
+            self.binary,
+            end_events,
+            unfinished_step_number(self.steps) if end_events is not None else None,
+            has_step=step is not None,
+        )
+
+    def module_label(self, module_id: int) -> str:
+        """Qualified module name for an id."""
+        return module_label(self.module_names, module_id)
+
+    def _live_piles(self) -> schema.Piles | None:
+        return self.last_tick.piles if self.last_tick is not None else None
+
+    def _timeline_window(self, width: int) -> list[schema.Step]:
+        """Up to `width` steps ending at (or around) the cursor."""
+        if not self.steps:
+            return []
+        cursor = self.cursor if self.cursor is not None else len(self.steps) - 1
+        end = min(len(self.steps), max(cursor + 1, min(len(self.steps), width)))
+        start = max(0, end - width)
+        return self.steps[start:end]

@@ -1,0 +1,253 @@
+"""Rows the screen shows for one step, computed by pure functions (no Textual, no torch).
+
+The Session picks the step; these turn it into what each panel lists: the piles bar, the gap
+rows with the meaning of each difference, the dtype table, the allocator's activity, and the
+alerts with follow-on ones folded under the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtui_protocol import schema
+from memtui_protocol.schema import PILES
+from memtui_protocol.units import format_bytes
+
+GAP_MEANINGS = {
+    "allocated": "other: temporaries, workspaces, inputs, caches, leaks",
+    "reserved": "allocator cache and fragmentation",
+    "process_gpu": "CUDA context, cuBLAS/cuDNN workspaces, NCCL, other libraries",
+    "device_used": "other processes on the device",
+    "device_total": "free on the device",
+    "rss": "Python, libraries, data, CPU tensors outside the piles",
+    "system_used": "other processes on the machine",
+    "system_total": "free on the machine",
+}
+
+
+@dataclass(frozen=True)
+class PileRow:
+    """One pile in the bar: bytes at the step's peak, share of the bar, highest in the step."""
+
+    name: str
+    at_peak: int | None
+    share: float
+    step_max: int | None
+
+
+@dataclass(frozen=True)
+class GapRow:
+    """One level of the gap view and what the difference to the level below means."""
+
+    label: str
+    value: int | None
+    delta: int | None
+    meaning: str
+    applicable: bool = True
+
+
+@dataclass(frozen=True)
+class AlertRow:
+    """An alert with the step it belongs to (and the earlier alert's step it follows from)."""
+
+    step: int
+    kind: str
+    message: str
+    where: str | None
+    group: int | None = None
+    key: str = ""
+    """Stable while the alert is on screen: the table keeps its cursor on it as alerts come."""
+
+
+def module_label(names: dict[int, str], module_id: int) -> str:
+    """Qualified module name for an id; activations packed outside any module get a label."""
+    if module_id < 0:
+        return "<outside any module>"
+    return names.get(module_id, f"<module {module_id}>")
+
+
+def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
+    """Newest first, with each group of follow-on alerts folded into one summary row.
+
+    Once the weights are non-finite every step raises the same alerts again; listing them all
+    would bury the first one, which is the one to act on.
+    """
+    groups: dict[int, list[AlertRow]] = {}
+    rows: list[tuple[int, AlertRow]] = []
+    for index, alert in enumerate(alerts):
+        if alert.group is None:
+            rows.append((index, alert))
+        else:
+            if alert.group not in groups:
+                rows.append((index, alert))  # placeholder, replaced below
+            groups.setdefault(alert.group, []).append(alert)
+    folded = []
+    for _, alert in rows:
+        members = groups.get(alert.group) if alert.group is not None else None
+        if members is None:
+            folded.append(alert)
+            continue
+        steps = sorted({member.step for member in members})
+        folded.append(
+            AlertRow(
+                step=alert.group,
+                kind="grouped",
+                message=f"{len(members)} more alerts on steps {steps[0]}-{steps[-1]}: they follow "
+                f"from step {alert.group} (weights non-finite since then)",
+                where=None,
+                group=alert.group,
+                key=f"group-{alert.group}",
+            )
+        )
+    return tuple(reversed(folded))
+
+
+def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:
+    """The bar: the peak composition of the step (or the live piles before the first step)."""
+    piles = step.peak if step is not None else live
+    if piles is None:
+        return ()
+    other = None
+    wrapped = step.distributed if step is not None else None
+    if step is not None and step.allocator.peak_allocated is not None:
+        untracked = wrapped.untracked() if wrapped is not None else 0
+        other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
+    values: dict[str, int | None] = dict(piles.as_dict())
+    if wrapped is not None and wrapped.ddp_buckets is not None:
+        # Only the part no pile counts: with gradient_as_bucket_view the gradients are in them.
+        values["ddp_buckets"] = wrapped.untracked_buckets()
+    if wrapped is not None and wrapped.fsdp_gathered_max is not None:
+        values["fsdp_gathered"] = wrapped.fsdp_gathered_max
+    values["other"] = other
+    total = sum(value for value in values.values() if value)
+    rows = []
+    for name, value in values.items():
+        step_max = getattr(step.max, name) if step is not None and name in PILES else None
+        if name in ("ddp_buckets", "fsdp_gathered"):
+            step_max = value  # constant (buckets) or already the step's highest (gathered)
+        share = (value / total) if value and total else 0.0
+        rows.append(PileRow(name, value, share, step_max))
+    return tuple(rows)
+
+
+def distributed_notes(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:
+    """What DDP's buckets and FSDP's gathered parameters are, in words the user can act on."""
+    wrapped = step.distributed if step is not None else None
+    if wrapped is None:
+        return ()
+    notes = []
+    if wrapped.ddp_buckets is not None:
+        size = format_bytes(wrapped.ddp_buckets, binary)
+        if wrapped.ddp_bucket_view:
+            notes.append(
+                f"DDP gradient buckets {size}: the gradients are views into them "
+                "(gradient_as_bucket_view=True), so they are not counted twice"
+            )
+        else:
+            notes.append(
+                f"DDP gradient buckets {size}: a second copy of the gradients; "
+                "DistributedDataParallel(gradient_as_bucket_view=True) would share them"
+            )
+    if wrapped.fsdp_gathered_max is not None:
+        high = format_bytes(wrapped.fsdp_gathered_max, binary)
+        now = format_bytes(wrapped.fsdp_gathered or 0, binary)
+        notes.append(
+            f"FSDP gathered parameters: up to {high} unsharded during forward/backward "
+            f"({now} at step end); weights, gradients and optimizer state are this rank's shards"
+        )
+    return tuple(notes)
+
+
+def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[GapRow, ...]:
+    """Tracked -> allocated -> reserved -> process -> device used -> device total (GPU), or
+    tracked -> process RSS -> system used -> system total (CPU), each difference named."""
+    tracked = step.end.total if step is not None else (live.total if live is not None else None)
+    if tracked is None:
+        return ()
+    rows = [GapRow("tracked at step end", tracked, None, "the four piles when the step closed")]
+    allocator = step.allocator if step is not None else schema.Allocator()
+    gpu = allocator.allocated is not None
+    levels: list[tuple[str, str, int | None]] = [
+        ("torch allocated", "allocated", allocator.allocated),
+        ("torch reserved", "reserved", allocator.reserved),
+        ("process GPU (NVML)", "process_gpu", allocator.process_gpu),
+        ("device used", "device_used", allocator.device_used),
+        ("device total", "device_total", allocator.device_total),
+    ]
+    if gpu:
+        previous = tracked
+        for label, key, value in levels:
+            delta = value - previous if value is not None and previous is not None else None
+            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            previous = value if value is not None else previous
+    else:
+        host = step.host if step is not None else schema.Host()
+        previous = tracked
+        for label, key, value in (
+            ("process RSS", "rss", host.rss or None),
+            ("system used", "system_used", host.system_used),
+            ("system total", "system_total", host.system_total),
+        ):
+            delta = value - previous if value is not None and previous is not None else None
+            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            previous = value if value is not None else previous
+        rows.extend(
+            GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels
+        )
+    return tuple(rows)
+
+
+def allocator_lines(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:
+    """The caching allocator's activity in the step (GPU only): events, fragmentation, peaks."""
+    if step is None or step.allocator.allocated is None:
+        return ()
+    from memtui_protocol.units import format_bytes
+
+    a = step.allocator
+    lines = []
+    if a.allocations is not None:
+        lines.append(
+            f"this step: {a.allocations} allocations ({format_bytes(a.alloc_bytes, binary)}), "
+            f"{a.frees} frees, {a.segment_allocs} cudaMalloc, {a.segment_frees} cudaFree, "
+            f"{a.alloc_retries} retries, {a.ooms} OOMs"
+        )
+    if a.inactive_split is not None:
+        lines.append(
+            f"inactive split blocks (fragmentation): {format_bytes(a.inactive_split, binary)}"
+        )
+    if a.peak_allocated is not None:
+        kind = "this step's own" if a.peak_exact else "running peak (the step set no new high)"
+        lines.append(f"peak allocated {format_bytes(a.peak_allocated, binary)}: {kind}")
+    if a.phase_peaks:
+        phases = ", ".join(f"{k} {format_bytes(v, binary)}" for k, v in a.phase_peaks.items())
+        lines.append(f"peaks by phase: {phases}")
+    if a.nvml_note:
+        lines.append(a.nvml_note)
+    return tuple(lines)
+
+
+def dtype_rows(step: schema.Step | None) -> tuple[tuple[str, str, int, int], ...]:
+    """(pile, dtype, bytes, storages) for the cursor step, largest first within each pile."""
+    if step is None:
+        return ()
+    rows = []
+    for pile in PILES:
+        stats = step.dtypes.get(pile, {})
+        for dtype, stat in sorted(stats.items(), key=lambda item: -item[1].bytes):
+            rows.append((pile, dtype, stat.bytes, stat.count))
+    return tuple(rows)
+
+
+def describe_rate(rate: float | None) -> str:
+    """`12.3 steps/s`, or a dash before two steps exist."""
+    return "-" if rate is None else f"{rate:.1f} steps/s"
+
+
+def format_age(seconds: float) -> str:
+    """`42s`, `5m03s`, `2h10m`: how long a job has been running."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

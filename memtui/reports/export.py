@@ -1,0 +1,193 @@
+"""`memtui export`: a recording as a Chrome/Perfetto trace or as CSV, for other tools.
+
+A trace lines memtui's piles up against a profiler timeline in Perfetto or `chrome://tracing`;
+a CSV goes into a notebook or a spreadsheet. Both are pure functions over a `Recording`, with
+times in seconds (CSV) or microseconds (trace) since the job started, so two runs overlay.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from memtui.errors import UserError
+from memtui.exit_codes import EXIT_PARTIAL
+from memtui.model.recording import Recording, read_recording
+from memtui.terminal_text import terminal_safe
+from memtui_protocol.schema import PILES, Alert, Step
+
+FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
+"""Each format and the suffix of its default output file."""
+STEP_TID = 1
+"""Thread id of the step spans and alert markers (one track is enough for one process)."""
+
+CSV_COLUMNS = (
+    "step",
+    "t_start",
+    "t_end",
+    "duration_s",
+    "skipped",
+    "microbatches",
+    "loss",
+    *(f"end_{pile}" for pile in PILES),
+    *(f"max_{pile}" for pile in PILES),
+    "peak_total",
+    *(f"peak_{pile}" for pile in PILES),
+    "allocated",
+    "reserved",
+    "peak_allocated",
+    "rss",
+)
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no NaN; a non-finite loss becomes null (the alerts say it was non-finite)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _us(recording: Recording, unix: float) -> float:
+    return round((unix - recording.hello.started_unix) * 1e6, 3)
+
+
+def _instant(recording: Recording, unix: float, step: int | None, alert: Alert) -> dict[str, Any]:
+    return {
+        "name": alert.kind,
+        "ph": "i",
+        "s": "g",
+        "ts": _us(recording, unix),
+        "pid": recording.hello.pid,
+        "tid": STEP_TID,
+        "args": {"step": step, "message": alert.message, "where": alert.where},
+    }
+
+
+def _counter(recording: Recording, step: Step, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    ts = _us(recording, step.t_end)
+    return {"name": name, "ph": "C", "ts": ts, "pid": recording.hello.pid, "args": args}
+
+
+def chrome_trace(recording: Recording) -> dict[str, Any]:
+    """The Trace Event Format document.
+
+    Counters with several args are drawn stacked, so each track holds values that add up: the
+    piles at step end (`piles`) and at the step's peak (`peak piles`) stack to the tracked
+    total, while allocated, reserved and RSS nest inside each other and get a track each.
+    """
+    hello = recording.hello
+    pid = hello.pid
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": " ".join(hello.argv)}},
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": STEP_TID, "args": {"name": "steps"}},
+    ]
+    for step in recording.steps:
+        events.append(
+            {
+                "name": f"step {step.step}",
+                "ph": "X",
+                "ts": _us(recording, step.t_start),
+                "dur": round((step.t_end - step.t_start) * 1e6, 3),
+                "pid": pid,
+                "tid": STEP_TID,
+                "args": {
+                    "skipped": step.skipped,
+                    "microbatches": step.microbatches,
+                    "loss": _finite(step.loss),
+                },
+            }
+        )
+        events.append(_counter(recording, step, "piles", step.end.as_dict()))
+        events.append(_counter(recording, step, "peak piles", step.peak.as_dict()))
+        for key in ("allocated", "reserved"):
+            value = getattr(step.allocator, key)
+            if value is not None:
+                events.append(_counter(recording, step, key, {key: value}))
+        if step.host.rss:
+            events.append(_counter(recording, step, "rss", {"rss": step.host.rss}))
+    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.alerts)
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "format": "memtui-chrome-trace",
+            "version": 1,
+            "recording": str(recording.path),
+            "started": hello.started,
+            "device": hello.device,
+        },
+    }
+
+
+def csv_rows(recording: Recording) -> list[dict[str, Any]]:
+    """One row per step, keyed by `CSV_COLUMNS`; counters that do not exist are None."""
+    start = recording.hello.started_unix
+    rows = []
+    for step in recording.steps:
+        row: dict[str, Any] = {
+            "step": step.step,
+            "t_start": round(step.t_start - start, 6),
+            "t_end": round(step.t_end - start, 6),
+            "duration_s": round(step.t_end - step.t_start, 6),
+            "skipped": int(step.skipped),
+            "microbatches": step.microbatches,
+            "loss": step.loss,
+            "peak_total": step.peak.total,
+            "allocated": step.allocator.allocated,
+            "reserved": step.allocator.reserved,
+            "peak_allocated": step.allocator.peak_allocated,
+            "rss": step.host.rss,
+        }
+        for prefix, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
+            row.update({f"{prefix}_{pile}": getattr(piles, pile) for pile in PILES})
+        rows.append(row)
+    return rows
+
+
+def render_csv(recording: Recording) -> str:
+    """The CSV text, header first; None is an empty cell."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(csv_rows(recording))
+    return out.getvalue()
+
+
+def render(recording: Recording, fmt: str) -> str:
+    """The export of `recording` in `fmt` (a key of `FORMATS`), as text."""
+    if fmt == "csv":
+        return render_csv(recording)
+    return json.dumps(chrome_trace(recording), separators=(",", ":")) + "\n"
+
+
+def default_output(path: str | os.PathLike[str], fmt: str) -> Path:
+    """`run.memtui` -> `run.trace.json` / `run.csv`, beside the recording."""
+    return Path(path).with_suffix(FORMATS[fmt])
+
+
+def run_export(path: str, fmt: str, output: str | None) -> int:
+    """`memtui export`: write the file (or stdout for `-o -`); returns the exit code.
+
+    A damaged recording exports its valid prefix and exits 3 with a warning, like `report`.
+    """
+    recording = read_recording(path)
+    text = render(recording, fmt)
+    if output == "-":
+        sys.stdout.write(text)
+    else:
+        target = Path(output) if output else default_output(path, fmt)
+        if target.resolve() == Path(path).resolve():
+            raise UserError(f"{target}: would overwrite the recording")
+        try:
+            target.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
+        print(f"memtui: wrote {target} ({len(recording.steps)} steps)", file=sys.stderr)
+    if recording.warning:
+        print(f"memtui: warning: {terminal_safe(f'{path}: {recording.warning}')}", file=sys.stderr)
+        return EXIT_PARTIAL
+    return 0

@@ -1,0 +1,332 @@
+"""`memtui report`: the recording as the JSON contract (docs/report-format.md) or a short text.
+
+Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the recording is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from memtui.model.alloc_rows import events_dict, events_text
+from memtui.model.recording import Recording
+from memtui.model.step_rows import distributed_notes
+from memtui.reports.report_format import (
+    AgentErrorEntry,
+    AlertEntry,
+    AllocatorEntry,
+    ExitEntry,
+    HostEntry,
+    JobEntry,
+    ModuleEntry,
+    PeakEntry,
+    PeakPhases,
+    PileBytes,
+    Report,
+    RunAlert,
+    StepEntry,
+)
+from memtui_protocol.schema import (
+    ATTACHED_ALERT,
+    PILES,
+    Alert,
+    AlertKind,
+    ExitStatus,
+    Piles,
+    Step,
+    StepTrigger,
+)
+from memtui_protocol.units import format_bytes
+
+ALLOCATOR_KEYS = (
+    "allocated",
+    "reserved",
+    "peak_allocated",
+    "process_gpu",
+    "device_used",
+    "device_total",
+)
+
+
+def _piles(piles: Piles) -> PileBytes:
+    return PileBytes(**piles.as_dict())
+
+
+def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEntry:
+    """One entry of `steps` in the report contract (plus a few extra keys)."""
+    return StepEntry(
+        step=step.step,
+        optimizer=step.optimizer,
+        optimizer_step=step.optimizer_step,
+        closed_by=str(step.closed_by.value),
+        skipped=step.skipped,
+        microbatches=step.microbatches,
+        end=_piles(step.end),
+        max=_piles(step.max),
+        peak=PeakEntry(total=step.peak.total, piles=_piles(step.peak)),
+        dtypes={
+            pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
+            for pile in PILES
+        },
+        dtype_tensors={
+            pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
+            for pile in PILES
+        },
+        allocator=AllocatorEntry(**{key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS}),
+        host=HostEntry(rss=step.host.rss),
+        loss=step.loss,
+        scale=step.scale,
+        duration_s=round(step.t_end - step.t_start, 6),
+        activations_measured=step.activations_measured,
+        activations_from=step.activations_from,
+        top_activations=[
+            ModuleEntry(module=recording.module_name(item.module), bytes=item.bytes)
+            for item in step.top_activations
+        ],
+        distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
+        alerts=[
+            AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
+            for alert in alerts
+        ],
+        alloc_events=events_dict(step.alloc_events)
+        if step.alloc_events is not None
+        else msgspec.UNSET,
+    )
+
+
+def exit_report(recording: Recording) -> ExitEntry:
+    """How the job ended; a job with no final frame was killed (or is still running)."""
+    end = recording.end
+    if end is not None:
+        return ExitEntry(
+            status=end.status,
+            code=end.code,
+            error=end.describe_error(),
+            step=end.step,
+            phase=end.phase,
+            oom=end.oom,
+            requested=end.requested,
+            piles=_piles(end.piles) if end.piles is not None else None,
+            # `--alloc-events`: the step the job ended in, which never closed.
+            alloc_events=events_dict(end.alloc_events)
+            if end.alloc_events is not None
+            else msgspec.UNSET,
+        )
+    status = recording.status()
+    last_step = recording.steps[-1].step if recording.steps else 0
+    tick = recording.last_tick
+    phase = tick.phase if tick is not None and tick.time >= _last_step_time(recording) else None
+    return ExitEntry(
+        status=status,
+        code=None,
+        error=None if status == ExitStatus.RUNNING else missing_end_reason(recording),
+        step=last_step + 1,
+        phase=phase,
+    )
+
+
+def missing_end_reason(recording: Recording) -> str:
+    """Why a finished recording has no final frame, as far as the file can tell."""
+    if recording.warning:
+        return f"the recording ends early ({recording.warning}); no final frame"
+    return "no final frame: the process was killed"
+
+
+def _last_step_time(recording: Recording) -> float:
+    return recording.steps[-1].t_end if recording.steps else 0.0
+
+
+def alert_entry(step: int | None, alert: Alert) -> RunAlert:
+    """One alert in the report: the contract's keys, plus `group` when it follows another."""
+    return RunAlert(
+        step=step, kind=alert.kind, message=alert.message, where=alert.where, group=alert.group
+    )
+
+
+def all_alerts(recording: Recording) -> list[RunAlert]:
+    """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
+    before their step's own alerts, the job's fatal alerts (OOM) last."""
+    alerts = [alert_entry(item.step, item.alert) for item in recording.alerts if not item.final]
+    alerts.sort(key=lambda entry: entry.step or 0)
+    alerts.extend(alert_entry(item.step, item.alert) for item in recording.alerts if item.final)
+    return alerts
+
+
+def step_alerts(recording: Recording) -> dict[int, list[Alert]]:
+    """Each closed step's alerts: raised early, with the step, or when its late values came."""
+    by_step: dict[int, list[Alert]] = {}
+    for item in recording.alerts:
+        if item.step is not None and not item.final:
+            by_step.setdefault(item.step, []).append(item.alert)
+    return by_step
+
+
+def report_of(recording: Recording) -> Report:
+    """The `memtui report --json` document (docs/report-format.md, extra keys allowed)."""
+    hello = recording.hello
+    alerts = step_alerts(recording)
+    return Report(
+        job=JobEntry(
+            argv=hello.argv,
+            pid=hello.pid,
+            torch=hello.torch,
+            device=hello.device,
+            started=hello.started,
+            recording=str(recording.path),
+        ),
+        steps=[step_report(step, recording, alerts.get(step.step, [])) for step in recording.steps],
+        optimizers=optimizer_steps(recording.steps),
+        step_rule=step_rule(recording.steps),
+        alerts=all_alerts(recording),
+        exit=exit_report(recording),
+        peaks=peak_phases(recording),
+        agent_errors=[
+            AgentErrorEntry(component=error.component, message=error.message)
+            for error in recording.agent_errors
+        ],
+        warnings=[recording.warning] if recording.warning else [],
+    )
+
+
+def build_report(recording: Recording) -> dict[str, Any]:
+    """The report as plain Python data (what `--json` prints, before serialising)."""
+    return msgspec.to_builtins(report_of(recording))
+
+
+def optimizer_steps(steps: list[Step]) -> dict[str, int]:
+    """Steps closed by each optimizer, in order of first step (`{"AdamW#1": 10}`)."""
+    counts: dict[str, int] = {}
+    for step in steps:
+        if step.optimizer is not None:
+            counts[step.optimizer] = counts.get(step.optimizer, 0) + 1
+    return counts
+
+
+def step_rule(steps: list[Step]) -> str | None:
+    """What a step means in this recording, in words (None before any step)."""
+    if not steps:
+        return None
+    by_backward = sum(step.closed_by is StepTrigger.BACKWARD for step in steps)
+    if by_backward == len(steps):
+        return "no optimizer stepped: each step is one top-level backward()"
+    names = optimizer_steps(steps)
+    rule = "each step is one optimizer.step()" + (
+        f" of one of {len(names)} optimizers" if len(names) > 1 else ""
+    )
+    if by_backward:
+        rule += f"; the first {by_backward} were top-level backward() calls, before any did"
+    return rule
+
+
+def peak_phases(recording: Recording) -> PeakPhases:
+    """The first update's peak kept apart from the steady state's (warm-up hides one-time
+    allocations such as the optimizer's moments, the seeds warn)."""
+    steps = recording.steps
+    if not steps:
+        return PeakPhases(first_step=None, steady=None)
+    if attached_late(recording):  # `memtui attach` into a running job: its first update is past
+        return PeakPhases(first_step=None, steady=max(step.peak.total for step in steps))
+    later = [step.peak.total for step in steps[1:]]
+    return PeakPhases(first_step=steps[0].peak.total, steady=max(later) if later else None)
+
+
+def attached_late(recording: Recording) -> bool:
+    """Whether the agent was injected into a job that had already stepped (`memtui attach`):
+    its first step then carries no forecast, the first update being in the past."""
+    kinds = {alert.kind for alert in recording.steps[0].alerts} if recording.steps else set()
+    return ATTACHED_ALERT in kinds and "first_step_forecast" not in kinds
+
+
+def pile_peaks(recording: Recording) -> dict[str, int]:
+    """Each pile's highest value over the whole run."""
+    return {
+        pile: max((getattr(step.max, pile) for step in recording.steps), default=0)
+        for pile in PILES
+    }
+
+
+def activation_line(steps: list[Step]) -> str | None:
+    """How many steps' activations were measured, carried from a measured step, or not known
+    (`--activations auto` measures the steps that can differ); None when every step was."""
+    carried = sum(1 for s in steps if not s.activations_measured and s.activations_from is not None)
+    unknown = sum(1 for s in steps if not s.activations_measured and s.activations_from is None)
+    if not carried and not unknown:
+        return None
+    line = f"activations: measured on {len(steps) - carried - unknown} steps"
+    if carried:
+        line += f", carried on {carried} (each repeats a measured step's figures)"
+    if unknown:
+        line += f", not measured on {unknown}"
+    return line
+
+
+def render_text(recording: Recording, binary: bool = True) -> str:
+    """The readable summary: how it ended first, then the piles, the first step, alerts."""
+    report = report_of(recording)
+    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    lines = []
+    ending = report.exit
+    headline = f"job {ending.status}"
+    if ending.code is not None:
+        headline += f" (exit code {ending.code})"
+    if ending.status not in (ExitStatus.OK, ExitStatus.RUNNING):
+        where = f" in {ending.phase}" if ending.phase else ""
+        headline += f" at step {ending.step}{where}"
+        if ending.error:
+            headline += f": {ending.error}"
+    fatal = [alert for alert in report.alerts if alert.kind == AlertKind.OOM]
+    for alert in fatal:
+        lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")
+    lines.append(headline)
+    hello = recording.hello
+    lines.append(
+        f"command: {' '.join(hello.argv)}  (pid {hello.pid}, torch {hello.torch}, "
+        f"{hello.device}, started {hello.started})"
+    )
+    steps = recording.steps
+    lines.append(
+        f"steps: {len(steps)}"
+        + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
+    )
+    measured = activation_line(steps)
+    if measured is not None:
+        lines.append(measured)
+    names = report.optimizers
+    if len(names) > 1:
+        lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))
+    rule = report.step_rule
+    if rule is not None and (len(names) != 1 or "backward" in rule):
+        lines.append(f"  ({rule})")
+    if steps:
+        peaks = pile_peaks(recording)
+        top = max(steps, key=lambda step: step.peak.total)
+        lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
+        phases = peak_phases(recording)
+        steady = phases.steady
+        if phases.first_step is None:
+            lines.append(f"peak after the attach: {size(steady)} (the first update was earlier)")
+        else:
+            lines.append(
+                f"first update peak: {size(phases.first_step)}; steady-state peak (steps 2+): "
+                + (size(steady) if steady is not None else "n/a (one step)")
+            )
+        lines.append("pile              highest in run   at peak")
+        for pile in PILES:
+            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")
+        last = steps[-1]
+        lines.extend(distributed_notes(last, binary))
+        lines.append(f"host RSS at last step: {size(last.host.rss)}")
+        losses = [step.loss for step in steps if step.loss is not None]
+        if losses:
+            lines.append(f"loss: {losses[0]:.4g} at first step, {losses[-1]:.4g} at last")
+    other_alerts = [alert for alert in report.alerts if alert.kind != AlertKind.OOM]
+    if other_alerts:
+        lines.append(f"alerts: {len(other_alerts)}")
+        for alert in other_alerts[:20]:
+            where = f" [{alert.where}]" if alert.where else ""
+            lines.append(f"  step {alert.step}: {alert.kind}{where}: {alert.message}")
+    lines.extend(events_text(steps, recording.end, binary))
+    for error in report.agent_errors:
+        lines.append(f"agent: {error.component} turned off: {error.message}")
+    return "\n".join(lines)

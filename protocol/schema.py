@@ -1,0 +1,491 @@
+"""Every message the agent emits, shared by the agent and the viewer.
+
+This module is the single source of truth for the wire and the recording: a recording is the
+preamble followed by exactly the messages a socket viewer receives, so live and replay feed the
+same model. It depends only on the standard library and msgspec, because it is imported both
+inside the training process (where torch is present) and by `memtui replay`/`report` (where torch
+may not be installed).
+
+Compatibility rules: new fields get defaults and go last; a change that an older reader cannot
+ignore bumps `FORMAT_VERSION`, which readers check before decoding anything else.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import msgspec
+
+FORMAT_VERSION = 1
+"""Version of the framing and of the message set below."""
+
+MAX_ITEMS = 4096
+"""The most entries a reader accepts in one list or map of a message (alerts, dtypes, top
+modules, allocation events, argv). msgspec checks a declared length before it builds anything,
+so a 15 MiB frame of tiny items is refused instead of costing gigabytes of Python objects. The
+agent's own lists are far smaller (10 top modules, 10 allocation lines, a few alerts)."""
+MAX_NAMES = 1 << 20
+"""The most names one `Names` frame may carry (a writer splits larger sets over frames)."""
+_BOUNDED = msgspec.Meta(max_length=MAX_ITEMS)
+
+
+class TextEnum(str, Enum):
+    """A str Enum that prints as its value (`f"{kind}"` is `oom`, not `AlertKind.OOM`).
+
+    Members compare equal to their strings, so code and recordings that hold the plain string
+    (older agents, msgspec decoding a `str` field) meet the enum without conversion.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Pile(TextEnum):
+    """The tracked memory piles (DESIGN.md, "Memory piles: definitions"), in display order.
+
+    `other` is derived from the allocator, never tracked, so it is not one of them.
+    """
+
+    WEIGHTS = "weights"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+
+
+PILES: tuple[str, ...] = tuple(pile.value for pile in Pile)
+"""The piles' names in display order (the field names of `Piles`), derived from `Pile`."""
+
+
+class AlertKind(TextEnum):
+    """Every kind of alert the agent and the viewer emit: one spelling each.
+
+    On the wire `Alert.kind` stays a plain string, so a kind added by a newer agent still
+    decodes (`AlertKind.parse` gives None for it and viewers show the string as it is).
+    """
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_ACTIVATION = "nonfinite_activation"
+    NONFINITE_GRADIENT = "nonfinite_gradient"
+    SKIPPED_STEP = "skipped_step"
+    CLIP_BEFORE_UNSCALE = "clip_before_unscale"
+    FIRST_STEP_FORECAST = "first_step_forecast"
+    FIRST_STEP_GROWTH = "first_step_growth"
+    OVER_BUDGET = "over_budget"
+    OOM = "oom"
+    FRAGMENTATION = "fragmentation"
+    CHECKPOINT_LIMIT = "checkpoint_limit"
+    STEP_RULE = "step_rule"
+    ACTIVATIONS_VARY = "activations_vary"
+    ATTACHED = "attached"
+    """`memtui attach` injected the agent into a running job (its first recorded step)."""
+    SNAPSHOT = "snapshot"
+    """A PyTorch memory snapshot opened as a recording: what its device held."""
+    GROUPED = "grouped"
+    """Viewer-side: alerts that follow from an earlier one, folded into one row."""
+
+    @classmethod
+    def parse(cls, text: str) -> AlertKind | None:
+        """The member for a kind read from a recording; None for one this version does not
+        know (a newer agent's), which readers keep as its string."""
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+
+
+class ActivationMode(TextEnum):
+    """When the agent arms its saved-tensor hooks (issue 15; `memtui run --activations`).
+
+    AUTO measures on the steps whose activations can differ from the last measured one and
+    carries the figure to the steps that repeat it; EVERY measures every step; OFF never
+    arms the hooks (activations read zero and `activations_measured` is false).
+    """
+
+    AUTO = "auto"
+    EVERY = "every"
+    OFF = "off"
+
+
+class NanCheck(TextEnum):
+    """How much NaN/Inf checking a step gets (`memtui run --nan-check`)."""
+
+    DEFAULT = "default"
+    """One fused check of the losses and gradients; module probes armed after an alarm."""
+    FULL = "full"
+    """Module outputs probed every step."""
+    OFF = "off"
+
+
+class ExitStatus(TextEnum):
+    """How a job ended, as the report and the screen say it (`End.status` holds the first
+    two; the rest are what a reader concludes when the final frame is missing)."""
+
+    OK = "ok"
+    ERROR = "error"
+    KILLED = "killed"
+    """No final frame and the process is gone."""
+    RUNNING = "running"
+    """No final frame yet and the process is alive."""
+    STOPPED = "stopped"
+    """Stopped from memtui (SIGTERM from the TUI's quit): the agent wrote no final frame."""
+    DETACHED = "detached"
+    """`memtui detach`: the agent left, the job carries on."""
+
+
+class Phase(str, Enum):
+    """Where the training loop was when something happened."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    BETWEEN = "between steps"
+
+
+class StepTrigger(str, Enum):
+    """What closed a step (DESIGN.md, "Steps")."""
+
+    OPTIMIZER = "optimizer"
+    """A top-level `optimizer.step()` returned, or a GradScaler skipped that optimizer."""
+    BACKWARD = "backward"
+    """No optimizer has stepped: each top-level `backward()` is a step."""
+
+
+class Piles(msgspec.Struct, array_like=True, frozen=True):
+    """Bytes in each tracked pile, sent as a 4-element array to keep frames small."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of the four tracked piles."""
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    def as_dict(self) -> dict[str, int]:
+        """The piles keyed by their report names."""
+        return {name: getattr(self, name) for name in PILES}
+
+
+class DtypeStat(msgspec.Struct, array_like=True, frozen=True):
+    """Bytes and number of unique storages of one dtype within one pile."""
+
+    bytes: int
+    count: int
+
+
+class Allocator(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Device-side counters; every field is None where the counter does not exist (CPU).
+
+    The first six are the report contract. The rest come from the caching allocator's own
+    statistics: `active`, `peak_reserved`, `inactive_split` (bytes of split blocks that are free:
+    fragmentation) at close; the event counts are per step (differences of cumulative counters).
+    `peak_exact` says whether `peak_allocated` is this step's own peak (see allocator.py).
+    `nvml_note` explains a missing or approximate process figure (PID namespace, no NVML).
+    """
+
+    allocated: int | None = None
+    reserved: int | None = None
+    peak_allocated: int | None = None
+    process_gpu: int | None = None
+    device_used: int | None = None
+    device_total: int | None = None
+    active: int | None = None
+    peak_reserved: int | None = None
+    inactive_split: int | None = None
+    peak_exact: bool | None = None
+    phase_peaks: Annotated[dict[str, int], _BOUNDED] | None = None
+    allocations: int | None = None
+    frees: int | None = None
+    alloc_bytes: int | None = None
+    freed_bytes: int | None = None
+    segment_allocs: int | None = None
+    segment_frees: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    nvml_note: str | None = None
+
+
+class Host(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Host memory of the training process and of the machine."""
+
+    rss: int = 0
+    system_total: int | None = None
+    system_used: int | None = None
+
+
+class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Something the user should act on. `kind` is one of DESIGN.md's alert kinds.
+
+    `group` is the step of an earlier alert this one follows from (e.g. every step after the
+    weights turned non-finite), so viewers can fold it under that first alert.
+    """
+
+    kind: str
+    """An `AlertKind` value; a plain string on the wire so newer kinds still decode."""
+    message: str
+    where: str | None = None
+    group: int | None = None
+
+
+ATTACHED_ALERT = AlertKind.ATTACHED.value
+"""Alert kind of the first step of an agent `memtui attach` injected into a running job."""
+
+
+class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
+    """Saved-activation bytes attributed to one module (by id from a `Names` message)."""
+
+    module: int
+    bytes: int
+
+
+class AllocEvent(msgspec.Struct, array_like=True, frozen=True):
+    """Allocator events of one size from one source line, folded (`--alloc-events`).
+
+    `where` is `file:line function` of the innermost frame outside torch and the agent, or ""
+    when the allocator recorded no stack for the event.
+    """
+
+    size: int
+    count: int
+    where: str
+
+
+class AllocEvents(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The allocator's history ring drained at a step close (`--alloc-events`, CUDA only).
+
+    Bounded: at most a few `largest` allocations and `segments` (segment growth: cudaMalloc or
+    an expandable segment's new mapping), with totals for all of them. `oom` is the failed
+    request (`count`: out-of-memory events in the step), `oom_free` what the device had free.
+    `lost`: allocations of the step that the bounded ring did not keep (from the allocator's own
+    counters); `overflowed`: the ring wrapped, so the step's earliest events are missing.
+    """
+
+    largest: Annotated[list[AllocEvent], _BOUNDED] = []
+    segments: Annotated[list[AllocEvent], _BOUNDED] = []
+    allocations: int = 0
+    alloc_bytes: int = 0
+    segment_allocs: int = 0
+    segment_bytes: int = 0
+    oom: AllocEvent | None = None
+    oom_free: int | None = None
+    lost: int = 0
+    overflowed: bool = False
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
+    """First message of every stream and recording: who the job is."""
+
+    format_version: int
+    agent_version: str
+    pid: int
+    argv: Annotated[list[str], _BOUNDED]
+    started: str
+    started_unix: float
+    torch: str = ""
+    device: str = "cpu"
+    python: str = ""
+    hostname: str = ""
+    cwd: str = ""
+    recording: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    budget: int | None = None
+    process_create_time: float | None = None
+
+
+class Names(msgspec.Struct, tag="names", frozen=True):
+    """Names sent once and referenced by id afterwards (`first_id` + position)."""
+
+    kind: str
+    first_id: int
+    names: Annotated[list[str], msgspec.Meta(max_length=MAX_NAMES)]
+
+
+class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Memory data-parallel wrappers hold outside the four piles (agent/job/distributed.py).
+
+    `ddp_buckets`: bytes of DDP's gradient buckets; `ddp_bucket_view`: whether the gradients
+    are views into them (`gradient_as_bucket_view=True`); `ddp_in_gradients`: the part of the
+    buckets the gradients pile already counts. `fsdp_gathered`: FSDP2's unsharded (all-gathered)
+    parameters at close; `fsdp_gathered_max`: the highest sampled during the step.
+    """
+
+    ddp_buckets: int | None = None
+    ddp_bucket_view: bool | None = None
+    ddp_in_gradients: int | None = None
+    fsdp_gathered: int | None = None
+    fsdp_gathered_max: int | None = None
+
+    def untracked_buckets(self) -> int:
+        """DDP bucket bytes the gradients pile does not already count (all of them unless the
+        gradients are views into the buckets)."""
+        return max(0, (self.ddp_buckets or 0) - (self.ddp_in_gradients or 0))
+
+    def untracked(self) -> int:
+        """Bytes of these that no pile counts (to take out of the allocator's `other`)."""
+        return self.untracked_buckets() + (self.fsdp_gathered_max or 0)
+
+
+class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Values of an earlier step that were still on the GPU when its frame was written.
+
+    A step's frame is written as its `optimizer.step()` returns, before control goes back to
+    the job, so a kill right after a step never loses it. A loss or GradScaler scale held in
+    device memory cannot be read then without waiting for the device; it is copied to the host
+    behind an event instead, and carried by a later frame (`Step.late`, `End.late`) once there.
+    Readers fold it into the step it names with `apply_late`. On a CPU job there is none.
+    """
+
+    step: int
+    loss: float | None = None
+    scale: float | None = None
+    alerts: list[Alert] = []
+
+
+class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
+    """One closed optimizer step (or one GradScaler-skipped update).
+
+    `end` is taken when the step closes; `max` is each pile's high-water mark during the step;
+    `peak` is the pile composition at the moment the tracked total was highest. `dtypes` is the
+    inventory at close for weights, gradients and optimizer state, and at the pile's high-water
+    mark for activations (which are normally freed by the time the step closes).
+    """
+
+    step: int
+    t_start: float
+    t_end: float
+    end: Piles
+    max: Piles
+    peak: Piles
+    microbatches: int = 0
+    skipped: bool = False
+    dtypes: Annotated[dict[str, Annotated[dict[str, DtypeStat], _BOUNDED]], _BOUNDED] = {}
+    allocator: Allocator = Allocator()
+    host: Host = Host()
+    loss: float | None = None
+    scale: float | None = None
+    alerts: Annotated[list[Alert], _BOUNDED] = []
+    top_activations: Annotated[list[ModuleBytes], _BOUNDED] = []
+    dropped: int = 0
+    distributed: Distributed | None = None
+    alloc_events: AllocEvents | None = None
+    closed_by: StepTrigger = StepTrigger.OPTIMIZER
+    optimizer: str | None = None
+    """The optimizer whose `step()` closed this frame, as `AdamW#1` (class, index in order of
+    first step); None when a backward closed it."""
+    optimizer_step: int | None = None
+    """This optimizer's own step count (1 for its first `step()`)."""
+    activations_measured: bool = True
+    """Whether this step's activations were measured (saved-tensor hooks armed, issue 15);
+    False: carried from step `activations_from`, or not measured at all (`--activations off`).
+    Recordings of older agents measured every step."""
+    activations_from: int | None = None
+    """The measured step whose activation figures this one repeats and carries; None with
+    `activations_measured` False means they are not known (measured in part, or off)."""
+    late: list[StepLate] = []
+    """Device values of earlier steps that reached the host since (see `StepLate`)."""
+
+
+LATE_SEARCH = 64
+"""How far back a late value may point: the agent never keeps more steps pending."""
+
+
+def apply_late(steps: list[Step], late: list[StepLate]) -> list[tuple[int, Alert]]:
+    """Fold late device values into the steps they name, in place (one fold for every reader).
+
+    Returns the alerts that arrived late, with their step, for readers that index alerts. A
+    value for a step the reader no longer holds (trimmed history) is ignored.
+    """
+    added: list[tuple[int, Alert]] = []
+    for values in late:
+        for index in range(len(steps) - 1, max(-1, len(steps) - 1 - LATE_SEARCH), -1):
+            step = steps[index]
+            if step.step != values.step:
+                continue
+            steps[index] = msgspec.structs.replace(
+                step,
+                loss=values.loss if values.loss is not None else step.loss,
+                scale=values.scale if values.scale is not None else step.scale,
+                alerts=[*step.alerts, *values.alerts],
+            )
+            added.extend((values.step, alert) for alert in values.alerts)
+            break
+    return added
+
+
+class AlertNow(msgspec.Struct, tag="alert", frozen=True):
+    """An alert that cannot wait for its step to close (a forecast over budget, say)."""
+
+    time: float
+    step: int
+    alert: Alert
+
+
+class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
+    """Live piles between step closes, at most about once a second.
+
+    Jobs without an optimizer (inference, evaluation) and very long steps still show progress.
+    """
+
+    time: float
+    piles: Piles
+    phase: str = Phase.BETWEEN.value
+    step: int = 0
+    host: Host = Host()
+
+
+VIEWER_CLOSED = "viewer"
+"""`AgentError.component` of the last frame a job sends a viewer it refuses (too many viewers)
+or drops (too far behind); the message is the one line the viewer shows."""
+
+
+class AgentError(msgspec.Struct, tag="agent_error", frozen=True):
+    """A part of the agent failed and disabled itself; the job goes on."""
+
+    time: float
+    component: str
+    message: str
+
+
+class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
+    """Last message: how the job ended (`status`: an `ExitStatus` value). Its absence means
+    the process was killed.
+
+    `alloc_events` (with `--alloc-events`) covers the step that never closed: the allocations
+    since the last close, up to the out-of-memory that ended the job.
+    """
+
+    time: float
+    status: str
+    code: int | None = None
+    error_type: str | None = None
+    error: str | None = None
+    step: int | None = None
+    phase: str | None = None
+    oom: bool = False
+    piles: Piles | None = None
+    alerts: Annotated[list[Alert], _BOUNDED] = []
+    requested: int | None = None
+    alloc_events: AllocEvents | None = None
+    late: list[StepLate] = []
+    """Device values of the last steps, read as the job ended (see `StepLate`)."""
+
+    def describe_error(self) -> str | None:
+        """The error in one line, as every reader shows it: `Type: message`, or the type
+        alone where the message is empty or just repeats it (`KeyboardInterrupt`)."""
+        if self.error_type is None:
+            return self.error
+        if not self.error or self.error == self.error_type:
+            return self.error_type
+        return f"{self.error_type}: {self.error}"
+
+
+Message = Hello | Names | Step | Tick | AgentError | End | AlertNow
+"""Every message type, as a tagged union decoded by `wire`."""
