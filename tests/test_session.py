@@ -66,7 +66,10 @@ def test_ingest_puts_the_cursor_on_the_last_step(demo_messages: list[schema.Mess
     assert view.job == "python train.py"
     assert view.title == "pid 4242 · cpu · torch 2.13.0+cpu"
     assert view.steps_per_second == pytest.approx(4.0)
-    assert view.top_activations[0][0] == "blocks.0.mlp"
+    assert view.top_activations[0][1:] == (
+        "blocks.0.mlp",
+        session.steps[-1].top_activations[0].bytes,
+    )
     assert view.microbatches == 2
 
 

@@ -26,6 +26,7 @@ from memtui.model.step_rows import (
     gap_rows,
     module_label,
     pile_rows,
+    top_activation_rows,
 )
 from memtui_protocol import schema
 from memtui_protocol.schema import ExitStatus
@@ -56,7 +57,9 @@ class ViewState:
     piles: tuple[PileRow, ...]
     gap: tuple[GapRow, ...]
     dtypes: tuple[tuple[str, str, int, int], ...]
-    top_activations: tuple[tuple[str, int], ...]
+    top_activations: tuple[tuple[str, str, int], ...]
+    """(row key, module label, bytes): keyed by module id, because labels repeat (two root
+    models of one class name both their trees from the root)."""
     alerts: tuple[AlertRow, ...]
     timeline_steps: tuple[int, ...]
     timeline_piles: tuple[tuple[int, int, int, int], ...]
@@ -344,10 +347,7 @@ class Session:
             piles=pile_rows(step, self._live_piles() if step is None else None),
             gap=gap_rows(step, self._live_piles() if step is None else None),
             dtypes=dtype_rows(step),
-            top_activations=tuple(
-                (self.module_label(item.module), item.bytes)
-                for item in (step.top_activations if step is not None else [])
-            ),
+            top_activations=top_activation_rows(step, self.module_names),
             alerts=folded_alerts(self.alerts[-2000:])[:500],
             timeline_steps=tuple(item.step for item in window),
             timeline_allocated=tuple(item.allocator.allocated for item in window),

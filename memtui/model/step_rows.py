@@ -59,6 +59,27 @@ class AlertRow:
     """Stable while the alert is on screen: the table keeps its cursor on it as alerts come."""
 
 
+def top_activation_rows(
+    step: schema.Step | None, names: dict[int, str]
+) -> tuple[tuple[str, str, int], ...]:
+    """(row key, label, bytes) of the step's top activations, keyed by module id.
+
+    Two modules may share a label (two root models of one class), never an id; should a damaged
+    recording list one id twice, the repeat gets a key of its own instead of a crash.
+    """
+    if step is None:
+        return ()
+    rows = []
+    keys: set[str] = set()
+    for item in step.top_activations:
+        key = f"module-{item.module}"
+        while key in keys:
+            key += "+"
+        keys.add(key)
+        rows.append((key, module_label(names, item.module), item.bytes))
+    return tuple(rows)
+
+
 def module_label(names: dict[int, str], module_id: int) -> str:
     """Qualified module name for an id; activations packed outside any module get a label."""
     if module_id < 0:

@@ -313,8 +313,8 @@ class TopActivations(PanelTable):
         sync_rows(
             self,
             (
-                (name, (plain(name), Text(_size(size, view.binary), justify="right")))
-                for name, size in view.top_activations
+                (key, (plain(name), Text(_size(size, view.binary), justify="right")))
+                for key, name, size in view.top_activations
             ),
         )
 
