@@ -97,7 +97,7 @@ def render_session_text(recordings: dict[str, Recording], binary: bool = True) -
     lines.append(header)
     for label, recording in recordings.items():
         peaks = pile_peaks(recording)
-        ending = recording.end.status if recording.end is not None else recording.status()
+        ending = recording.how_it_ended()
         lines.append(
             f"{label:<8}{len(recording.steps):>7}  "
             + "".join(f"{size(peaks[p]):>17}" for p in PILES)

@@ -96,11 +96,13 @@ def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEn
 
 
 def exit_report(recording: Recording) -> ExitEntry:
-    """How the job ended; a job with no final frame was killed (or is still running)."""
+    """How the job ended (`how_it_ended`); a job with no final frame was killed (or is still
+    running)."""
     end = recording.end
+    status = recording.how_it_ended()
     if end is not None:
         return ExitEntry(
-            status=end.status,
+            status=status,
             code=end.code,
             error=end.describe_error(),
             step=end.step,
@@ -113,7 +115,6 @@ def exit_report(recording: Recording) -> ExitEntry:
             if end.alloc_events is not None
             else msgspec.UNSET,
         )
-    status = recording.status()
     last_step = recording.steps[-1].step if recording.steps else 0
     tick = recording.last_tick
     phase = tick.phase if tick is not None and tick.time >= _last_step_time(recording) else None
