@@ -402,7 +402,8 @@ def snapshot_messages(
         messages.append(
             schema.Step(number, written, written, zero, zero, zero, allocator=allocator)
         )
-        alert = schema.Alert(kind="snapshot", message=describe_device(device))
+        alert = schema.Alert(kind=schema.AlertKind.SNAPSHOT.value, message=describe_device(device))
         messages.append(schema.AlertNow(time=written, step=number, alert=alert))
-    messages.append(schema.End(time=written, status="ok", step=len(summary.devices)))
+    ok = schema.ExitStatus.OK.value
+    messages.append(schema.End(time=written, status=ok, step=len(summary.devices)))
     return messages

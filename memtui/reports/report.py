@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
-from memtui.model.recording import Recording
+from memtui.model.recording import Recording, StepAlert
 from memtui.model.step_rows import distributed_notes
 from memtui.reports.report_format import (
     AgentErrorEntry,
@@ -28,9 +28,7 @@ from memtui.reports.report_format import (
     StepEntry,
 )
 from memtui_protocol.schema import (
-    ATTACHED_ALERT,
     PILES,
-    Alert,
     AlertKind,
     ExitStatus,
     Piles,
@@ -53,7 +51,7 @@ def _piles(piles: Piles) -> PileBytes:
     return PileBytes(**piles.as_dict())
 
 
-def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEntry:
+def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> StepEntry:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
     return StepEntry(
         step=step.step,
@@ -86,8 +84,13 @@ def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEn
         ],
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
         alerts=[
-            AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
-            for alert in alerts
+            AlertEntry(
+                kind=item.kind,
+                message=item.alert.message,
+                where=item.alert.where,
+                group=item.alert.group,
+            )
+            for item in alerts
         ],
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
@@ -138,28 +141,29 @@ def _last_step_time(recording: Recording) -> float:
     return recording.steps[-1].t_end if recording.steps else 0.0
 
 
-def alert_entry(step: int | None, alert: Alert) -> RunAlert:
+def alert_entry(item: StepAlert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
+    alert = item.alert
     return RunAlert(
-        step=step, kind=alert.kind, message=alert.message, where=alert.where, group=alert.group
+        step=item.step, kind=item.kind, message=alert.message, where=alert.where, group=alert.group
     )
 
 
 def all_alerts(recording: Recording) -> list[RunAlert]:
     """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
     before their step's own alerts, the job's fatal alerts (OOM) last."""
-    alerts = [alert_entry(item.step, item.alert) for item in recording.alerts if not item.final]
+    alerts = [alert_entry(item) for item in recording.alerts if not item.final]
     alerts.sort(key=lambda entry: entry.step or 0)
-    alerts.extend(alert_entry(item.step, item.alert) for item in recording.alerts if item.final)
+    alerts.extend(alert_entry(item) for item in recording.alerts if item.final)
     return alerts
 
 
-def step_alerts(recording: Recording) -> dict[int, list[Alert]]:
+def step_alerts(recording: Recording) -> dict[int, list[StepAlert]]:
     """Each closed step's alerts: raised early, with the step, or when its late values came."""
-    by_step: dict[int, list[Alert]] = {}
+    by_step: dict[int, list[StepAlert]] = {}
     for item in recording.alerts:
         if item.step is not None and not item.final:
-            by_step.setdefault(item.step, []).append(item.alert)
+            by_step.setdefault(item.step, []).append(item)
     return by_step
 
 
@@ -235,8 +239,10 @@ def peak_phases(recording: Recording) -> PeakPhases:
 def attached_late(recording: Recording) -> bool:
     """Whether the agent was injected into a job that had already stepped (`memtui attach`):
     its first step then carries no forecast, the first update being in the past."""
-    kinds = {alert.kind for alert in recording.steps[0].alerts} if recording.steps else set()
-    return ATTACHED_ALERT in kinds and "first_step_forecast" not in kinds
+    if not recording.steps:
+        return False
+    kinds = {alert.kind for alert in step_alerts(recording).get(recording.steps[0].step, [])}
+    return AlertKind.ATTACHED in kinds and AlertKind.FIRST_STEP_FORECAST not in kinds
 
 
 def pile_peaks(recording: Recording) -> dict[str, int]:
