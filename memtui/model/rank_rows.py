@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memtui.model.step_rows import pile_of
 from memtui_protocol import schema
 from memtui_protocol.schema import Pile
 
@@ -53,7 +54,7 @@ def spread(values: dict[str, int]) -> Spread:
 
 def _latest(latest: dict[str, schema.Step | None], pile: Pile) -> dict[str, int]:
     """Each reporting rank's high of `pile` in its latest step."""
-    return {label: step.max.as_dict()[pile.value] for label, step in latest.items() if step}
+    return {label: pile_of(step.max, pile) for label, step in latest.items() if step}
 
 
 def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> tuple[RankRow, ...]:
@@ -66,8 +67,7 @@ def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> 
             leaders[pile] = pile_spread.heaviest
     rows = []
     for label, step in latest.items():
-        highs = step.max.as_dict() if step is not None else {}
-        piles = tuple((pile, highs.get(pile.value)) for pile in Pile)
+        piles = tuple((pile, pile_of(step.max, pile) if step else None) for pile in Pile)
         leads = frozenset(pile for pile, leader in leaders.items() if leader == label)
         rows.append(
             RankRow(label, step.step if step else None, piles, leads, states.get(label, ""))

@@ -176,9 +176,10 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     if step is not None and step.allocator.peak_allocated is not None:
         untracked = wrapped.untracked() if wrapped is not None else 0
         other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
-    highs = step.max.as_dict() if step is not None else {}
     values: dict[BarPart, int | None] = dict(pile_values(piles))
-    step_max: dict[BarPart, int | None] = {pile: highs.get(pile.value) for pile in Pile}
+    step_max: dict[BarPart, int | None] = {
+        pile: pile_of(step.max, pile) if step is not None else None for pile in Pile
+    }
     # The wrappers' memory: its high is the value itself (the buckets are constant, the
     # gathered parameters are already the step's highest).
     for part, value in wrapper_parts(wrapped):
@@ -205,11 +206,15 @@ def wrapper_parts(wrapped: schema.Distributed | None) -> list[tuple[Untracked, i
     return parts
 
 
+def pile_of(piles: schema.Piles, pile: Pile) -> int:
+    """One pile's bytes, read by `Pile`, never by a position in the wire's array."""
+    value: int = getattr(piles, pile.value)
+    return value
+
+
 def pile_values(piles: schema.Piles) -> tuple[tuple[Pile, int], ...]:
-    """Each pile with its bytes, in display (and stacking) order: read by `Pile`, never by a
-    position in the wire's array."""
-    named = piles.as_dict()
-    return tuple((pile, named[pile.value]) for pile in Pile)
+    """Each pile with its bytes, in display (and stacking) order."""
+    return tuple((pile, pile_of(piles, pile)) for pile in Pile)
 
 
 def distributed_notes(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:

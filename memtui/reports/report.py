@@ -11,7 +11,7 @@ import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.recording import Recording, StepAlert
-from memtui.model.step_rows import distributed_notes
+from memtui.model.step_rows import distributed_notes, pile_of
 from memtui.reports.report_format import (
     AgentErrorEntry,
     AlertEntry,
@@ -28,9 +28,9 @@ from memtui.reports.report_format import (
     StepEntry,
 )
 from memtui_protocol.schema import (
-    PILES,
     AlertKind,
     ExitStatus,
+    Pile,
     Piles,
     Step,
     StepTrigger,
@@ -65,11 +65,11 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         peak=PeakEntry(total=step.peak.total, piles=_piles(step.peak)),
         dtypes={
             pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
-            for pile in PILES
+            for pile in Pile
         },
         dtype_tensors={
             pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
-            for pile in PILES
+            for pile in Pile
         },
         allocator=AllocatorEntry(**{key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS}),
         host=HostEntry(rss=step.host.rss),
@@ -245,11 +245,10 @@ def attached_late(recording: Recording) -> bool:
     return AlertKind.ATTACHED in kinds and AlertKind.FIRST_STEP_FORECAST not in kinds
 
 
-def pile_peaks(recording: Recording) -> dict[str, int]:
+def pile_peaks(recording: Recording) -> dict[Pile, int]:
     """Each pile's highest value over the whole run."""
     return {
-        pile: max((getattr(step.max, pile) for step in recording.steps), default=0)
-        for pile in PILES
+        pile: max((pile_of(step.max, pile) for step in recording.steps), default=0) for pile in Pile
     }
 
 
@@ -319,8 +318,8 @@ def render_text(recording: Recording, binary: bool = True) -> str:
                 + (size(steady) if steady is not None else "n/a (one step)")
             )
         lines.append("pile              highest in run   at peak")
-        for pile in PILES:
-            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")
+        for pile in Pile:
+            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(pile_of(top.peak, pile)):>12}")
         last = steps[-1]
         lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")
