@@ -18,6 +18,7 @@ import pickle
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -358,7 +359,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
 
 def describe_device(device: DeviceSummary, binary: bool = True) -> str:
     """One sentence: segments, fragmentation, the largest allocation and any OOM."""
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     text = (
         f"snapshot of cuda:{device.device}: {device.segments} segments, "
         f"{size(device.reserved)} reserved, {size(device.allocated)} allocated; "

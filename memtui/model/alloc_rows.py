@@ -9,6 +9,7 @@ The step that never closed (the job died in it, usually of an OOM) comes from th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from memtui_protocol import schema
@@ -143,10 +144,7 @@ def events_text(steps: list[schema.Step], end: schema.End | None, binary: bool =
         recorded.append((unfinished_step_number(steps), end.alloc_events))
     if not recorded:
         return []
-
-    def size(value: int | None) -> str:
-        return format_bytes(value, binary)
-
+    size = partial(format_bytes, binary=binary)
     lines = [f"allocator events (--alloc-events): {len(recorded)} step(s) recorded"]
     largest = [
         (event.size, number, event) for number, events in recorded for event in events.largest

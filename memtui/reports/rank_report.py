@@ -8,6 +8,7 @@ which is where a rank that holds more (a bigger shard, an unbalanced pipeline st
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +92,7 @@ def build_session_report(recordings: dict[str, Recording]) -> dict[str, Any]:
 
 def render_session_text(recordings: dict[str, Recording], binary: bool = True) -> str:
     """A table of each rank's highest piles and how it ended, then the imbalance."""
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = [f"session of {len(recordings)} rank(s)"]
     header = f"{'rank':<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in Pile) + "  ending"
     lines.append(header)

@@ -5,6 +5,7 @@ Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -196,7 +197,8 @@ def report_of(recording: Recording) -> Report:
 
 def build_report(recording: Recording) -> dict[str, Any]:
     """The report as plain Python data (what `--json` prints, before serialising)."""
-    return msgspec.to_builtins(report_of(recording))
+    document: dict[str, Any] = msgspec.to_builtins(report_of(recording))
+    return document
 
 
 def optimizer_steps(steps: list[Step]) -> dict[str, int]:
@@ -270,7 +272,7 @@ def activation_line(steps: list[Step]) -> str | None:
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = []
     ending = report.exit
     headline = f"job {ending.status}"
