@@ -15,7 +15,7 @@ from pathlib import Path
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
 from memtui.model.recording import Recording, apply
-from memtui.model.step_rows import AlertRow, folded_alerts, module_label
+from memtui.model.step_rows import AlertRow, folded_alerts
 from memtui.model.view_state import (
     AlertsView,
     AllocationsView,
@@ -333,10 +333,6 @@ class Session:
             unfinished_step_number(self.steps) if end_events is not None else None,
             has_step=step is not None,
         )
-
-    def module_label(self, module_id: int) -> str:
-        """Qualified module name for an id."""
-        return module_label(self.module_names, module_id)
 
     def _live_piles(self) -> schema.Piles | None:
         return self.last_tick.piles if self.last_tick is not None else None
