@@ -279,11 +279,15 @@ def make_step() -> Callable[[int], schema.Step]:
     return fixture_builder.make_step
 
 
-async def settle(pilot: Pilot[Any]) -> None:
+async def settle(pilot: Pilot[Any], screen: bool = True) -> None:
     """Wait until the app's source has handed over its frames, then draw them now.
 
     The app drains its inbox on a 4 Hz timer; tests call `refresh_view()` themselves so what
     they assert on never depends on where that timer happens to be.
+
+    `screen`: settled means two equal screenshots in a row (what an SVG snapshot needs, about
+    0.1 s per screenshot at 160x48); otherwise two equal layouts in a row (every widget's
+    region and scrollable size), which is what tests of widget state and sizes need.
     """
     app: Any = pilot.app
     delivered = getattr(app.source, "delivered", None)
@@ -304,14 +308,23 @@ async def settle(pilot: Pilot[Any]) -> None:
     app.refresh_view()
     # Then wait for the layout to settle: tables that just got their rows grow on a later
     # refresh, and on a loaded machine a single pause could catch a panel still empty (a CI
-    # run saw the piles panel collapsed once). Two equal screens in a row are the settled one.
+    # run saw the piles panel collapsed once). Two equal states in a row are the settled one.
+    look = app.export_screenshot if screen else (lambda: _layout(app))
     previous = None
     for _ in range(50):
         await pilot.pause(0.02)
-        screen = app.export_screenshot()
-        if screen == previous:
+        state = look()
+        if state == previous:
             break
-        previous = screen
+        previous = state
+
+
+def _layout(app: Any) -> list[tuple[int, Any, Any]]:
+    """Where every widget on screen is and how much it holds: what a layout pass changes."""
+    return [
+        (id(widget), widget.region, widget.virtual_size)
+        for widget in app.screen.walk_children(with_self=True)
+    ]
 
 
 async def close_source(pilot: Pilot[Any]) -> None:
@@ -346,7 +359,7 @@ def drive(
     async def scenario() -> None:
         async with app.run_test(size=size) as pilot:
             try:
-                await settle(pilot)
+                await settle(pilot, screen=False)
                 await body(pilot)
             finally:
                 await close_source(pilot)

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from textual.pilot import Pilot
 
-from memtui.model.alloc_rows import alloc_rows, events_dict, events_text
+from memtui.model.alloc_rows import AllocKind, alloc_rows, events_dict, events_text
 from memtui.model.recording import Recording, read_recording
 from memtui.model.session import Session
 from memtui.reports.report import build_report, render_text
@@ -509,30 +509,40 @@ def recorded_messages(builder: Any, with_events: bool = True) -> list[schema.Mes
 def test_session_lists_the_cursor_steps_events_and_the_unfinished_step(builder: Any) -> None:
     session = Session(live=False)
     session.ingest(recorded_messages(builder))
-    rows = session.view_state().alloc_rows
-    kinds = [row.kind for row in rows]
+    rows = session.view_state().allocations.rows
+    labels = [row.label for row in rows]
     # The newest step, then the step the job died in, OOM first among its rows.
-    assert kinds[:4] == ["step", "alloc", "alloc", "ring full"]
-    assert kinds[4:7] == ["step 5 (never closed)", "OOM", "alloc"]
+    assert labels[:4] == ["step", "alloc", "alloc", "ring full"]
+    assert labels[4:7] == ["step 5 (never closed)", "OOM", "alloc"]
+    assert [row.kind for row in rows[:7]] == [
+        AllocKind.HEADING,
+        AllocKind.ALLOC,
+        AllocKind.ALLOC,
+        AllocKind.RING_FULL,
+        AllocKind.HEADING,
+        AllocKind.OOM,
+        AllocKind.ALLOC,
+    ]
     oom = rows[5]
     assert oom.size == 6 * 2**30 and "model.py:57 forward" in oom.where
     assert "512.00 MiB free on the device" in oom.where
     session.move(-2)
-    rows = session.view_state().alloc_rows
-    assert [row.kind for row in rows] == ["step", "alloc", "alloc", "segment +"]
+    rows = session.view_state().allocations.rows
+    assert [row.label for row in rows] == ["step", "alloc", "alloc", "segment +"]
+    assert rows[-1].kind is AllocKind.SEGMENT
     assert rows[1].size == 2 * 64 * MIB and rows[1].count == 12
 
 
 def test_session_without_events_has_no_allocation_rows(builder: Any) -> None:
     session = Session(live=False)
     session.ingest(recorded_messages(builder, with_events=False))
-    snap = session.view_state()
-    assert not snap.alloc_recorded and snap.alloc_rows == ()
+    snap = session.view_state().allocations
+    assert not snap.recorded and snap.rows == ()
 
 
 def test_rows_say_when_a_step_has_no_history() -> None:
-    assert [row.kind for row in alloc_rows(None)] == ["none"]
-    assert [row.kind for row in alloc_rows(None, unfinished=OOM_EVENTS, has_step=False)][:2] == [
+    assert [(row.kind, row.label) for row in alloc_rows(None)] == [(AllocKind.NONE, "none")]
+    assert [row.label for row in alloc_rows(None, unfinished=OOM_EVENTS, has_step=False)][:2] == [
         "last step (never closed)",
         "OOM",
     ]

@@ -8,10 +8,12 @@ checked through the pure function and the important ones again through the real 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,7 +214,8 @@ def test_cli_adapter_and_text() -> None:
         (["--params", "1B", "--zero", "4"], "invalid choice: 4"),
         ([], "one of the arguments --params --model is required"),
         (["--params", "1B", "--model", "m:f"], "not allowed with"),
-        (["--model", "no_colon"], "module:callable"),
+        # The counting child imports torch (2-3 s) before it reads the spec: the full run's.
+        pytest.param(["--model", "no_colon"], "module:callable", marks=pytest.mark.slow),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], fragment: str) -> None:
@@ -292,14 +295,60 @@ def test_model_text_names_its_source(models: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
-        ("no_such_module:build", "cannot import 'no_such_module'"),
-        ("my_models:missing", "'my_models' has no attribute 'missing'"),
+        # One child end to end in the inner loop (each imports torch: 2-3 s); the child's own
+        # wording of the other failures in the full run. The relay itself is tested below.
         ("my_models:broken", "my_models:broken raised RuntimeError: checkpoint not found"),
-        ("my_models:not_a_model", "returned int, not a torch.nn.Module"),
+        *(
+            pytest.param(spec, fragment, marks=pytest.mark.slow)
+            for spec, fragment in (
+                ("no_such_module:build", "cannot import 'no_such_module'"),
+                ("my_models:missing", "'my_models' has no attribute 'missing'"),
+                ("my_models:not_a_model", "returned int, not a torch.nn.Module"),
+            )
+        ),
     ],
 )
 def test_model_errors_are_one_line(models: Path, spec: str, fragment: str) -> None:
     _assert_one_line_error(_memtui("--model", spec, cwd=models), fragment)
+
+
+class _Failed(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("child", "said"),
+    [
+        ("import sys; print('noise', file=sys.stderr); sys.exit('its one line')", "its one line"),
+        ("import sys; sys.exit(3)", "counting m:f failed (3)"),
+        ("print('not json')", "m:f printed nothing"),
+        ("pass", "m:f printed nothing"),
+    ],
+)
+def test_a_failing_child_is_relayed_as_its_last_line(
+    monkeypatch: pytest.MonkeyPatch, child: str, said: str
+) -> None:
+    """The viewer's half of `--model`: whatever the counting child does, one line comes back
+    (its last stderr line, or why there is none), never a traceback."""
+    from memtui.reports import model_count
+
+    real_run = subprocess.run
+
+    def run(command: list[str], **options: Any) -> Any:
+        assert command[:2] == [sys.executable, "-m"]
+        return real_run([sys.executable, "-c", child], **options)
+
+    monkeypatch.setattr(model_count.subprocess, "run", run)
+    with pytest.raises(_Failed, match=f"^{re.escape(said)}$"):
+        model_count.child_json(["some.module"], "counting m:f", "m:f printed nothing", _Failed)
+    monkeypatch.setattr(
+        model_count.subprocess,
+        "run",
+        lambda command, **options: real_run(
+            [sys.executable, "-c", "print('x'); print('{\"params\": 5}')"], **options
+        ),
+    )
+    assert model_count.child_json(["m"], "d", "s", _Failed) == {"params": 5}
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from memtui.input.recording_file import RecordingError
 from memtui.model.recording import Recording, apply, read_recording
 from memtui.reports.report import build_report, render_text
 from memtui_protocol import schema, wire
+from memtui_protocol.schema import ExitStatus
 
 FUZZ = settings(max_examples=250, deadline=1000, database=None)
 """Moderate example counts and a 1 s deadline: a parser that hangs or crawls fails here."""
@@ -743,7 +744,7 @@ def test_status_of_a_recording_with_an_impossible_pid_is_killed(tmp_path: Path, 
     """A recording's pid is data from a file: a value no process can have means 'killed'."""
     path = tmp_path / "pid.memtui"
     path.write_bytes(_crafted_hello(pid))
-    assert read_recording(path).status() == "killed"
+    assert read_recording(path).how_it_ended() is ExitStatus.KILLED
 
 
 def _report_cli(path: Path) -> subprocess.CompletedProcess[str]:

@@ -341,7 +341,7 @@ def test_the_viewer_names_the_optimizer_only_where_several_step(
         found = []
         for index in range(len(steps)):
             session.cursor = index
-            found.append(session.view_state().step_owner)
+            found.append(session.view_state().piles.step_owner)
         return found
 
     def step(number: int, **fields: Any) -> schema.Step:

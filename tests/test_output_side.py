@@ -28,6 +28,7 @@ from memtui_agent.output.socket_server import (
 )
 from memtui_protocol import schema, wire
 from memtui_protocol.safe_open import RefusedPath, create_private
+from memtui_protocol.schema import ExitStatus
 
 TRAIN = """
 import os, signal, sys
@@ -85,7 +86,7 @@ def test_sigkill_right_after_a_step_never_loses_that_step(tmp_path: Path) -> Non
         recording = read_recording(folder / "rec.memtui")
         assert [step.step for step in recording.steps] == list(range(1, kill_after + 1))
         assert recording.steps[-1].loss is not None  # a CPU loss is read at close
-        assert recording.status() == "killed"
+        assert recording.how_it_ended() is ExitStatus.KILLED
 
 
 def test_late_device_values_fold_into_their_step() -> None:

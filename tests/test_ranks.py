@@ -67,8 +67,9 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
     from memtui.commands.tui_commands import session_sources
     from memtui.tui.app import MemtuiApp
     from memtui.tui.ranks import RanksTable
-    from memtui.tui.widgets import PilesPanel
+    from memtui.tui.widgets import NotesLine, PilesPanel
     from memtui_protocol import schema, wire
+    from memtui_protocol.schema import Pile
 
     for rank, weights in (("0", 1000), ("1", 2000)):
         piles = schema.Piles(weights, 0, 0, 0)
@@ -98,20 +99,26 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
                 app.refresh_view()
             panel = app.query_one(PilesPanel)
             assert app.selected == "0" and panel.view is not None
-            assert panel.view.piles[0].at_peak == 1000
-            assert "weights 2.00x (heaviest rank 1)" in " ".join(panel.view.notes)
-            assert "gradients equal" in " ".join(panel.view.notes)
+            assert panel.view.rows[0].at_peak == 1000
+            notes = app.query_one(NotesLine).view
+            assert notes is not None
+            assert "weights 2.00x (heaviest rank 1)" in " ".join(notes.notes)
+            assert "gradients equal" in " ".join(notes.notes)
             table = app.query_one(RanksTable)
             assert table.display and table.row_count == 2
-            assert table.view is not None
-            entries = table.view.ranks
-            assert [row.piles[0] for row in entries] == [1000, 2000]
-            assert "weights" in entries[1].heaviest  # marked as the heaviest rank
-            assert "weights" not in entries[0].heaviest
+            assert table.view is not None and table.view.shown == "0"
+            entries = table.view.rows
+            assert [row.piles[0] for row in entries] == [
+                (Pile.WEIGHTS, 1000),
+                (Pile.WEIGHTS, 2000),
+            ]
+            assert Pile.WEIGHTS in entries[1].heaviest  # marked as the heaviest rank
+            assert Pile.WEIGHTS not in entries[0].heaviest
             assert str(table.get_row_at(0)[0]).startswith("▶")
             await pilot.press("r")
             assert app.selected == "1"
-            assert app.query_one(PilesPanel).view.piles[0].at_peak == 2000
+            shown = app.query_one(PilesPanel).view
+            assert shown is not None and shown.rows[0].at_peak == 2000
             await pilot.pause(0.3)
             assert str(table.get_row_at(1)[0]).startswith("▶")
             assert not str(table.get_row_at(0)[0]).startswith("▶")
@@ -142,20 +149,20 @@ def test_the_view_model_owns_every_rank_and_emits_one_view_state() -> None:
         model.ingest(rank, [hello, step])
     before = model.version
     view = model.view_state(timeline_width=40)
-    assert view.rank == "0" and [row.label for row in view.ranks] == ["0", "1"]
-    assert "weights 3.00x (heaviest rank 1)" in " ".join(view.notes)
+    assert view.ranks.shown == "0" and [row.label for row in view.ranks.rows] == ["0", "1"]
+    assert "weights 3.00x (heaviest rank 1)" in " ".join(view.notes.notes)
     model.next_rank()
     assert model.version != before
-    assert model.view_state(timeline_width=40).rank == "1"
+    assert model.view_state(timeline_width=40).ranks.shown == "1"
     model.source_ended("0", None)
     model.job_exited(143, stopped=True)
-    rows = model.view_state(timeline_width=40).ranks
+    rows = model.view_state(timeline_width=40).ranks.rows
     assert rows[0].state == "stopped from memtui (SIGTERM) (exit 143)"
-    shown = model.view_state(timeline_width=40)
-    assert (shown.status, shown.exit_status) == (JobState.LIVE, None)  # rank 1 still streams
+    shown = model.view_state(timeline_width=40).header
+    assert (shown.status, shown.ending) == (JobState.LIVE, None)  # rank 1 still streams
     model.source_ended("1", "the job closed its socket")
-    shown = model.view_state(timeline_width=40)
-    assert (shown.status, shown.exit_status) == (JobState.ENDED, ExitStatus.STOPPED)
+    shown = model.view_state(timeline_width=40).header
+    assert (shown.status, shown.ending) == (JobState.ENDED, ExitStatus.STOPPED)
 
 
 def test_attach_groups_the_ranks_of_one_job() -> None:

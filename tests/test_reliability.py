@@ -32,6 +32,7 @@ import pytest
 from memtui.input.sources import LiveSource, SourceError
 from memtui.model.recording import Recording, read_recording
 from memtui_protocol import runtime_dir, schema, wire
+from memtui_protocol.schema import ExitStatus
 
 pytestmark = pytest.mark.slow  # every test here starts a torch job in a fresh interpreter
 
@@ -720,7 +721,7 @@ def test_sigkill_at_random_moments_leaves_a_consistent_recording(tmp_path: Path)
             recording = read_recording(folder / "rec.memtui")
             assert recording.hello.pid == pid, where
             assert recording.end is None, where
-            assert recording.status() == "killed", where
+            assert recording.how_it_ended() is ExitStatus.KILLED, where
             steps = [step.step for step in recording.steps]
             assert len(steps) >= 3, where
             assert steps == list(range(1, len(steps) + 1)), where

@@ -20,6 +20,7 @@ from memtui.input.sources import ReplaySource
 from memtui.model.session import Session
 from memtui.model.step_rows import GAP_MEANINGS, gap_rows, pile_rows
 from memtui_protocol import schema, wire
+from memtui_protocol.schema import AlertKind, ExitStatus, Pile
 
 StepFactory = Callable[[int], schema.Step]
 
@@ -62,12 +63,15 @@ def test_ingest_puts_the_cursor_on_the_last_step(demo_messages: list[schema.Mess
         (17, "nonfinite_activation"),
     ]
     view = session.view_state()
-    assert (view.step, view.steps_total, view.cursor_step) == (24, 24, 24)
-    assert view.job == "python train.py"
-    assert view.title == "pid 4242 · cpu · torch 2.13.0+cpu"
-    assert view.steps_per_second == pytest.approx(4.0)
-    assert view.top_activations[0][0] == "blocks.0.mlp"
-    assert view.microbatches == 2
+    header = view.header
+    assert (header.step, header.steps_total, view.timeline.cursor_step) == (24, 24, 24)
+    assert header.job == "python train.py"
+    assert header.title == "pid 4242 · cpu · torch 2.13.0+cpu"
+    assert header.steps_per_second == pytest.approx(4.0)
+    top = view.activations.rows[0]
+    assert (top.module, top.label, top.key) == (5, "blocks.0.mlp", "module-5")
+    assert top.bytes == session.steps[-1].top_activations[0].bytes
+    assert view.piles.microbatches == 2
 
 
 def test_version_moves_only_when_something_changed(demo_messages: list[schema.Message]) -> None:
@@ -108,7 +112,7 @@ def test_moving_without_steps_is_harmless() -> None:
     session.next_alert(1)
     assert session.cursor is None
     view = session.view_state()
-    assert view.step is None and view.piles == () and view.gap == ()
+    assert view.header.step is None and view.piles.rows == () and view.gap.rows == ()
 
 
 def test_alert_navigation_lands_on_alert_steps(demo_messages: list[schema.Message]) -> None:
@@ -128,19 +132,23 @@ def test_alert_navigation_lands_on_alert_steps(demo_messages: list[schema.Messag
 def test_alert_steps_carry_their_flags(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
     session.jump_to_step(9)
-    assert session.view_state().skipped
+    assert session.view_state().piles.skipped
     session.jump_to_step(17)
-    loss = session.view_state().loss
+    loss = session.view_state().piles.loss
     assert loss is not None and math.isnan(loss)
 
 
 def test_toggle_units_flips_binary(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
-    assert session.view_state().binary
+    assert session.view_state().piles.binary
     session.toggle_units()
-    assert not session.view_state().binary
+    view = session.view_state()
+    assert not any(
+        (view.piles.binary, view.gap.binary, view.timeline.binary, view.dtypes.binary),
+    )
+    assert not (view.activations.binary or view.allocations.binary)
     session.toggle_units()
-    assert session.view_state().binary
+    assert session.view_state().piles.binary
 
 
 def test_pause_freezes_the_cursor_and_resume_jumps_to_newest(
@@ -153,7 +161,7 @@ def test_pause_freezes_the_cursor_and_resume_jumps_to_newest(
     session.ingest([make_step(25), make_step(26)])
     assert len(session.steps) == 26
     assert cursor_step(session) == 24
-    assert session.view_state().steps_total == 26
+    assert session.view_state().header.steps_total == 26
     session.toggle_pause()
     assert session.state_text() == "live"
     assert cursor_step(session) == 26
@@ -222,7 +230,7 @@ def test_end_alerts_are_listed_under_their_step(live_messages: list[schema.Messa
     session = ingested(live_messages, live=True)
     session.ingest([schema.End(time=0.0, status="error", code=1, step=25, alerts=[oom])])
     assert session.alerts[-1].step == 25
-    assert session.view_state().alerts[0].kind == "oom"
+    assert session.view_state().alerts.rows[0].kind is AlertKind.OOM
 
 
 def test_state_text_killed_live_job(live_messages: list[schema.Message]) -> None:
@@ -236,13 +244,12 @@ def test_state_text_killed_live_job(live_messages: list[schema.Message]) -> None
 def test_the_view_state_carries_the_state_as_data(
     live_messages: list[schema.Message], demo_messages: list[schema.Message]
 ) -> None:
-    """Widgets test `status`, `exit_status` and `replay`, never the header's words."""
-    from memtui.model.job_state import JobState
-    from memtui_protocol.schema import ExitStatus
+    """Widgets test `status`, `ending` and `replay`, never the header's words."""
+    from memtui.model.job_state import Ending, JobState
 
-    def state(session: Session) -> tuple[JobState, ExitStatus | None, bool]:
-        view = session.view_state()
-        return view.status, view.exit_status, view.replay
+    def state(session: Session) -> tuple[JobState, Ending | None, bool]:
+        header = session.view_state().header
+        return header.status, header.ending, header.replay
 
     assert state(Session(live=True)) == (JobState.WAITING, None, False)
     live = ingested(live_messages, live=True)
@@ -264,7 +271,7 @@ def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
     demo_messages: list[schema.Message],
 ) -> None:
     session = ingested(demo_messages)
-    rows = session.view_state().gap
+    rows = session.view_state().gap.rows
     assert [row.label for row in rows] == [
         "tracked at step end",
         "process RSS",
@@ -331,7 +338,7 @@ def test_pile_rows_shares_sum_to_one(demo_messages: list[schema.Message]) -> Non
     session = ingested(demo_messages)
     for index in (0, 8, 12, 23):
         session.cursor = index
-        rows = session.view_state().piles
+        rows = session.view_state().piles.rows
         assert [row.name for row in rows] == [
             "weights",
             "gradients",
@@ -358,7 +365,7 @@ def test_first_step_peak_has_no_optimizer_state(demo_messages: list[schema.Messa
     """The state appears when step 1 closes: in `end` and `max`, not at the step's peak."""
     session = ingested(demo_messages)
     session.home()
-    rows = {row.name: row for row in session.view_state().piles}
+    rows = {row.name: row for row in session.view_state().piles.rows}
     assert rows["optimizer_state"].at_peak == 0
     assert rows["optimizer_state"].step_max == session.steps[0].end.optimizer_state > 0
 
@@ -366,12 +373,14 @@ def test_first_step_peak_has_no_optimizer_state(demo_messages: list[schema.Messa
 def test_bf16_phase_shows_in_dtypes(demo_messages: list[schema.Message]) -> None:
     session = ingested(demo_messages)
     session.jump_to_step(12)
-    assert ("activations", "bfloat16") not in {row[:2] for row in session.view_state().dtypes}
+    shown = {(row.pile, row.dtype) for row in session.view_state().dtypes.rows}
+    assert (Pile.ACTIVATIONS, "bfloat16") not in shown
     session.jump_to_step(13)
-    dtypes = session.view_state().dtypes
-    assert ("activations", "bfloat16") in {row[:2] for row in dtypes}
-    activations = [row for row in dtypes if row[0] == "activations"]
-    assert [row[2] for row in activations] == sorted((row[2] for row in activations), reverse=True)
+    dtypes = session.view_state().dtypes.rows
+    assert (Pile.ACTIVATIONS, "bfloat16") in {(row.pile, row.dtype) for row in dtypes}
+    activations = [row.bytes for row in dtypes if row.pile is Pile.ACTIVATIONS]
+    assert activations == sorted(activations, reverse=True)
+    assert len({row.key for row in dtypes}) == len(dtypes)
 
 
 def test_history_is_bounded(
@@ -383,7 +392,7 @@ def test_history_is_bounded(
     assert [step.step for step in session.steps] == list(range(5, 25))
     assert session.dropped_steps == 4
     assert cursor_step(session) == 24
-    assert "4 oldest steps dropped from the view" in session.view_state().notes
+    assert "4 oldest steps dropped from the view" in session.view_state().notes.notes
 
     session.jump_to_step(10)
     session.ingest([make_step(number) for number in (25, 26, 27)])
@@ -402,9 +411,9 @@ def test_thousand_steps_in_one_batch(
     assert len(session.steps) == 1000
     assert cursor_step(session) == 1000
     view = session.view_state(timeline_width=100)
-    assert len(view.timeline_steps) == 100
-    assert view.timeline_steps[-1] == 1000
-    assert view.steps_per_second == pytest.approx(4.0)
+    assert len(view.timeline.steps) == 100
+    assert view.timeline.steps[-1] == 1000
+    assert view.header.steps_per_second == pytest.approx(4.0)
     assert len(session._step_times) <= 256
 
 

@@ -11,23 +11,25 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 
 from memtui.model.session import Session
+from memtui.model.view_state import TimelineView
+from memtui.tui.palette import CARRIED_ACTIVATIONS, PILE_COLOURS
 from memtui.tui.timeline import (
     ALERT_COLOUR,
     AXIS_WIDTH,
     BLOCKS,
     CURSOR_BG,
-    PILE_COLOURS,
     PileTimeline,
-    TimelineData,
     column_cells,
     nice_scale,
     render_lines,
 )
+from memtui_protocol import schema
+from memtui_protocol.schema import Pile, Piles
 from memtui_protocol.units import format_bytes
 
-W = PILE_COLOURS["weights"]
-G = PILE_COLOURS["gradients"]
-OPT = PILE_COLOURS["optimizer_state"]
+W = PILE_COLOURS[Pile.WEIGHTS]
+G = PILE_COLOURS[Pile.GRADIENTS]
+OPT = PILE_COLOURS[Pile.OPTIMIZER_STATE]
 GIB = 2**30
 
 
@@ -49,11 +51,11 @@ def fg(style: Style) -> str | None:
     return style.color.name if style.color else None
 
 
-def small_data(**changes: object) -> TimelineData:
+def small_data(**changes: object) -> TimelineView:
     """Three steps: a full column, a half column, an empty one; cursor on the last."""
-    data = TimelineData(
+    data = TimelineView(
         steps=(1, 2, 3),
-        piles=((GIB, 0, 0, 0), (GIB // 2, 0, 0, 0), (0, 0, 0, 0)),
+        piles=(Piles(GIB), Piles(GIB // 2), Piles()),
         alerts=frozenset({2}),
         cursor_step=3,
         binary=True,
@@ -65,30 +67,30 @@ def small_data(**changes: object) -> TimelineData:
 
 
 def test_boundary_inside_a_cell_draws_lower_pile_over_upper_background() -> None:
-    assert column_cells((4, 4, 0, 0), 8, 1) == [("▄", W, G)]
+    assert column_cells(Piles(4, 4, 0, 0), 8, 1) == [("▄", W, G)]
 
 
 def test_single_pile_full_and_half() -> None:
-    assert column_cells((8, 0, 0, 0), 8, 1) == [("█", W, None)]
-    assert column_cells((4, 0, 0, 0), 8, 1) == [("▄", W, None)]
+    assert column_cells(Piles(8, 0, 0, 0), 8, 1) == [("█", W, None)]
+    assert column_cells(Piles(4, 0, 0, 0), 8, 1) == [("▄", W, None)]
 
 
 def test_rows_are_top_to_bottom() -> None:
-    assert column_cells((12, 4, 0, 0), 16, 2) == [("▄", W, G), ("█", W, None)]
-    assert column_cells((0, 0, 3, 0), 8, 2) == [(" ", None, None), ("▆", OPT, None)]
+    assert column_cells(Piles(12, 4, 0, 0), 16, 2) == [("▄", W, G), ("█", W, None)]
+    assert column_cells(Piles(0, 0, 3, 0), 8, 2) == [(" ", None, None), ("▆", OPT, None)]
 
 
 def test_a_third_pile_in_one_cell_is_skipped_deterministically() -> None:
-    assert column_cells((2, 2, 2, 2), 8, 1) == [("▂", W, G)]
+    assert column_cells(Piles(2, 2, 2, 2), 8, 1) == [("▂", W, G)]
 
 
 def test_empty_and_zero_scale() -> None:
-    assert column_cells((0, 0, 0, 0), 8, 2) == [(" ", None, None)] * 2
-    assert column_cells((5, 5, 5, 5), 0, 1) == [(" ", None, None)]
+    assert column_cells(Piles(0, 0, 0, 0), 8, 2) == [(" ", None, None)] * 2
+    assert column_cells(Piles(5, 5, 5, 5), 0, 1) == [(" ", None, None)]
 
 
 def test_values_above_scale_are_clipped() -> None:
-    assert column_cells((100, 0, 0, 0), 8, 2) == [("█", W, None)] * 2
+    assert column_cells(Piles(100, 0, 0, 0), 8, 2) == [("█", W, None)] * 2
 
 
 def test_nice_scale_rounds_up_in_the_display_unit() -> None:
@@ -113,7 +115,7 @@ def test_exact_plain_text_of_a_small_chart() -> None:
 
 
 def test_axis_label_is_format_bytes_of_the_scale() -> None:
-    data = small_data(piles=((1_400_000_000, 0, 0, 0),) * 3, binary=False)
+    data = small_data(piles=(Piles(1_400_000_000),) * 3, binary=False)
     top = render_lines(data, 30, 6)[0].plain
     assert top.startswith(format_bytes(1.5e9, False).rjust(AXIS_WIDTH - 1) + "┤")
 
@@ -139,7 +141,7 @@ def test_cursor_column_empty_cells_are_highlighted() -> None:
 
 
 def test_stacked_cell_colours_in_a_rendered_line() -> None:
-    data = small_data(piles=((GIB // 2, GIB // 2, 0, 0),) * 3)
+    data = small_data(piles=(Piles(GIB // 2, GIB // 2),) * 3)
     bottom = styled(render_lines(data, 20, 3)[0])
     char, style = bottom[AXIS_WIDTH]
     assert (char, fg(style), bg(style)) == ("▄", W, G)
@@ -147,7 +149,7 @@ def test_stacked_cell_colours_in_a_rendered_line() -> None:
 
 def test_only_the_last_steps_that_fit_and_the_cursor_label() -> None:
     steps = tuple(range(1, 101))
-    data = TimelineData(steps, ((GIB, 0, 0, 0),) * 100, frozenset(), 100, True)
+    data = TimelineView(steps, (Piles(GIB),) * 100, frozenset(), 100, True)
     lines = render_lines(data, 40, 5)
     assert len(lines[0].plain) == 40
     labels = lines[-1].plain[AXIS_WIDTH:]
@@ -166,18 +168,28 @@ def test_tiny_sizes_and_empty_data_give_one_line() -> None:
     assert [line.plain for line in render_lines(empty, 40, 10)] == ["no steps yet"]
 
 
-def test_from_view_copies_the_timeline_window() -> None:
-    view = dataclasses.replace(
-        Session().view_state(),
-        timeline_steps=(7, 8),
-        timeline_piles=((1, 2, 3, 4), (5, 6, 7, 8)),
-        timeline_alerts=frozenset({8}),
-        cursor_step=8,
-        binary=False,
-    )
-    assert TimelineData.from_view(view) == TimelineData(
-        (7, 8), ((1, 2, 3, 4), (5, 6, 7, 8)), frozenset({8}), 8, False
-    )
+def test_the_timeline_slice_is_the_window_around_the_cursor(
+    demo_messages: list[schema.Message],
+) -> None:
+    """The Session cuts the window; the slice carries each step's peak as the wire's `Piles`,
+    the steps with alerts and the carried ones, so the chart needs nothing else."""
+    session = Session(live=False)
+    session.ingest(demo_messages)
+    session.jump_to_step(20)
+    view = session.view_state(timeline_width=10).timeline
+    assert view.steps == tuple(range(11, 21))
+    assert view.piles == tuple(step.peak for step in session.steps[10:20])
+    assert view.cursor_step == 20 and view.binary
+    assert view.alerts == frozenset({1, 9, 17})
+    assert view.carried == frozenset()
+    assert view.allocated == (None,) * 10  # CPU: no allocator levels
+
+
+def test_carried_activations_are_drawn_lighter() -> None:
+    activations_only = Piles(0, 0, 0, 100)
+    assert column_cells(activations_only, 100, 2, carried=True)[0][1] == CARRIED_ACTIVATIONS
+    assert column_cells(activations_only, 100, 2)[0][1] == PILE_COLOURS[Pile.ACTIVATIONS]
+    assert column_cells(Piles(100), 100, 2, carried=True)[0][1] == W
 
 
 # ----- pilot ---------------------------------------------------------------------------------
@@ -195,7 +207,7 @@ def test_widget_renders_in_an_app() -> None:
             widget = app.query_one(PileTimeline)
             await pilot.pause()
             assert "no steps yet" in widget.render_line(0).text
-            widget.data = small_data()
+            widget.view = small_data()
             await pilot.pause()
             assert widget.size.width == 60 and widget.size.height == 12
             return "\n".join(widget.render_line(y).text for y in range(widget.size.height))
@@ -222,9 +234,9 @@ def test_gpu_steps_show_allocated_and_reserved_levels_above_the_piles() -> None:
     from memtui.tui.timeline import LEVEL_ALLOCATED, LEVEL_RESERVED
 
     gib = 2**30
-    data = TimelineData(
+    data = TimelineView(
         steps=(1, 2),
-        piles=((gib, 0, 0, 0), (gib, 0, 0, 0)),
+        piles=(Piles(gib), Piles(gib)),
         alerts=frozenset(),
         cursor_step=None,
         binary=True,
@@ -237,5 +249,5 @@ def test_gpu_steps_show_allocated_and_reserved_levels_above_the_piles() -> None:
     assert plot[1] == LEVEL_ALLOCATED * 2  # the 2 GiB line
     assert plot[2] == BLOCKS[0] * 2  # between the piles and the allocated line: "other"
     assert plot[3] == BLOCKS[8] * 2  # the piles (1 GiB) fill the bottom row
-    cpu = TimelineData(data.steps, data.piles, frozenset(), None, True)
+    cpu = TimelineView(data.steps, data.piles, frozenset(), None, True)
     assert all(LEVEL_ALLOCATED not in line.plain for line in render_lines(cpu, AXIS_WIDTH + 4, 6))

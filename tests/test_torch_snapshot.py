@@ -24,6 +24,7 @@ from memtui.input.torch_snapshot import SnapshotError, load_snapshot, snapshot_m
 from memtui.model.session import Session
 from memtui.reports.snapshot_report import build_snapshot_report, render_snapshot_text
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind
 
 MiB = 1 << 20
 TRAIN_FRAMES = [
@@ -287,11 +288,11 @@ def test_snapshot_source_feeds_the_session(snap: Path) -> None:
     for batch in batches:
         session.ingest(batch)
     session.home()
-    gap = {row.label: row for row in session.view_state().gap}
+    gap = {row.label: row for row in session.view_state().gap.rows}
     assert gap["torch allocated"].value == 26 * MiB
     assert gap["torch reserved"].value == 40 * MiB
     assert gap["torch reserved"].delta == 14 * MiB
-    assert [row.kind for row in session.alerts] == ["snapshot", "snapshot"]
+    assert [row.kind for row in session.alerts] == [AlertKind.SNAPSHOT, AlertKind.SNAPSHOT]
 
 
 def test_replay_refuses_a_foreign_pickle(
@@ -339,7 +340,8 @@ def test_replay_ui_shows_the_snapshot_in_the_gap_panel(snap: Path, tui: Any) -> 
         app.refresh_view()
         await pilot.pause()
         panel = app.query_one(GapPanel)
-        gap = {row.label: row.value for row in panel.view.gap}
+        assert panel.view is not None
+        gap = {row.label: row.value for row in panel.view.rows}
         assert (gap["torch allocated"], gap["torch reserved"]) == (26 * MiB, 40 * MiB)
         text = tui.plain(panel)
         assert "26.00 MiB" in text and "40.00 MiB" in text

@@ -16,6 +16,7 @@ from memtui.commands.bytecode import write_bytecode
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.attach import Action, Answer
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars
+from memtui_protocol.schema import NanCheck
 
 EXIT_REFUSED = 1
 STARTED_SECONDS = 120.0
@@ -70,7 +71,7 @@ def inject_agent(
     output: str | None,
     *,
     budget: int | None = None,
-    nan_check: str = "default",
+    nan_check: NanCheck = NanCheck.DEFAULT,
     seconds: float = STARTED_SECONDS,
 ) -> dict[str, Any]:
     """Inject the agent into `pid` and wait until it records (or, after `seconds`, is armed).

@@ -197,9 +197,6 @@ class Injection:
     """One request to a job: written, delivered, answered (in a private temporary folder)."""
 
     def __init__(self, target: Target, method: str, action: Action, **options: Any) -> None:
-        import msgspec
-        import psutil
-
         self.target = target
         self.method = method
         self.folder = Path(tempfile.mkdtemp(prefix="memtui-attach-"))
@@ -210,7 +207,8 @@ class Injection:
             package_dir(name) for name in ("memtui_agent", "memtui_protocol")
         )
         shutil.copyfile(agent_dir / "attach" / "boot.py", self.boot)
-        paths = {str(Path(module.__file__).parent.parent) for module in (msgspec, psutil)}
+        # Where the agent's own dependencies are installed, for the job's interpreter to find.
+        paths = {str(package_dir(name).parent) for name in ("msgspec", "psutil")}
         self.request = self.folder / "request.json"
         request = AttachRequest(
             action=action,

@@ -22,7 +22,7 @@ PACKAGES = ("memtui_protocol", "memtui_agent", "memtui")
 
 def package_folders(names: Iterable[str] = PACKAGES) -> list[Path]:
     """The source folders of the installed packages `names` (those that can be found)."""
-    folders = []
+    folders: list[Path] = []
     for name in names:
         try:
             spec = importlib.util.find_spec(name)

@@ -17,6 +17,7 @@ from memtui.exit_codes import EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.estimate import Autocast, OptimizerKind
+from memtui_protocol.schema import ActivationMode, NanCheck
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--budget", type=_size, metavar="SIZE", help="memory budget, e.g. 24GB")
     run.add_argument(
         "--nan-check",
-        choices=("default", "full", "off"),
-        default="default",
+        choices=[check.value for check in NanCheck],
+        default=NanCheck.DEFAULT.value,
         help="NaN/Inf checks: one fused check per step, module outputs armed after an alarm "
         "(default); module outputs every step (full); none (off)",
     )
@@ -194,20 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _activations_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--activations",
-        choices=("auto", "every", "off"),
-        default="auto",
+        choices=[mode.value for mode in ActivationMode],
+        default=ActivationMode.AUTO.value,
         help="measure saved activations on the steps where they can change, carried to the "
         "steps that repeat them (auto, default); on every step (every); never (off)",
     )
 
 
 def agent_config(args: argparse.Namespace) -> AgentConfig:
-    """The agent's options from `memtui run`/`demo` flags (what a subcommand lacks: default)."""
-    from memtui_protocol.schema import ActivationMode, NanCheck
-
+    """The agent's options from `memtui run`/`demo` flags (what a subcommand lacks: default):
+    the flags' strings become `NanCheck` and `ActivationMode` here, once."""
     return AgentConfig(
         budget=getattr(args, "budget", None),
-        nan_check=NanCheck(getattr(args, "nan_check", "default")),
+        nan_check=NanCheck(getattr(args, "nan_check", NanCheck.DEFAULT.value)),
         reset_peaks=getattr(args, "reset_peaks", False),
         snapshot_on_oom=getattr(args, "snapshot_on_oom", False),
         alloc_events=getattr(args, "alloc_events", False),

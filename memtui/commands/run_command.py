@@ -19,13 +19,18 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from memtui import errors
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.runtime_dir import runtime_dir
 from memtui_protocol.safe_open import refusal
+from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
+
+if TYPE_CHECKING:  # the summary's imports stay off the launcher's path (see `_outcome`)
+    from memtui.model.job_state import Ending
 
 
 class UsageError(errors.UsageError):
@@ -315,11 +320,9 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     )
 
     try:
-        status, steps, piles = _outcome(job.recording, code)
+        status, steps, piles = _outcome(job.recording, code, stopped)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    if stopped:
-        status = STOPPED_BY_MEMTUI
     lines = (
         f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
         f"memtui: recording {job.recording}  (memtui report {job.recording})"
@@ -330,8 +333,9 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     return lines
 
 
-def _outcome(path: Path, code: int | None) -> tuple[str, int, str]:
-    """(how it ended, steps, highest piles) of one recording of a job that exited with `code`.
+def _outcome(path: Path, code: int | None, stopped: bool = False) -> tuple[str, int, str]:
+    """(how it ended, steps, highest piles) of one recording of a job that exited with `code`
+    (`stopped`: memtui stopped it, which a recording without its final frame cannot say).
 
     Raises:
         RecordingError: the recording cannot be read.
@@ -342,10 +346,17 @@ def _outcome(path: Path, code: int | None) -> tuple[str, int, str]:
     recording = read_recording(path)
     peaks = pile_peaks(recording)
     piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
-    status = recording.status() if recording.end is None else recording.end.status
-    if recording.end is None and code is not None and code < 128:  # exited by itself
-        status = f"exited, recording incomplete: {incomplete_reason(path)}"
-    return str(status), len(recording.steps), piles
+    return ending_words(recording.how_it_ended(stopped), path, code), len(recording.steps), piles
+
+
+def ending_words(ending: Ending, path: Path, code: int | None) -> str:
+    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, and a job
+    that exited by itself (`code` under 128) without a final frame is not called killed."""
+    if ending is ExitStatus.STOPPED:
+        return STOPPED_BY_MEMTUI
+    if ending is ExitStatus.KILLED and code is not None and code < 128:
+        return f"exited, recording incomplete: {incomplete_reason(path)}"
+    return str(ending)
 
 
 def _session_summary(folder: Path, code: int) -> str:

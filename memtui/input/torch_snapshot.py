@@ -18,6 +18,7 @@ import pickle
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -358,7 +359,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
 
 def describe_device(device: DeviceSummary, binary: bool = True) -> str:
     """One sentence: segments, fragmentation, the largest allocation and any OOM."""
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     text = (
         f"snapshot of cuda:{device.device}: {device.segments} segments, "
         f"{size(device.reserved)} reserved, {size(device.allocated)} allocated; "
@@ -402,7 +403,8 @@ def snapshot_messages(
         messages.append(
             schema.Step(number, written, written, zero, zero, zero, allocator=allocator)
         )
-        alert = schema.Alert(kind="snapshot", message=describe_device(device))
+        alert = schema.Alert(kind=schema.AlertKind.SNAPSHOT.value, message=describe_device(device))
         messages.append(schema.AlertNow(time=written, step=number, alert=alert))
-    messages.append(schema.End(time=written, status="ok", step=len(summary.devices)))
+    ok = schema.ExitStatus.OK.value
+    messages.append(schema.End(time=written, status=ok, step=len(summary.devices)))
     return messages

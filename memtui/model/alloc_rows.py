@@ -9,17 +9,34 @@ The step that never closed (the job died in it, usually of an OOM) comes from th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from memtui_protocol import schema
+from memtui_protocol.schema import TextEnum
 from memtui_protocol.units import format_bytes
+
+
+class AllocKind(TextEnum):
+    """What a line of the allocations table is (the table styles by this, never by its words)."""
+
+    HEADING = "heading"
+    """A step's totals, first in its block."""
+    NONE = "none"
+    """Nothing recorded for the cursor step."""
+    OOM = "oom"
+    ALLOC = "alloc"
+    SEGMENT = "segment"
+    RING_FULL = "ring_full"
 
 
 @dataclass(frozen=True)
 class AllocRow:
     """One line of the allocations table: what happened, how big, how often, from where."""
 
-    kind: str
+    kind: AllocKind
+    label: str
+    """The event column's words (`OOM`, `segment +`, `step 25 (never closed)`)."""
     size: int | None
     count: int | None
     where: str
@@ -43,7 +60,9 @@ def alloc_rows(
     """
     rows: list[AllocRow] = []
     if events is None and has_step:
-        rows.append(AllocRow("none", None, None, "no allocator history for this step"))
+        rows.append(
+            AllocRow(AllocKind.NONE, "none", None, None, "no allocator history for this step")
+        )
     elif events is not None:
         rows.extend(_step_rows("step", events, binary))
     if unfinished is not None:
@@ -57,19 +76,25 @@ def _step_rows(heading: str, events: schema.AllocEvents, binary: bool) -> list[A
     if events.segment_allocs:
         grown = format_bytes(events.segment_bytes, binary)
         summary += f"; the allocator grew {events.segment_allocs} segment(s) by {grown}"
-    rows = [AllocRow(heading, events.alloc_bytes, events.allocations, summary)]
+    rows = [AllocRow(AllocKind.HEADING, heading, events.alloc_bytes, events.allocations, summary)]
     if events.oom is not None:
         free = (
             f" ({format_bytes(events.oom_free, binary)} free on the device)"
             if events.oom_free is not None
             else ""
         )
-        rows.append(AllocRow("OOM", events.oom.size, events.oom.count, events.oom.where + free))
-    rows.extend(AllocRow("alloc", row.size, row.count, row.where) for row in events.largest)
-    rows.extend(AllocRow("segment +", row.size, row.count, row.where) for row in events.segments)
+        oom = events.oom
+        rows.append(AllocRow(AllocKind.OOM, "OOM", oom.size, oom.count, oom.where + free))
+    rows.extend(
+        AllocRow(AllocKind.ALLOC, "alloc", row.size, row.count, row.where) for row in events.largest
+    )
+    rows.extend(
+        AllocRow(AllocKind.SEGMENT, "segment +", row.size, row.count, row.where)
+        for row in events.segments
+    )
     lost = ring_note(events)
     if lost:
-        rows.append(AllocRow("ring full", None, events.lost or None, lost))
+        rows.append(AllocRow(AllocKind.RING_FULL, "ring full", None, events.lost or None, lost))
     return rows
 
 
@@ -119,7 +144,7 @@ def events_text(steps: list[schema.Step], end: schema.End | None, binary: bool =
         recorded.append((unfinished_step_number(steps), end.alloc_events))
     if not recorded:
         return []
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = [f"allocator events (--alloc-events): {len(recorded)} step(s) recorded"]
     largest = [
         (event.size, number, event) for number, events in recorded for event in events.largest

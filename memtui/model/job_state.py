@@ -1,7 +1,11 @@
-"""Where the viewed job is, as data: the screen styles and words it, nothing parses it back.
+"""Where the viewed job is and how it ended, as data: the screen styles and words it, nothing
+parses it back.
 
-The ViewState carries a `JobState` (and, once the stream is over, an `ExitStatus`), so a widget
-asks `view.status is JobState.ENDED`, never `"ended" in view.state`.
+`how_it_ended` is the one derivation of a job's ending: the TUI's header and ranks table, `memtui
+report` (JSON and text, one recording or a session folder) and `memtui run`'s closing summary all
+call it, so they cannot disagree about whether a job was killed, stopped or is still running.
+The ViewState carries a `JobState` and that ending, so a widget asks `status is JobState.ENDED`,
+never `"ended" in text`.
 """
 
 from __future__ import annotations
@@ -18,47 +22,66 @@ class JobState(TextEnum):
     LIVE = "live"
     PAUSED = "paused"
     ENDED = "ended"
-    """The stream is over: `exit_status` says how (None: no agent ever spoke)."""
+    """The stream is over: the header's `ending` says how (None: no agent ever spoke)."""
 
 
-def exit_status(
-    end: schema.End | None, hello: schema.Hello | None, stopped: bool
-) -> ExitStatus | None:
-    """How an ended stream ended: the agent's last word, else stopped by memtui, else killed."""
+Ending = ExitStatus | str
+"""How a job ended: an `ExitStatus`, or the string of a status a newer agent wrote that this
+version does not know (shown as written, never an error)."""
+
+
+def exit_status_of(text: str) -> Ending:
+    """`End.status` as read from the wire: the member, or the string when it is a newer one."""
+    try:
+        return ExitStatus(text)
+    except ValueError:
+        return text
+
+
+def how_it_ended(end: schema.End | None, *, stopped: bool = False, running: bool = False) -> Ending:
+    """How the job of a stream that has a hello ended (the one rule every reader applies).
+
+    The agent's last word wins: its `End.status`. Without one, memtui may know more than the
+    stream: it stopped the job itself (`stopped`: quit from the TUI, SIGTERM), or the caller saw
+    the process still alive (`running`: a recording still being written); otherwise the process
+    died without a final frame, which is what DESIGN.md calls killed.
+    """
     if end is not None:
-        return ExitStatus(end.status) if end.status in ExitStatus._value2member_map_ else None
-    if hello is None:
-        return None
-    return ExitStatus.STOPPED if stopped else ExitStatus.KILLED
+        return exit_status_of(end.status)
+    if stopped:
+        return ExitStatus.STOPPED
+    return ExitStatus.RUNNING if running else ExitStatus.KILLED
 
 
 def ending_text(
+    ending: Ending | None,
     end: schema.End | None,
-    hello: schema.Hello | None,
     *,
     exit_code: int | None,
     disconnected: str | None,
-    stopped: bool = False,
 ) -> str:
-    """How the job ended, in one line for the header and the ranks table."""
+    """How the job ended, in one line for the header and the ranks table.
+
+    `ending` is `how_it_ended`'s answer (None: no agent ever spoke, nothing to call killed);
+    `end` gives the details the agent wrote with it.
+    """
     if end is None:
         code = f" (exit {exit_code})" if exit_code is not None else ""
         reason = f": {disconnected}" if disconnected else ""
-        status = exit_status(end, hello, stopped)
-        if status is None:  # no agent ever spoke: nothing to call killed
+        if ending is None:
             return f"ended{code}{reason}"
-        if status is ExitStatus.STOPPED:
+        if ending is ExitStatus.STOPPED:
             return f"stopped from memtui (SIGTERM){code}"
         return f"killed{code}, no final frame{reason}"
     code = f" (exit {end.code})" if end.code is not None else ""
-    if end.status == ExitStatus.DETACHED:  # `memtui detach`: the agent left, the job goes on
+    if ending is ExitStatus.DETACHED:  # `memtui detach`: the agent left, the job goes on
         return f"detached after step {end.step}; the job carries on"
-    if end.status == ExitStatus.OK:
+    if ending is ExitStatus.OK:
         return f"ended: ok{code}"
-    if end.status == ExitStatus.STOPPED:
+    if ending is ExitStatus.STOPPED:
         at = f" at step {end.step}" if end.step is not None else ""
         return f"stopped from memtui (SIGTERM){code}{at}"
     detail = end.describe_error() or ""
     where = f" in {end.phase}" if end.phase else ""
     step = f" at step {end.step}" if end.step is not None else ""
-    return f"ended: {end.status}{code}{step}{where}: {detail}"
+    return f"ended: {ending}{code}{step}{where}: {detail}"

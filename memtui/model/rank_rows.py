@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memtui.model.step_rows import pile_of
 from memtui_protocol import schema
-from memtui_protocol.schema import PILES
+from memtui_protocol.schema import Pile
 
 
 @dataclass(frozen=True)
 class RankRow:
-    """One rank: its latest step, each pile's high in that step, and which piles it leads."""
+    """One rank: its latest step, each pile's high in that step, and which piles it leads.
+
+    `label` is the rank's identity (a session folder names each recording once)."""
 
     label: str
     step: int | None
-    piles: tuple[int | None, ...]
-    heaviest: frozenset[str]
+    piles: tuple[tuple[Pile, int | None], ...]
+    """Each pile with its high in the rank's latest step (None before the rank's first step)."""
+    heaviest: frozenset[Pile]
     state: str
 
 
@@ -48,22 +52,22 @@ def spread(values: dict[str, int]) -> Spread:
     return Spread(values[heaviest], min(values.values()), heaviest)
 
 
-def _latest(latest: dict[str, schema.Step | None], pile: str) -> dict[str, int]:
+def _latest(latest: dict[str, schema.Step | None], pile: Pile) -> dict[str, int]:
     """Each reporting rank's high of `pile` in its latest step."""
-    return {label: getattr(step.max, pile) for label, step in latest.items() if step}
+    return {label: pile_of(step.max, pile) for label, step in latest.items() if step}
 
 
 def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> tuple[RankRow, ...]:
     """A row per rank; `heaviest` names the piles where this rank holds the most."""
-    leaders = {}
-    for pile in PILES:
+    leaders: dict[Pile, str] = {}
+    for pile in Pile:
         values = _latest(latest, pile)
         pile_spread = spread(values) if len(values) >= 2 else None
         if pile_spread is not None and pile_spread.differs:
             leaders[pile] = pile_spread.heaviest
     rows = []
     for label, step in latest.items():
-        piles = tuple(getattr(step.max, pile) if step else None for pile in PILES)
+        piles = tuple((pile, pile_of(step.max, pile) if step else None) for pile in Pile)
         leads = frozenset(pile for pile, leader in leaders.items() if leader == label)
         rows.append(
             RankRow(label, step.step if step else None, piles, leads, states.get(label, ""))
@@ -75,7 +79,7 @@ def imbalance_line(latest: dict[str, schema.Step | None]) -> str | None:
     """`weights 1.05x (heaviest rank 0), gradients equal, ...`: max/min of each pile across
     ranks (None before two ranks report)."""
     parts = []
-    for pile in PILES:
+    for pile in Pile:
         values = _latest(latest, pile)
         if len(values) < 2:
             return None

@@ -15,6 +15,8 @@ from pathlib import Path
 from memtui.input.frame_stream import CHUNK, damage_warning, pump
 from memtui.input.input_files import InputFileError, open_input
 from memtui.input.recording_file import RecordingError
+from memtui.model.alert_kinds import AlertKindShown, alert_kind
+from memtui.model.job_state import Ending, how_it_ended
 from memtui.model.step_rows import module_label
 from memtui_protocol import schema, wire
 from memtui_protocol.runtime_dir import pid_alive
@@ -28,8 +30,17 @@ class StepAlert:
     alert: schema.Alert
     time: float
     """When the job raised it, by its own clock (the frame's time)."""
+    kind: AlertKindShown
+    """`alert.kind` converted at the fold (`of`); read this, never the wire's string."""
     final: bool = False
     """Raised by the job's last frame (an OOM, a crash), after every closed step."""
+
+    @classmethod
+    def of(
+        cls, step: int | None, alert: schema.Alert, time: float, final: bool = False
+    ) -> StepAlert:
+        """The alert as the fold takes it in, its kind converted once."""
+        return cls(step, alert, time, alert_kind(alert.kind), final)
 
 
 @dataclass
@@ -52,15 +63,18 @@ class Recording:
         """Qualified module name for an id; activations outside any module get a label."""
         return module_label(self.module_names, module_id)
 
-    def status(self) -> str:
-        """ok / error from the agent's last word; running or killed when it has none."""
-        if self.end is not None:
-            return self.end.status
-        if self.hello.hostname == os.uname().nodename and pid_alive(
-            self.hello.pid, self.hello.process_create_time
-        ):
-            return "running"
-        return "killed"
+    def how_it_ended(self, stopped: bool = False) -> Ending:
+        """`how_it_ended` for this recording: without a final frame, the job is still running
+        when its process is alive on this host (a recording still being written), else killed.
+        `stopped`: memtui itself stopped the job (the recording cannot say so)."""
+        running = self.end is None and not stopped and self._process_alive()
+        return how_it_ended(self.end, stopped=stopped, running=running)
+
+    def _process_alive(self) -> bool:
+        hello = self.hello
+        return hello.hostname == os.uname().nodename and pid_alive(
+            hello.pid, hello.process_create_time
+        )
 
 
 def apply(recording: Recording, message: schema.Message) -> None:
@@ -76,10 +90,10 @@ def apply(recording: Recording, message: schema.Message) -> None:
         recording.steps.append(message)
         if message.alerts:  # most steps have none: the TUI folds thousands a second
             recording.alerts.extend(
-                StepAlert(message.step, alert, message.t_end) for alert in message.alerts
+                StepAlert.of(message.step, alert, message.t_end) for alert in message.alerts
             )
     elif isinstance(message, schema.AlertNow):
-        recording.alerts.append(StepAlert(message.step, message.alert, message.time))
+        recording.alerts.append(StepAlert.of(message.step, message.alert, message.time))
     elif isinstance(message, schema.Tick):
         recording.last_tick = message
     elif isinstance(message, schema.Names):
@@ -94,7 +108,7 @@ def apply(recording: Recording, message: schema.Message) -> None:
         _add_late(recording, message.late, message.time)
         recording.end = message
         recording.alerts.extend(
-            StepAlert(message.step, alert, message.time, final=True) for alert in message.alerts
+            StepAlert.of(message.step, alert, message.time, final=True) for alert in message.alerts
         )
     elif isinstance(message, schema.Hello):
         recording.hello = message  # a job that said hello again (a reconnecting agent)
@@ -103,7 +117,8 @@ def apply(recording: Recording, message: schema.Message) -> None:
 def _add_late(recording: Recording, late: list[schema.StepLate], time: float) -> None:
     """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
     recording.alerts.extend(
-        StepAlert(number, alert, time) for number, alert in schema.apply_late(recording.steps, late)
+        StepAlert.of(number, alert, time)
+        for number, alert in schema.apply_late(recording.steps, late)
     )
 
 

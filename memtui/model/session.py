@@ -1,8 +1,9 @@
 """The Session model: messages in, immutable ViewStates out. No Textual, no torch.
 
-Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see a
-`ViewState`, cannot tell them apart. Everything the screen shows is computed here by pure code and
-tested without an app: the cursor, alerts navigation, units, the gap rows and their meaning.
+Live sockets and recordings feed the same `ingest()`, so the widgets, which only ever see their
+slice of a `ViewState`, cannot tell them apart. Everything the screen shows is computed here by
+pure code and tested without an app: the cursor, alerts navigation, units, the gap rows and their
+meaning.
 """
 
 from __future__ import annotations
@@ -12,80 +13,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
-from memtui.model.job_state import JobState, ending_text, exit_status
-from memtui.model.rank_rows import RankRow
+from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
 from memtui.model.recording import Recording, apply
-from memtui.model.step_rows import (
-    AlertRow,
-    GapRow,
-    PileRow,
-    allocator_lines,
-    distributed_notes,
-    dtype_rows,
-    folded_alerts,
-    gap_rows,
-    module_label,
-    pile_rows,
+from memtui.model.step_rows import AlertRow, folded_alerts
+from memtui.model.view_state import (
+    AlertsView,
+    AllocationsView,
+    HeaderView,
+    NotesView,
+    ViewState,
+    activations_view,
+    dtypes_view,
+    gap_view,
+    piles_view,
+    timeline_view,
 )
 from memtui_protocol import schema
-from memtui_protocol.schema import ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
 RATE_WINDOW_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class ViewState:
-    """Everything the screen shows, for one cursor position. Widgets only read this."""
-
-    title: str
-    job: str
-    state: str
-    """The header's words for `status` (display only: test `status`, never this text)."""
-    status: JobState
-    exit_status: ExitStatus | None
-    """How the job ended, once `status` is ENDED (None: unknown, no agent ever spoke)."""
-    replay: bool
-    """A recording read back (the state already says which step of how many)."""
-    source: str
-    step: int | None
-    steps_total: int
-    steps_per_second: float | None
-    binary: bool
-    piles: tuple[PileRow, ...]
-    gap: tuple[GapRow, ...]
-    dtypes: tuple[tuple[str, str, int, int], ...]
-    top_activations: tuple[tuple[str, int], ...]
-    alerts: tuple[AlertRow, ...]
-    timeline_steps: tuple[int, ...]
-    timeline_piles: tuple[tuple[int, int, int, int], ...]
-    timeline_allocated: tuple[int | None, ...]
-    timeline_reserved: tuple[int | None, ...]
-    timeline_alerts: frozenset[int]
-    timeline_carried: frozenset[int]
-    """Steps in the window whose activations were carried from a measured step."""
-    cursor_step: int | None
-    notes: tuple[str, ...] = ()
-    allocator_lines: tuple[str, ...] = ()
-    loss: float | None = None
-    skipped: bool = False
-    microbatches: int = 0
-    activations_measured: bool = True
-    """The cursor step's activations were measured (hooks armed); else carried or unknown."""
-    activations_from: int | None = None
-    """The measured step whose activation figures the cursor step carries."""
-    distributed_lines: tuple[str, ...] = ()
-    alloc_recorded: bool = False
-    """The job runs with `--alloc-events`: the allocations table is on screen."""
-    alloc_rows: tuple[AllocRow, ...] = ()
-    ranks: tuple[RankRow, ...] = ()
-    """Every rank side by side (only with several ranks)."""
-    rank: str = ""
-    """The label of the rank on screen."""
-    step_owner: str | None = None
-    """Whose step the cursor is on, where that needs saying: the optimizer when several step,
-    or that a backward closed it (a job without an optimizer)."""
 
 
 @dataclass
@@ -160,7 +107,7 @@ class Session:
             rows = [
                 AlertRow(
                     item.step or 0,
-                    item.alert.kind,
+                    item.kind,
                     item.alert.message,
                     item.alert.where,
                     item.alert.group,
@@ -282,17 +229,20 @@ class Session:
             return JobState.WAITING
         return JobState.PAUSED if self.paused else JobState.LIVE
 
+    def ending(self) -> Ending | None:
+        """How the job ended (`how_it_ended`), once the stream is over; None while it is not,
+        or when no agent ever spoke (nothing to call killed)."""
+        if self.job_state() is not JobState.ENDED or self.hello is None:
+            return None
+        return how_it_ended(self.end, stopped=self.stopped)
+
     def status_text(self) -> str:
         """live / paused / waiting, or how the job ended with its exit status."""
         state = self.job_state()
         if state is not JobState.ENDED:
             return str(state)
         return ending_text(
-            self.end,
-            self.hello,
-            exit_code=self.exit_code,
-            disconnected=self.disconnected,
-            stopped=self.stopped,
+            self.ending(), self.end, exit_code=self.exit_code, disconnected=self.disconnected
         )
 
     def state_text(self) -> str:
@@ -314,63 +264,51 @@ class Session:
 
     def view_state(self, timeline_width: int = 120, extra_notes: tuple[str, ...] = ()) -> ViewState:
         """The immutable view of the cursor step, the timeline window and the alerts."""
-        hello = self.hello
         step = self.steps[self.cursor] if self.steps and self.cursor is not None else None
-        window = self._timeline_window(timeline_width)
-        job = " ".join(hello.argv) if hello is not None else ""
-        title = (
-            f"pid {hello.pid} · {hello.device} · torch {hello.torch}" if hello is not None else ""
+        live = self._live_piles() if step is None else None
+        cursor_step = step.step if step is not None else None
+        return ViewState(
+            header=self._header(step),
+            notes=NotesView(self._notes(extra_notes)),
+            piles=piles_view(step, live, self.binary, self._step_owner(step)),
+            gap=gap_view(step, live, self.binary),
+            timeline=timeline_view(
+                self._timeline_window(timeline_width),
+                frozenset(alert.step for alert in self.alerts),
+                cursor_step,
+                self.binary,
+            ),
+            alerts=AlertsView(folded_alerts(self.alerts[-2000:])[:500]),
+            dtypes=dtypes_view(step, self.binary),
+            activations=activations_view(step, self.module_names, self.binary),
+            allocations=AllocationsView(self.alloc_recorded, self._alloc_rows(step), self.binary),
         )
+
+    def _header(self, step: schema.Step | None) -> HeaderView:
+        hello = self.hello
+        return HeaderView(
+            title=f"pid {hello.pid} · {hello.device} · torch {hello.torch}"
+            if hello is not None
+            else "",
+            job=" ".join(hello.argv) if hello is not None else "",
+            state=self.state_text(),
+            status=self.job_state(),
+            ending=self.ending(),
+            replay=not self.live,
+            source=self.source_label,
+            step=step.step if step is not None else None,
+            steps_total=self.steps[-1].step if self.steps else 0,
+            steps_per_second=self.steps_per_second(),
+        )
+
+    def _notes(self, extra_notes: tuple[str, ...]) -> tuple[str, ...]:
         notes = list(extra_notes)
         if self.warning:
             notes.append(self.warning)
         notes.extend(f"agent: {e.component} off: {e.message}" for e in self.agent_errors[-3:])
         if self.dropped_steps:
             notes.append(f"{self.dropped_steps} oldest steps dropped from the view")
-        return ViewState(
-            title=title,
-            job=job,
-            state=self.state_text(),
-            status=self.job_state(),
-            exit_status=exit_status(self.end, self.hello, self.stopped)
-            if self.job_state() is JobState.ENDED
-            else None,
-            replay=not self.live,
-            source=self.source_label,
-            step=step.step if step is not None else None,
-            steps_total=self.steps[-1].step if self.steps else 0,
-            steps_per_second=self.steps_per_second(),
-            binary=self.binary,
-            piles=pile_rows(step, self._live_piles() if step is None else None),
-            gap=gap_rows(step, self._live_piles() if step is None else None),
-            dtypes=dtype_rows(step),
-            top_activations=tuple(
-                (self.module_label(item.module), item.bytes)
-                for item in (step.top_activations if step is not None else [])
-            ),
-            alerts=folded_alerts(self.alerts[-2000:])[:500],
-            timeline_steps=tuple(item.step for item in window),
-            timeline_allocated=tuple(item.allocator.allocated for item in window),
-            timeline_reserved=tuple(item.allocator.reserved for item in window),
-            timeline_piles=tuple(
-                (s.peak.weights, s.peak.gradients, s.peak.optimizer_state, s.peak.activations)
-                for s in window
-            ),
-            timeline_alerts=frozenset(alert.step for alert in self.alerts),
-            timeline_carried=frozenset(s.step for s in window if not s.activations_measured),
-            cursor_step=step.step if step is not None else None,
-            notes=tuple(notes),
-            allocator_lines=allocator_lines(step, self.binary),
-            loss=step.loss if step is not None else None,
-            skipped=step.skipped if step is not None else False,
-            microbatches=step.microbatches if step is not None else 0,
-            activations_measured=step.activations_measured if step is not None else True,
-            activations_from=step.activations_from if step is not None else None,
-            distributed_lines=distributed_notes(step, self.binary),
-            alloc_recorded=self.alloc_recorded,
-            alloc_rows=self._alloc_rows(step),
-            step_owner=self._step_owner(step),
-        )
+        return tuple(notes)
 
     def _step_owner(self, step: schema.Step | None) -> str | None:
         if step is None:
@@ -395,10 +333,6 @@ class Session:
             unfinished_step_number(self.steps) if end_events is not None else None,
             has_step=step is not None,
         )
-
-    def module_label(self, module_id: int) -> str:
-        """Qualified module name for an id."""
-        return module_label(self.module_names, module_id)
 
     def _live_piles(self) -> schema.Piles | None:
         return self.last_tick.piles if self.last_tick is not None else None

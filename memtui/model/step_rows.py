@@ -7,10 +7,12 @@ alerts with follow-on ones folded under the first.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
+from memtui.model.alert_kinds import AlertKindShown
 from memtui_protocol import schema
-from memtui_protocol.schema import PILES
+from memtui_protocol.schema import AlertKind, Pile, TextEnum
 from memtui_protocol.units import format_bytes
 
 GAP_MEANINGS = {
@@ -25,11 +27,26 @@ GAP_MEANINGS = {
 }
 
 
+class Untracked(TextEnum):
+    """Memory the piles bar shows beside the four piles: what no pile tracks."""
+
+    DDP_BUCKETS = "ddp_buckets"
+    """DDP's gradient buckets, the part the gradients pile does not already count."""
+    FSDP_GATHERED = "fsdp_gathered"
+    """FSDP's unsharded parameters, at their high in the step."""
+    OTHER = "other"
+    """The allocator's peak minus everything above (GPU only)."""
+
+
+BarPart = Pile | Untracked
+"""One segment of the piles bar (and one row under it)."""
+
+
 @dataclass(frozen=True)
 class PileRow:
-    """One pile in the bar: bytes at the step's peak, share of the bar, highest in the step."""
+    """One part of the bar: bytes at the step's peak, share of the bar, highest in the step."""
 
-    name: str
+    name: BarPart
     at_peak: int | None
     share: float
     step_max: int | None
@@ -51,12 +68,58 @@ class AlertRow:
     """An alert with the step it belongs to (and the earlier alert's step it follows from)."""
 
     step: int
-    kind: str
+    kind: AlertKindShown
     message: str
     where: str | None
     group: int | None = None
     key: str = ""
-    """Stable while the alert is on screen: the table keeps its cursor on it as alerts come."""
+    """The alert's identity (its place in the stream, or its group's first step): unique and
+    stable while the alert is on screen, so the table keeps its cursor on it as alerts come."""
+
+
+@dataclass(frozen=True)
+class DtypeRow:
+    """Bytes and unique storages of one dtype within one pile, at the cursor step."""
+
+    pile: Pile
+    dtype: str
+    bytes: int
+    storages: int
+
+    @property
+    def key(self) -> str:
+        """Unique within a step: a pile lists each dtype once."""
+        return f"{self.pile.value}/{self.dtype}"
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """Saved-activation bytes of one module, by its id: two modules may share a label (two
+    root models of one class name each tree from its root), never an id."""
+
+    module: int
+    label: str
+    bytes: int
+    key: str
+    """`module-<id>`: the row's identity in the table, whatever the label says."""
+
+
+def module_rows(step: schema.Step | None, names: dict[int, str]) -> tuple[ModuleRow, ...]:
+    """The cursor step's top activations, each keyed by its module id.
+
+    The agent lists a module once per step; should a damaged or hostile recording list one
+    twice, the repeat gets a key of its own (`module-7-2`) rather than taking the table down.
+    """
+    if step is None:
+        return ()
+    seen: Counter[int] = Counter()
+    rows = []
+    for item in step.top_activations:
+        seen[item.module] += 1
+        repeat = seen[item.module]
+        key = f"module-{item.module}" + (f"-{repeat}" if repeat > 1 else "")
+        rows.append(ModuleRow(item.module, module_label(names, item.module), item.bytes, key))
+    return tuple(rows)
 
 
 def module_label(names: dict[int, str], module_id: int) -> str:
@@ -83,20 +146,21 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
             groups.setdefault(alert.group, []).append(alert)
     folded = []
     for _, alert in rows:
-        members = groups.get(alert.group) if alert.group is not None else None
-        if members is None:
+        group = alert.group
+        members = groups.get(group) if group is not None else None
+        if group is None or members is None:
             folded.append(alert)
             continue
         steps = sorted({member.step for member in members})
         folded.append(
             AlertRow(
-                step=alert.group,
-                kind="grouped",
+                step=group,
+                kind=AlertKind.GROUPED,
                 message=f"{len(members)} more alerts on steps {steps[0]}-{steps[-1]}: they follow "
-                f"from step {alert.group} (weights non-finite since then)",
+                f"from step {group} (weights non-finite since then)",
                 where=None,
-                group=alert.group,
-                key=f"group-{alert.group}",
+                group=group,
+                key=f"group-{group}",
             )
         )
     return tuple(reversed(folded))
@@ -112,22 +176,45 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     if step is not None and step.allocator.peak_allocated is not None:
         untracked = wrapped.untracked() if wrapped is not None else 0
         other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
-    values: dict[str, int | None] = dict(piles.as_dict())
-    if wrapped is not None and wrapped.ddp_buckets is not None:
-        # Only the part no pile counts: with gradient_as_bucket_view the gradients are in them.
-        values["ddp_buckets"] = wrapped.untracked_buckets()
-    if wrapped is not None and wrapped.fsdp_gathered_max is not None:
-        values["fsdp_gathered"] = wrapped.fsdp_gathered_max
-    values["other"] = other
+    values: dict[BarPart, int | None] = dict(pile_values(piles))
+    step_max: dict[BarPart, int | None] = {
+        pile: pile_of(step.max, pile) if step is not None else None for pile in Pile
+    }
+    # The wrappers' memory: its high is the value itself (the buckets are constant, the
+    # gathered parameters are already the step's highest).
+    for part, value in wrapper_parts(wrapped):
+        values[part] = step_max[part] = value
+    values[Untracked.OTHER] = other
     total = sum(value for value in values.values() if value)
-    rows = []
-    for name, value in values.items():
-        step_max = getattr(step.max, name) if step is not None and name in PILES else None
-        if name in ("ddp_buckets", "fsdp_gathered"):
-            step_max = value  # constant (buckets) or already the step's highest (gathered)
-        share = (value / total) if value and total else 0.0
-        rows.append(PileRow(name, value, share, step_max))
-    return tuple(rows)
+    return tuple(
+        PileRow(name, value, (value / total) if value and total else 0.0, step_max.get(name))
+        for name, value in values.items()
+    )
+
+
+def wrapper_parts(wrapped: schema.Distributed | None) -> list[tuple[Untracked, int]]:
+    """What data-parallel wrappers hold outside the piles, where they report it: DDP's buckets
+    (only the part no pile counts: with gradient_as_bucket_view the gradients are in them) and
+    FSDP's gathered parameters."""
+    if wrapped is None:
+        return []
+    parts = []
+    if wrapped.ddp_buckets is not None:
+        parts.append((Untracked.DDP_BUCKETS, wrapped.untracked_buckets()))
+    if wrapped.fsdp_gathered_max is not None:
+        parts.append((Untracked.FSDP_GATHERED, wrapped.fsdp_gathered_max))
+    return parts
+
+
+def pile_of(piles: schema.Piles, pile: Pile) -> int:
+    """One pile's bytes, read by `Pile`, never by a position in the wire's array."""
+    value: int = getattr(piles, pile.value)
+    return value
+
+
+def pile_values(piles: schema.Piles) -> tuple[tuple[Pile, int], ...]:
+    """Each pile with its bytes, in display (and stacking) order."""
+    return tuple((pile, pile_of(piles, pile)) for pile in Pile)
 
 
 def distributed_notes(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:
@@ -201,8 +288,6 @@ def allocator_lines(step: schema.Step | None, binary: bool = True) -> tuple[str,
     """The caching allocator's activity in the step (GPU only): events, fragmentation, peaks."""
     if step is None or step.allocator.allocated is None:
         return ()
-    from memtui_protocol.units import format_bytes
-
     a = step.allocator
     lines = []
     if a.allocations is not None:
@@ -226,15 +311,15 @@ def allocator_lines(step: schema.Step | None, binary: bool = True) -> tuple[str,
     return tuple(lines)
 
 
-def dtype_rows(step: schema.Step | None) -> tuple[tuple[str, str, int, int], ...]:
-    """(pile, dtype, bytes, storages) for the cursor step, largest first within each pile."""
+def dtype_rows(step: schema.Step | None) -> tuple[DtypeRow, ...]:
+    """Each pile's dtypes at the cursor step, largest first within each pile."""
     if step is None:
         return ()
     rows = []
-    for pile in PILES:
-        stats = step.dtypes.get(pile, {})
+    for pile in Pile:
+        stats = step.dtypes.get(pile.value, {})
         for dtype, stat in sorted(stats.items(), key=lambda item: -item[1].bytes):
-            rows.append((pile, dtype, stat.bytes, stat.count))
+            rows.append(DtypeRow(pile, dtype, stat.bytes, stat.count))
     return tuple(rows)
 
 

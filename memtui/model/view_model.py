@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from memtui.model.rank_rows import imbalance_line, rank_rows
-from memtui.model.session import Session, ViewState
+from memtui.model.session import Session
+from memtui.model.view_state import RanksView, ViewState
 from memtui_protocol import schema
 
 
@@ -92,4 +93,4 @@ class ViewModel:
         if imbalance is not None:
             line += " · max/min of each pile's high in the latest step: " + imbalance
         view = self.session.view_state(timeline_width=timeline_width, extra_notes=(line,))
-        return dataclasses.replace(view, ranks=rows, rank=self.selected)
+        return dataclasses.replace(view, ranks=RanksView(rows, self.selected, self.session.binary))

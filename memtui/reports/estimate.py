@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
 
@@ -98,11 +99,11 @@ class Estimate:
         return self.weights + self.gradients + self.optimizer_state
 
     def piles(self) -> dict[str, int]:
-        """The three piles and their total, by name."""
+        """The three piles (by `Pile`) and their total."""
         return {
-            "weights": self.weights,
-            "gradients": self.gradients,
-            "optimizer_state": self.optimizer_state,
+            Pile.WEIGHTS: self.weights,
+            Pile.GRADIENTS: self.gradients,
+            Pile.OPTIMIZER_STATE: self.optimizer_state,
             "total": self.total,
         }
 

@@ -18,9 +18,10 @@ from typing import Any
 
 from memtui.errors import UserError
 from memtui.exit_codes import EXIT_PARTIAL
-from memtui.model.recording import Recording, read_recording
+from memtui.model.recording import Recording, StepAlert, read_recording
+from memtui.model.step_rows import pile_of
 from memtui.terminal_text import terminal_safe
-from memtui_protocol.schema import PILES, Alert, Step
+from memtui_protocol.schema import Pile, Step
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
 """Each format and the suffix of its default output file."""
@@ -35,10 +36,10 @@ CSV_COLUMNS = (
     "skipped",
     "microbatches",
     "loss",
-    *(f"end_{pile}" for pile in PILES),
-    *(f"max_{pile}" for pile in PILES),
+    *(f"end_{pile}" for pile in Pile),
+    *(f"max_{pile}" for pile in Pile),
     "peak_total",
-    *(f"peak_{pile}" for pile in PILES),
+    *(f"peak_{pile}" for pile in Pile),
     "allocated",
     "reserved",
     "peak_allocated",
@@ -55,15 +56,16 @@ def _us(recording: Recording, unix: float) -> float:
     return round((unix - recording.hello.started_unix) * 1e6, 3)
 
 
-def _instant(recording: Recording, unix: float, step: int | None, alert: Alert) -> dict[str, Any]:
+def _instant(recording: Recording, item: StepAlert) -> dict[str, Any]:
+    alert = item.alert
     return {
-        "name": alert.kind,
+        "name": item.kind,
         "ph": "i",
         "s": "g",
-        "ts": _us(recording, unix),
+        "ts": _us(recording, item.time),
         "pid": recording.hello.pid,
         "tid": STEP_TID,
-        "args": {"step": step, "message": alert.message, "where": alert.where},
+        "args": {"step": item.step, "message": alert.message, "where": alert.where},
     }
 
 
@@ -109,7 +111,7 @@ def chrome_trace(recording: Recording) -> dict[str, Any]:
                 events.append(_counter(recording, step, key, {key: value}))
         if step.host.rss:
             events.append(_counter(recording, step, "rss", {"rss": step.host.rss}))
-    events.extend(_instant(recording, e.time, e.step, e.alert) for e in recording.alerts)
+    events.extend(_instant(recording, item) for item in recording.alerts)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -143,7 +145,7 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "rss": step.host.rss,
         }
         for prefix, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
-            row.update({f"{prefix}_{pile}": getattr(piles, pile) for pile in PILES})
+            row.update({f"{prefix}_{pile}": pile_of(piles, pile) for pile in Pile})
         rows.append(row)
     return rows
 

@@ -22,12 +22,14 @@ from typing import Any
 from memtui.reports.estimate import shard
 from memtui.reports.model_count import child_json
 from memtui_protocol.estimate import FAKE_STEP_MODULE, FakeStepRequest, Variant
+from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 2**30
 TOP_MODULES = 5
-PERSISTENT = ("weights", "gradients", "optimizer_state")
+PERSISTENT = (Pile.WEIGHTS, Pile.GRADIENTS, Pile.OPTIMIZER_STATE)
+"""The piles that outlive a step (what ZeRO shards); activations are the step's own."""
 
 
 class ModelEstimateError(Exception):
@@ -61,10 +63,10 @@ class Sharding:
         activations belong to the GPU's own micro-batch and are never split."""
         stage = self.stage if stage is None else stage
         return {
-            "weights": shard(piles["weights"], self.gpus, stage >= 3),
-            "gradients": shard(piles["gradients"], self.gpus, stage >= 2),
-            "optimizer_state": shard(piles["optimizer_state"], self.gpus, stage >= 1),
-            "activations": piles["activations"],
+            Pile.WEIGHTS: shard(piles[Pile.WEIGHTS], self.gpus, stage >= 3),
+            Pile.GRADIENTS: shard(piles[Pile.GRADIENTS], self.gpus, stage >= 2),
+            Pile.OPTIMIZER_STATE: shard(piles[Pile.OPTIMIZER_STATE], self.gpus, stage >= 1),
+            Pile.ACTIVATIONS: piles[Pile.ACTIVATIONS],
         }
 
     def peak(self, run: dict[str, Any], stage: int | None = None, step: str = "steady") -> int:
@@ -121,12 +123,12 @@ def largest_batch(
         return 0
 
     def at_activation_high(run: dict[str, Any]) -> int:
-        piles = dict(run["steady"]["end"], gradients=0)
-        piles["activations"] = run["steady"]["max"]["activations"]
+        piles = {**run["steady"]["end"], Pile.GRADIENTS: 0}
+        piles[Pile.ACTIVATIONS] = run["steady"]["max"][Pile.ACTIVATIONS]
         return sum(sharding.piles(piles).values())
 
     lines = [(at_activation_high(base), at_activation_high(double))]
-    if base["steady"]["peak"]["activations"] and double["steady"]["peak"]["activations"]:
+    if base["steady"]["peak"][Pile.ACTIVATIONS] and double["steady"]["peak"][Pile.ACTIVATIONS]:
         lines.append((sharding.peak(base), sharding.peak(double)))
     largest: int | None = None
     for low, high in lines:
@@ -161,7 +163,7 @@ def build_result(
     steady = sharding.piles(base["steady"]["end"])
     result: dict[str, Any] = {name: steady[name] for name in PERSISTENT}
     result["total"] = sum(result.values())
-    result["activations"] = base["steady"]["max"]["activations"]
+    result[Pile.ACTIVATIONS] = base["steady"]["max"][Pile.ACTIVATIONS]
     result["first_step_peak"] = sharding.peak(base, step="first")
     result["peak"] = sharding.peak(base)
     result["peak_piles"] = sharding.piles(base["steady"]["peak"])
@@ -207,7 +209,7 @@ def build_result(
     elif checkpointed is not None:
         to_fit["checkpointing_peak"] = sharding.peak(checkpointed)
         to_fit["checkpointing_saves"] = peak - to_fit["checkpointing_peak"]
-        to_fit["checkpointing_activations"] = checkpointed["steady"]["max"]["activations"]
+        to_fit["checkpointing_activations"] = checkpointed["steady"]["max"][Pile.ACTIVATIONS]
     result["to_fit"] = to_fit
     return result
 
@@ -243,7 +245,7 @@ def render_model_text(result: dict[str, Any]) -> str:
         "",
         f"{'per GPU':<17}{'bytes':>18}{'decimal':>12}{'binary':>12}",
     ]
-    for name in (*PERSISTENT, "activations", "first_step_peak", "peak"):
+    for name in (*PERSISTENT, Pile.ACTIVATIONS, "first_step_peak", "peak"):
         lines.append(_row(name, result[name]))
     lines.append("")
     lines.append("activations: the step's high of saved tensors; peak: the steady-state step's")
@@ -283,7 +285,7 @@ def _verdict_lines(result: dict[str, Any]) -> list[str]:
     elif to_fit["largest_batch_error"]:
         lines.append(f"  largest batch not estimated: {to_fit['largest_batch_error']}")
     if to_fit["checkpointing_saves"] is not None:
-        activations = format_bytes(result["activations"])
+        activations = format_bytes(result[Pile.ACTIVATIONS])
         lines.append(
             f"  with checkpointing: activations {activations} -> "
             f"{format_bytes(to_fit['checkpointing_activations'])}, peak "

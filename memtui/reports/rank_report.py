@@ -8,6 +8,7 @@ which is where a rank that holds more (a bigger shard, an unbalanced pipeline st
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from memtui.model.rank_rows import spread
 from memtui.model.recording import Recording, read_recording
 from memtui.model.step_rows import distributed_notes
 from memtui.reports.report import build_report, pile_peaks
-from memtui_protocol.schema import PILES
+from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
 _RANK_FILE = re.compile(r"^(?:rank-(\d+)|(proc|pid)-(\d+))\.memtui$")
@@ -64,11 +65,11 @@ def read_session(folder: Path) -> tuple[dict[str, Recording], list[str]]:
     return recordings, warnings
 
 
-def imbalance(recordings: dict[str, Recording]) -> dict[str, dict[str, Any]]:
+def imbalance(recordings: dict[str, Recording]) -> dict[Pile, dict[str, Any]]:
     """Per pile: the highest value on each rank, max/min across ranks, and the heaviest rank."""
     peaks = {label: pile_peaks(recording) for label, recording in recordings.items()}
     result = {}
-    for pile in PILES:
+    for pile in Pile:
         values = {label: peaks[label][pile] for label in peaks}
         pile_spread = spread(values)
         result[pile] = {
@@ -91,16 +92,16 @@ def build_session_report(recordings: dict[str, Recording]) -> dict[str, Any]:
 
 def render_session_text(recordings: dict[str, Recording], binary: bool = True) -> str:
     """A table of each rank's highest piles and how it ended, then the imbalance."""
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = [f"session of {len(recordings)} rank(s)"]
-    header = f"{'rank':<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in PILES) + "  ending"
+    header = f"{'rank':<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in Pile) + "  ending"
     lines.append(header)
     for label, recording in recordings.items():
         peaks = pile_peaks(recording)
-        ending = recording.end.status if recording.end is not None else recording.status()
+        ending = recording.how_it_ended()
         lines.append(
             f"{label:<8}{len(recording.steps):>7}  "
-            + "".join(f"{size(peaks[p]):>17}" for p in PILES)
+            + "".join(f"{size(peaks[p]):>17}" for p in Pile)
             + f"  {ending}"
         )
     lines.append("imbalance (max/min across ranks):")

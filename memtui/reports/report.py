@@ -5,13 +5,14 @@ Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
-from memtui.model.recording import Recording
-from memtui.model.step_rows import distributed_notes
+from memtui.model.recording import Recording, StepAlert
+from memtui.model.step_rows import distributed_notes, pile_of
 from memtui.reports.report_format import (
     AgentErrorEntry,
     AlertEntry,
@@ -28,11 +29,9 @@ from memtui.reports.report_format import (
     StepEntry,
 )
 from memtui_protocol.schema import (
-    ATTACHED_ALERT,
-    PILES,
-    Alert,
     AlertKind,
     ExitStatus,
+    Pile,
     Piles,
     Step,
     StepTrigger,
@@ -53,7 +52,7 @@ def _piles(piles: Piles) -> PileBytes:
     return PileBytes(**piles.as_dict())
 
 
-def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEntry:
+def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> StepEntry:
     """One entry of `steps` in the report contract (plus a few extra keys)."""
     return StepEntry(
         step=step.step,
@@ -67,11 +66,11 @@ def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEn
         peak=PeakEntry(total=step.peak.total, piles=_piles(step.peak)),
         dtypes={
             pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
-            for pile in PILES
+            for pile in Pile
         },
         dtype_tensors={
             pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
-            for pile in PILES
+            for pile in Pile
         },
         allocator=AllocatorEntry(**{key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS}),
         host=HostEntry(rss=step.host.rss),
@@ -86,8 +85,13 @@ def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEn
         ],
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
         alerts=[
-            AlertEntry(kind=alert.kind, message=alert.message, where=alert.where, group=alert.group)
-            for alert in alerts
+            AlertEntry(
+                kind=item.kind,
+                message=item.alert.message,
+                where=item.alert.where,
+                group=item.alert.group,
+            )
+            for item in alerts
         ],
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
@@ -96,11 +100,13 @@ def step_report(step: Step, recording: Recording, alerts: list[Alert]) -> StepEn
 
 
 def exit_report(recording: Recording) -> ExitEntry:
-    """How the job ended; a job with no final frame was killed (or is still running)."""
+    """How the job ended (`how_it_ended`); a job with no final frame was killed (or is still
+    running)."""
     end = recording.end
+    status = recording.how_it_ended()
     if end is not None:
         return ExitEntry(
-            status=end.status,
+            status=status,
             code=end.code,
             error=end.describe_error(),
             step=end.step,
@@ -113,7 +119,6 @@ def exit_report(recording: Recording) -> ExitEntry:
             if end.alloc_events is not None
             else msgspec.UNSET,
         )
-    status = recording.status()
     last_step = recording.steps[-1].step if recording.steps else 0
     tick = recording.last_tick
     phase = tick.phase if tick is not None and tick.time >= _last_step_time(recording) else None
@@ -137,28 +142,29 @@ def _last_step_time(recording: Recording) -> float:
     return recording.steps[-1].t_end if recording.steps else 0.0
 
 
-def alert_entry(step: int | None, alert: Alert) -> RunAlert:
+def alert_entry(item: StepAlert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
+    alert = item.alert
     return RunAlert(
-        step=step, kind=alert.kind, message=alert.message, where=alert.where, group=alert.group
+        step=item.step, kind=item.kind, message=alert.message, where=alert.where, group=alert.group
     )
 
 
 def all_alerts(recording: Recording) -> list[RunAlert]:
     """Every alert with its step, ordered by step; early warnings (a forecast over budget) come
     before their step's own alerts, the job's fatal alerts (OOM) last."""
-    alerts = [alert_entry(item.step, item.alert) for item in recording.alerts if not item.final]
+    alerts = [alert_entry(item) for item in recording.alerts if not item.final]
     alerts.sort(key=lambda entry: entry.step or 0)
-    alerts.extend(alert_entry(item.step, item.alert) for item in recording.alerts if item.final)
+    alerts.extend(alert_entry(item) for item in recording.alerts if item.final)
     return alerts
 
 
-def step_alerts(recording: Recording) -> dict[int, list[Alert]]:
+def step_alerts(recording: Recording) -> dict[int, list[StepAlert]]:
     """Each closed step's alerts: raised early, with the step, or when its late values came."""
-    by_step: dict[int, list[Alert]] = {}
+    by_step: dict[int, list[StepAlert]] = {}
     for item in recording.alerts:
         if item.step is not None and not item.final:
-            by_step.setdefault(item.step, []).append(item.alert)
+            by_step.setdefault(item.step, []).append(item)
     return by_step
 
 
@@ -191,7 +197,8 @@ def report_of(recording: Recording) -> Report:
 
 def build_report(recording: Recording) -> dict[str, Any]:
     """The report as plain Python data (what `--json` prints, before serialising)."""
-    return msgspec.to_builtins(report_of(recording))
+    document: dict[str, Any] = msgspec.to_builtins(report_of(recording))
+    return document
 
 
 def optimizer_steps(steps: list[Step]) -> dict[str, int]:
@@ -234,15 +241,16 @@ def peak_phases(recording: Recording) -> PeakPhases:
 def attached_late(recording: Recording) -> bool:
     """Whether the agent was injected into a job that had already stepped (`memtui attach`):
     its first step then carries no forecast, the first update being in the past."""
-    kinds = {alert.kind for alert in recording.steps[0].alerts} if recording.steps else set()
-    return ATTACHED_ALERT in kinds and "first_step_forecast" not in kinds
+    if not recording.steps:
+        return False
+    kinds = {alert.kind for alert in step_alerts(recording).get(recording.steps[0].step, [])}
+    return AlertKind.ATTACHED in kinds and AlertKind.FIRST_STEP_FORECAST not in kinds
 
 
-def pile_peaks(recording: Recording) -> dict[str, int]:
+def pile_peaks(recording: Recording) -> dict[Pile, int]:
     """Each pile's highest value over the whole run."""
     return {
-        pile: max((getattr(step.max, pile) for step in recording.steps), default=0)
-        for pile in PILES
+        pile: max((pile_of(step.max, pile) for step in recording.steps), default=0) for pile in Pile
     }
 
 
@@ -264,7 +272,7 @@ def activation_line(steps: list[Step]) -> str | None:
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = []
     ending = report.exit
     headline = f"job {ending.status}"
@@ -312,8 +320,8 @@ def render_text(recording: Recording, binary: bool = True) -> str:
                 + (size(steady) if steady is not None else "n/a (one step)")
             )
         lines.append("pile              highest in run   at peak")
-        for pile in PILES:
-            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(getattr(top.peak, pile)):>12}")
+        for pile in Pile:
+            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(pile_of(top.peak, pile)):>12}")
         last = steps[-1]
         lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")

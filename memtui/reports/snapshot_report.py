@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from typing import Any
 
 from memtui.input.torch_snapshot import DeviceSummary, SnapshotSummary, load_snapshot
@@ -58,7 +59,7 @@ def build_snapshot_report(summary: SnapshotSummary) -> dict[str, Any]:
 
 def render_snapshot_text(summary: SnapshotSummary, binary: bool = True) -> str:
     """The readable summary: OOMs first (the reason anyone dumps a snapshot), then totals."""
-    size = lambda value: format_bytes(value, binary)  # noqa: E731
+    size = partial(format_bytes, binary=binary)
     lines = [f"PyTorch memory snapshot ({summary.layout} format): {summary.path}"]
     for device in summary.devices:
         lines.append(f"cuda:{device.device}")

@@ -6,48 +6,35 @@ keep the usual layout.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
 
 from rich.text import Text
-from textual.reactive import reactive
 
-from memtui.model.session import ViewState
+from memtui.model.view_state import AllocationsView
 from memtui.terminal_text import plain
-from memtui.tui.widgets import PanelTable, sync_rows
+from memtui.tui.palette import ALLOC_STYLES
+from memtui.tui.widgets import PanelTable, Row
 from memtui_protocol.units import format_bytes
 
-KIND_STYLES = {"OOM": "bold red", "ring full": "yellow", "none": "dim"}
 
+class AllocationsTable(PanelTable[AllocationsView]):
+    """The cursor step's largest allocations, segment growth and OOM, with their source lines.
 
-class AllocationsTable(PanelTable):
-    """The cursor step's largest allocations, segment growth and OOM, with their source lines."""
+    A line's identity is its place in the step's list (the same allocation size and source line
+    may appear in two blocks: the cursor step's and the one that never closed)."""
 
-    view: reactive[ViewState | None] = reactive(None)
+    COLUMNS = ("event", "size", "count", "source line")
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.show_cursor = False
-        self.add_columns("event", "size", "count", "source line")
-
-    def watch_view(self, view: ViewState | None) -> None:
-        if view is None:
-            return
-        sync_rows(
-            self, (_row(index, row, view.binary) for index, row in enumerate(view.alloc_rows))
-        )
-
-
-def _row(index: int, row: Any, binary: bool) -> tuple[str, tuple[Any, ...]]:
-    heading = row.kind not in KIND_STYLES and row.kind not in ("alloc", "segment +")
-    style = "bold" if heading else KIND_STYLES.get(row.kind, "")
-    size = format_bytes(row.size, binary) if row.size is not None else ""
-    count = f"x{row.count:,}" if row.count is not None else ""
-    return (
-        f"{index}:{row.kind}",
-        (
-            plain(row.kind, style=style),
-            Text(size, justify="right"),
-            Text(count, justify="right"),
-            plain(row.where),
-        ),
-    )
+    def rows_of(self, view: AllocationsView) -> Iterable[Row]:
+        for index, row in enumerate(view.rows):
+            size = format_bytes(row.size, view.binary) if row.size is not None else ""
+            count = f"x{row.count:,}" if row.count is not None else ""
+            yield (
+                f"{index}:{row.kind}",
+                (
+                    plain(row.label, style=ALLOC_STYLES.get(row.kind, "")),
+                    Text(size, justify="right"),
+                    Text(count, justify="right"),
+                    plain(row.where),
+                ),
+            )

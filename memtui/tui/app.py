@@ -20,12 +20,13 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.input.job_process import JobProcess
-from memtui.model.session import Session, ViewState
+from memtui.model.session import Session
 from memtui.model.view_model import ViewModel
+from memtui.model.view_state import ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
-from memtui.tui.timeline import PileTimeline, TimelineData
+from memtui.tui.timeline import PileTimeline
 from memtui.tui.widgets import (
     AlertsTable,
     DtypeTable,
@@ -234,20 +235,26 @@ class MemtuiApp(App[int]):
         self.show(self.model.view_state(timeline_width=max(width - 12, 20)))
 
     def show(self, view: ViewState) -> None:
-        """Hand the view state to every widget."""
-        for widget_type in (JobHeader, NotesLine, PilesPanel, GapPanel):
-            self.query_one(widget_type).view = view
-        self.query_one(PileTimeline).data = TimelineData.from_view(view)
-        self.query_one(AlertsTable).view = view
-        self.query_one(DtypeTable).view = view
-        self.query_one(TopActivations).view = view
-        if view.ranks:
-            self.query_one(RanksTable).view = view
+        """Hand each widget its own slice of the view state.
+
+        A widget's reactive compares the slice with the one it holds and skips the widget when
+        they are equal, so only the panels whose data moved are redrawn.
+        """
+        self.query_one(JobHeader).view = view.header
+        self.query_one(NotesLine).view = view.notes
+        self.query_one(PilesPanel).view = view.piles
+        self.query_one(GapPanel).view = view.gap
+        self.query_one(PileTimeline).view = view.timeline
+        self.query_one(AlertsTable).view = view.alerts
+        self.query_one(DtypeTable).view = view.dtypes
+        self.query_one(TopActivations).view = view.activations
+        if view.ranks.rows:
+            self.query_one(RanksTable).view = view.ranks
         box = self.query_one("#allocations-box")
-        if box.display != view.alloc_recorded:
-            box.display = view.alloc_recorded
-        if view.alloc_recorded:
-            self.query_one(AllocationsTable).view = view
+        if box.display != view.allocations.recorded:
+            box.display = view.allocations.recorded
+        if view.allocations.recorded:
+            self.query_one(AllocationsTable).view = view.allocations
 
     # ----- actions ---------------------------------------------------------------------------
 

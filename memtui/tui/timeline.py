@@ -2,37 +2,26 @@
 
 Everything that decides a cell (which character, which colours) is a pure function of the data
 and the size, so tests can assert exact output without an app; the widget only feeds `self.size`
-and its one reactive into `render_lines()`.
+and its one reactive (the view state's `TimelineView`) into `render_lines()`.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from rich.style import Style
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from memtui.model.step_rows import pile_values
+from memtui.model.view_state import TimelineView
+from memtui.tui.palette import CARRIED_ACTIVATIONS, PILE_COLOURS
+from memtui_protocol import schema
+from memtui_protocol.schema import Pile
 from memtui_protocol.units import BINARY, DECIMAL, format_bytes
 
-if TYPE_CHECKING:
-    from memtui.model.session import ViewState
-
-PILE_COLOURS = {
-    "weights": "#4c8bf5",
-    "gradients": "#f5a623",
-    "optimizer_state": "#b06ce0",
-    "activations": "#3fb950",
-    "other": "#8b949e",
-}
-CARRIED_ACTIVATIONS = "#a6e3b0"
-"""A lighter green for activations a step carries from a measured step (not measured itself)."""
-PILE_ORDER = tuple(PILE_COLOURS)
-"""Bottom-up stacking order; a value's index in a column picks its colour."""
 BLOCKS = " ▁▂▃▄▅▆▇█"
 AXIS_WIDTH = 12
 """Fits the longest `format_bytes` label ("1023.99 MiB") plus the axis line."""
@@ -48,36 +37,6 @@ _NICE = (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)
 
 Cell = tuple[str, str | None, str | None]
 """(character, foreground colour, background colour); `None` means the widget's own."""
-
-
-@dataclass(frozen=True)
-class TimelineData:
-    """What the chart needs from a view, kept apart so the widget never sees the rest."""
-
-    steps: tuple[int, ...]
-    piles: tuple[tuple[int, int, int, int], ...]
-    alerts: frozenset[int]
-    cursor_step: int | None
-    binary: bool
-    allocated: tuple[int | None, ...] = ()
-    reserved: tuple[int | None, ...] = ()
-    """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
-    carried: frozenset[int] = frozenset()
-    """Steps whose activations were not measured (carried from a measured step)."""
-
-    @classmethod
-    def from_view(cls, view: ViewState) -> TimelineData:
-        """Take the timeline window the Session already cut for the cursor."""
-        return cls(
-            steps=view.timeline_steps,
-            piles=view.timeline_piles,
-            alerts=view.timeline_alerts,
-            cursor_step=view.cursor_step,
-            binary=view.binary,
-            allocated=view.timeline_allocated,
-            reserved=view.timeline_reserved,
-            carried=view.timeline_carried,
-        )
 
 
 def nice_scale(value: float, binary: bool = True) -> float:
@@ -101,33 +60,34 @@ def nice_scale(value: float, binary: bool = True) -> float:
 
 
 def column_cells(
-    values: tuple[int, ...], scale: float, height: int, carried: bool = False
+    piles: schema.Piles, scale: float, height: int, carried: bool = False
 ) -> list[Cell]:
     """The cells of one column, top to bottom, as (character, fg colour, bg colour).
 
-    Pile boundaries are rounded to eighths of a row. A cell that holds one pile is a full block;
-    a cell that holds a boundary draws the lower pile as a partial block over the upper pile's
-    colour as background, so each pile stays visible at 1/8 resolution. A third pile inside the
-    same cell cannot be drawn and is skipped. Empty space has no colours (widget background).
+    The piles stack bottom-up in `Pile` order, each drawn in its own colour. Pile boundaries
+    are rounded to eighths of a row. A cell that holds one pile is a full block; a cell that
+    holds a boundary draws the lower pile as a partial block over the upper pile's colour as
+    background, so each pile stays visible at 1/8 resolution. A third pile inside the same cell
+    cannot be drawn and is skipped. Empty space has no colours (widget background).
     `carried`: the step's activations were carried, not measured: drawn in a lighter green.
     """
     eighths = height * 8
+    stack = pile_values(piles)
     boundaries: list[int] = []
     running = 0
-    for value in values:
+    for _, value in stack:
         running += max(0, value)
         share = running * eighths / scale if scale > 0 else 0.0
         boundaries.append(min(eighths, int(share + 0.5)))
 
-    def owner(unit: int) -> int | None:
+    def owner(unit: int) -> Pile | None:
         index = bisect_right(boundaries, unit)
-        return index if index < len(boundaries) else None
+        return stack[index][0] if index < len(stack) else None
 
-    def colour(index: int | None) -> str | None:
-        if index is None:
+    def colour(pile: Pile | None) -> str | None:
+        if pile is None:
             return None
-        pile = PILE_ORDER[min(index, 4)]
-        return CARRIED_ACTIVATIONS if carried and pile == "activations" else PILE_COLOURS[pile]
+        return CARRIED_ACTIVATIONS if carried and pile is Pile.ACTIVATIONS else PILE_COLOURS[pile]
 
     cells: list[Cell] = []
     for row in range(height - 1, -1, -1):
@@ -143,7 +103,7 @@ def column_cells(
     return cells
 
 
-def _window(data: TimelineData, columns: int) -> range:
+def _window(data: TimelineView, columns: int) -> range:
     """The last `columns` steps, moved back only if that would hide the cursor."""
     count = len(data.steps)
     cursor = _cursor_index(data)
@@ -154,7 +114,7 @@ def _window(data: TimelineData, columns: int) -> range:
     return range(max(0, end - columns), end)
 
 
-def _cursor_index(data: TimelineData) -> int | None:
+def _cursor_index(data: TimelineView) -> int | None:
     if data.cursor_step is None:
         return None
     hits = [i for i, step in enumerate(data.steps) if step == data.cursor_step]
@@ -181,7 +141,7 @@ def _step_labels(steps: list[int], cursor: int | None, columns: int) -> str:
     return "".join(row)
 
 
-def _levels(data: TimelineData, index: int) -> tuple[int, ...]:
+def _levels(data: TimelineView, index: int) -> tuple[int, ...]:
     """(allocated, reserved) of one step where the allocator reported them, else ()."""
     if index >= len(data.allocated) or index >= len(data.reserved):
         return ()
@@ -206,7 +166,7 @@ def _with_levels(
 
 
 def render_lines(
-    data: TimelineData | None, width: int, height: int, max_repeat: int = MAX_REPEAT
+    data: TimelineView | None, width: int, height: int, max_repeat: int = MAX_REPEAT
 ) -> list[Text]:
     """The whole chart as `height` lines: plot rows, an alert-marker row, a step-label row.
 
@@ -221,10 +181,12 @@ def render_lines(
     steps = [data.steps[i] for i in window]
     piles = [data.piles[i] for i in window]
     cursor_index = _cursor_index(data)
-    cursor = cursor_index - window.start if cursor_index in window else None
+    cursor = (
+        cursor_index - window.start if cursor_index is not None and cursor_index in window else None
+    )
     plot_height = height - 2
     levels = [_levels(data, i) for i in window]
-    top = max(max(sum(p) for p in piles), max((max(lv) for lv in levels if lv), default=0))
+    top = max(max(p.total for p in piles), max((max(lv) for lv in levels if lv), default=0))
     scale = nice_scale(top, data.binary)
     # Few steps get wider columns (up to MAX_REPEAT cells each) so a short run is readable.
     repeat = max(1, min(max_repeat, (width - AXIS_WIDTH) // len(piles)))
@@ -274,7 +236,7 @@ def render_lines(
 
 
 class PileTimeline(Widget):
-    """The piles over steps: a passive view of one `TimelineData`, redrawn when it changes."""
+    """The piles over steps: a passive view of one `TimelineView`, redrawn when it changes."""
 
     DEFAULT_CSS = """
     PileTimeline {
@@ -283,9 +245,9 @@ class PileTimeline(Widget):
     }
     """
 
-    data: reactive[TimelineData | None] = reactive(None)
+    view: reactive[TimelineView | None] = reactive(None)
 
     def render(self) -> Text:
         """Draw at exactly the widget's size, so resizing needs no state of its own."""
-        lines = render_lines(self.data, self.size.width, self.size.height)
+        lines = render_lines(self.view, self.size.width, self.size.height)
         return Text("\n", no_wrap=True, end="").join(lines)

@@ -1,44 +1,49 @@
-"""Passive views of a `ViewState`: each widget has one reactive in and renders, nothing else.
+"""Passive views of the view state: each widget has one reactive, its own slice, and renders.
 
-No widget reads the Session or a source; the app hands every widget the same immutable view state
-at its tick, which is what lets live and replay look identical.
+No widget reads the Session or a source; the app hands each widget its slice of the same
+immutable view state at its tick, which is what lets live and replay look identical. A widget
+whose slice is equal to the one it holds is skipped (Textual's reactive compares them), so a
+tick redraws only the panels whose data moved.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
-from memtui.model.session import ViewState
 from memtui.model.step_rows import describe_rate
+from memtui.model.view_state import (
+    ActivationsView,
+    AlertsView,
+    DtypesView,
+    GapView,
+    HeaderView,
+    NotesView,
+    PilesView,
+)
 from memtui.terminal_text import plain, terminal_safe
-from memtui.tui.timeline import PILE_COLOURS
+from memtui.tui.palette import PART_COLOURS, PART_LABELS, PILE_COLOURS, alert_style
+from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
-PILE_LABELS = {
-    "weights": "weights",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "ddp_buckets": "DDP buckets",
-    "fsdp_gathered": "FSDP gathered",
-    "other": "other",
-}
-ROW_COLOURS = {**PILE_COLOURS, "ddp_buckets": "#d29922", "fsdp_gathered": "#39c5cf"}
-"""The piles' colours plus the data-parallel wrappers' memory (shown only when present)."""
+ViewT = TypeVar("ViewT")
+"""The slice of the view state a widget shows."""
+Row = tuple[str, tuple[Text, ...]]
+"""A table row: its key (a real identity, unique in the table) and its cells."""
 
 
 def _size(value: int | None, binary: bool) -> str:
     return format_bytes(value, binary)
 
 
-class FlowPanel(Static):
+class FlowPanel(Static, Generic[ViewT]):
     """A Static whose height follows its content, without a layout pass at every tick.
 
     A reactive declared with `layout=True` makes Textual lay out and repaint the whole screen
@@ -47,24 +52,24 @@ class FlowPanel(Static):
     (a note line appears, a long line wraps); otherwise only the panel repaints.
     """
 
-    view: reactive[ViewState | None] = reactive(None)
+    view: reactive[ViewT | None] = reactive(None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._shape: Any = None
+        self._shape: tuple[int, int, tuple[int, ...]] | None = None
         self.lines: list[Text] = []
         """`free_lines` of the current view, built once per view for the layout check and
         `render`."""
 
-    def free_lines(self, view: ViewState | None) -> list[Text]:
+    def free_lines(self, view: ViewT | None) -> list[Text]:
         """The lines of the panel that may wrap; the rest is one line per row."""
         return []
 
-    def rows(self, view: ViewState | None) -> int:
+    def rows(self, view: ViewT | None) -> int:
         """How many one-line rows the panel shows besides `free_lines`."""
         return 0
 
-    def watch_view(self, view: ViewState | None) -> None:
+    def watch_view(self, view: ViewT | None) -> None:
         width = max(self.size.width, 10)
         console = self.app.console
         self.lines = self.free_lines(view)
@@ -80,7 +85,7 @@ class JobHeader(Static):
 
     DEFAULT_CSS = "JobHeader { height: 2; padding: 0 1; background: $panel; }"
 
-    view: reactive[ViewState | None] = reactive(None)
+    view: reactive[HeaderView | None] = reactive(None)
 
     def render(self) -> Text:
         view = self.view
@@ -101,14 +106,14 @@ class JobHeader(Static):
         return Text("\n").join([first, second])
 
 
-class PilesPanel(FlowPanel):
+class PilesPanel(FlowPanel[PilesView]):
     """The step's peak composition as one stacked bar, then each pile's bytes, share and max."""
 
-    def rows(self, view: ViewState | None) -> int:
-        return 3 + len(view.piles) if view is not None and view.piles else 1  # bar, head, total
+    def rows(self, view: PilesView | None) -> int:
+        return 3 + len(view.rows) if view is not None and view.rows else 1  # bar, head, total
 
-    def free_lines(self, view: ViewState | None) -> list[Text]:
-        if view is None or not view.piles:
+    def free_lines(self, view: PilesView | None) -> list[Text]:
+        if view is None or not view.rows:
             return []
         extra = [view.step_owner] if view.step_owner else []
         if view.loss is not None:
@@ -122,18 +127,18 @@ class PilesPanel(FlowPanel):
             lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
         return [Text(" · ".join(extra), style="dim"), *lines]
 
-    def render(self) -> Any:
+    def render(self) -> Text | Group:
         view = self.view
-        if view is None or not view.piles:
+        if view is None or not view.rows:
             return Text("no piles yet: waiting for the first forward", style="dim")
         width = max(self.size.width, 10)
         bar = Text()
         used = 0
-        for row in view.piles:
+        for row in view.rows:
             cells = round(row.share * width)
             cells = min(cells, width - used)
             if cells > 0:
-                bar.append(" " * cells, style=f"on {ROW_COLOURS[row.name]}")
+                bar.append(" " * cells, style=f"on {PART_COLOURS[row.name]}")
                 used += cells
         if used < width:
             bar.append(" " * (width - used))
@@ -148,10 +153,10 @@ class PilesPanel(FlowPanel):
             Text("share", style="bold"),
             Text("step max", style="bold"),
         )
-        for row in view.piles:
-            name = Text("■ ", style=ROW_COLOURS[row.name])
-            name.append(PILE_LABELS[row.name])
-            if row.name == "activations" and not view.activations_measured:
+        for row in view.rows:
+            name = Text("■ ", style=PART_COLOURS[row.name])
+            name.append(PART_LABELS[row.name])
+            if row.name is Pile.ACTIVATIONS and not view.activations_measured:
                 name.append(" ≈", style="bold")
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
@@ -162,10 +167,8 @@ class PilesPanel(FlowPanel):
                 f"{row.share * 100:.1f}%",
                 _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total = sum(row.at_peak or 0 for row in view.piles)
+        total = sum(row.at_peak or 0 for row in view.rows)
         table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
-        from rich.console import Group
-
         return Group(bar, table, *self.lines)
 
 
@@ -176,27 +179,27 @@ def _carried_label(source: int | None) -> str:
     return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
-class GapPanel(FlowPanel):
+class GapPanel(FlowPanel[GapView]):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
-    def rows(self, view: ViewState | None) -> int:
-        return len(view.gap) if view is not None and view.gap else 1
+    def rows(self, view: GapView | None) -> int:
+        return len(view.rows) if view is not None and view.rows else 1
 
-    def free_lines(self, view: ViewState | None) -> list[Text]:
-        if view is None or not view.gap:
+    def free_lines(self, view: GapView | None) -> list[Text]:
+        if view is None or not view.rows:
             return []
         return [plain(line, style="dim") for line in view.allocator_lines]
 
-    def render(self) -> Any:
+    def render(self) -> Text | Table | Group:
         view = self.view
-        if view is None or not view.gap:
+        if view is None or not view.rows:
             return Text("no data yet", style="dim")
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column("level", min_width=12, no_wrap=True, overflow="ellipsis")
         table.add_column("bytes", justify="right", width=11, no_wrap=True)
         table.add_column("gap", justify="right", width=12, no_wrap=True)
         table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
-        for row in view.gap:
+        for row in view.rows:
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
                 continue
@@ -211,12 +214,10 @@ class GapPanel(FlowPanel):
             )
         if not view.allocator_lines:
             return table
-        from rich.console import Group
-
         return Group(table, *self.lines)
 
 
-def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+def sync_rows(table: DataTable[Text], rows: Iterable[Row]) -> None:
     """Make `table` show exactly `rows` (key, cells), updating in place instead of rebuilding.
 
     Keys are stable (an alert keeps its key as newer ones arrive above it), so when the rows
@@ -237,9 +238,7 @@ def sync_rows(table: DataTable[Any], rows: Iterable[tuple[str, tuple[Any, ...]]]
                 table.update_cell(key, column, value, update_width=True)
 
 
-def _rebuild(
-    table: DataTable[Any], wanted: list[tuple[str, tuple[Any, ...]]], current: list[str | None]
-) -> None:
+def _rebuild(table: DataTable[Text], wanted: list[Row], current: list[str | None]) -> None:
     """Rows were added, removed or reordered: rebuild, then restore the cursor and the scroll."""
     row = table.cursor_row
     held = current[row] if 0 <= row < len(current) else None
@@ -257,8 +256,18 @@ def _rebuild(
         table.call_after_refresh(table.scroll_to, y=target, animate=False)
 
 
-class PanelTable(DataTable):  # type: ignore[type-arg]
-    """A table whose row cursor shows only while it has focus (unfocused, no false selection)."""
+class PanelTable(DataTable[Text], Generic[ViewT]):
+    """A passive table over one slice: its rows, each keyed by a real identity, kept in sync
+    by key. The row cursor shows only while it has focus (unfocused, no false selection)."""
+
+    COLUMNS: tuple[str, ...] = ()
+
+    view: reactive[ViewT | None] = reactive(None)
+
+    def on_mount(self) -> None:
+        self.cursor_type = "row"
+        self.show_cursor = False
+        self.add_columns(*self.COLUMNS)
 
     def on_focus(self) -> None:
         self.show_cursor = True
@@ -266,57 +275,42 @@ class PanelTable(DataTable):  # type: ignore[type-arg]
     def on_blur(self) -> None:
         self.show_cursor = False
 
+    def watch_view(self, view: ViewT | None) -> None:
+        if view is not None:
+            sync_rows(self, self.rows_of(view))
 
-class DtypeTable(PanelTable):
+    def rows_of(self, view: ViewT) -> Iterable[Row]:
+        """The slice as table rows."""
+        raise NotImplementedError
+
+
+class DtypeTable(PanelTable[DtypesView]):
     """Pile x dtype -> bytes and number of unique storages."""
 
-    view: reactive[ViewState | None] = reactive(None)
+    COLUMNS = ("pile", "dtype", "bytes", "storages")
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.show_cursor = False
-        self.add_columns("pile", "dtype", "bytes", "storages")
-
-    def watch_view(self, view: ViewState | None) -> None:
-        if view is None:
-            return
-        sync_rows(
-            self,
-            (
+    def rows_of(self, view: DtypesView) -> Iterable[Row]:
+        for row in view.rows:
+            yield (
+                row.key,
                 (
-                    f"{pile}/{dtype}",
-                    (
-                        Text("■ ", style=PILE_COLOURS[pile]) + Text(PILE_LABELS[pile]),
-                        plain(dtype),
-                        Text(_size(size, view.binary), justify="right"),
-                        Text(str(count), justify="right"),
-                    ),
-                )
-                for pile, dtype, size, count in view.dtypes
-            ),
-        )
+                    Text("■ ", style=PILE_COLOURS[row.pile]) + Text(PART_LABELS[row.pile]),
+                    plain(row.dtype),
+                    Text(_size(row.bytes, view.binary), justify="right"),
+                    Text(str(row.storages), justify="right"),
+                ),
+            )
 
 
-class TopActivations(PanelTable):
-    """Modules by saved-activation bytes live at once during the cursor step."""
+class TopActivations(PanelTable[ActivationsView]):
+    """Modules by saved-activation bytes live at once during the cursor step, keyed by module
+    id: two modules of one name (two root models of one class) are two rows."""
 
-    view: reactive[ViewState | None] = reactive(None)
+    COLUMNS = ("module", "saved")
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.show_cursor = False
-        self.add_columns("module", "saved")
-
-    def watch_view(self, view: ViewState | None) -> None:
-        if view is None:
-            return
-        sync_rows(
-            self,
-            (
-                (name, (plain(name), Text(_size(size, view.binary), justify="right")))
-                for name, size in view.top_activations
-            ),
-        )
+    def rows_of(self, view: ActivationsView) -> Iterable[Row]:
+        for row in view.rows:
+            yield row.key, (plain(row.label), Text(_size(row.bytes, view.binary), justify="right"))
 
 
 WHERE_WIDTH = 32
@@ -329,51 +323,36 @@ def _where_cell(where: str | None) -> Text:
     return cell
 
 
-class AlertsTable(PanelTable):
+class AlertsTable(PanelTable[AlertsView]):
     """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
 
-    view: reactive[ViewState | None] = reactive(None)
+    # `where` before the message: messages are long, and the module or parameter names are
+    # what the user acts on, so they must be on screen without scrolling sideways.
+    COLUMNS = ("step", "kind", "where", "message")
 
-    def on_mount(self) -> None:
-        self.cursor_type = "row"
-        self.show_cursor = False
-        # `where` before the message: messages are long, and the module or parameter names
-        # are what the user acts on, so they must be on screen without scrolling sideways.
-        self.add_columns("step", "kind", "where", "message")
-
-    def watch_view(self, view: ViewState | None) -> None:
-        if view is None:
-            return
-        sync_rows(
-            self,
-            (
+    def rows_of(self, view: AlertsView) -> Iterable[Row]:
+        for alert in view.rows:
+            yield (
+                alert.key,
                 (
-                    alert.key,
-                    (
-                        Text(str(alert.step), justify="right"),
-                        plain(alert.kind, style="bold red" if alert.kind == "oom" else "bold"),
-                        _where_cell(alert.where),
-                        plain(alert.message),
-                    ),
-                )
-                for alert in view.alerts
-            ),
-        )
+                    Text(str(alert.step), justify="right"),
+                    plain(alert.kind, style=alert_style(alert.kind)),
+                    _where_cell(alert.where),
+                    plain(alert.message),
+                ),
+            )
 
     def step_of_row(self, row_key: str) -> int | None:
         """The step of the alert shown in a row, from the view state (never from a cell's text)."""
-        view = self.view
-        if view is None:
-            return None
-        return next((alert.step for alert in view.alerts if alert.key == row_key), None)
+        return self.view.step_of(row_key) if self.view is not None else None
 
 
-class NotesLine(FlowPanel):
+class NotesLine(FlowPanel[NotesView]):
     """Warnings about the view itself: damaged recording tails, agent parts that turned off."""
 
     DEFAULT_CSS = "NotesLine { height: auto; color: $warning; padding: 0 1; }"
 
-    def free_lines(self, view: ViewState | None) -> list[Text]:
+    def free_lines(self, view: NotesView | None) -> list[Text]:
         return [plain(" · ".join(view.notes))] if view is not None and view.notes else []
 
     def render(self) -> Text:

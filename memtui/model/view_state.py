@@ -1,0 +1,227 @@
+"""What the screen shows, as one frozen slice per panel, built by pure functions.
+
+Each widget is handed only its own slice and redraws only when that slice changes (Textual's
+reactive compares the new value with the one it holds and skips the widget when they are
+equal): moving from a step to one with the same dtypes leaves the dtype table alone, a new
+step while paused redraws the header and the chart, nothing else. Rows carry real identities
+(module ids, an alert's place in the stream), never labels, because labels repeat: two root
+models of one class name both their trees from the root.
+
+Nothing here imports Textual; `Session.view_state` assembles the slices and tests build them
+directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memtui.model.alloc_rows import AllocRow
+from memtui.model.job_state import Ending, JobState
+from memtui.model.rank_rows import RankRow
+from memtui.model.step_rows import (
+    AlertRow,
+    DtypeRow,
+    GapRow,
+    ModuleRow,
+    PileRow,
+    allocator_lines,
+    distributed_notes,
+    dtype_rows,
+    gap_rows,
+    module_rows,
+    pile_rows,
+)
+from memtui_protocol import schema
+
+
+@dataclass(frozen=True)
+class HeaderView:
+    """The job header: who the job is, where the view is, how it is fed."""
+
+    title: str
+    job: str
+    state: str
+    """The header's words for `status` (display only: test `status`, never this text)."""
+    status: JobState
+    ending: Ending | None
+    """How the job ended (`how_it_ended`), once `status` is ENDED; None: not ended, or no
+    agent ever spoke."""
+    replay: bool
+    """A recording read back (the state already says which step of how many)."""
+    source: str
+    step: int | None
+    steps_total: int
+    steps_per_second: float | None
+
+
+@dataclass(frozen=True)
+class NotesView:
+    """Warnings about the view itself (a damaged recording, an agent part that turned off)."""
+
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PilesView:
+    """The cursor step's peak composition and what the user should know about the step."""
+
+    rows: tuple[PileRow, ...]
+    binary: bool
+    step_owner: str | None = None
+    """Whose step it is, where that needs saying: the optimizer when several step, or that a
+    backward closed it (a job without an optimizer)."""
+    loss: float | None = None
+    skipped: bool = False
+    microbatches: int = 0
+    activations_measured: bool = True
+    """The step's activations were measured (hooks armed); else carried or not known."""
+    activations_from: int | None = None
+    """The measured step whose activation figures this step carries."""
+    distributed_lines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GapView:
+    """Where the bytes are: each memory level and what the difference to the one below means."""
+
+    rows: tuple[GapRow, ...]
+    binary: bool
+    allocator_lines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TimelineView:
+    """The chart's window of steps around the cursor, as the chart needs it."""
+
+    steps: tuple[int, ...]
+    piles: tuple[schema.Piles, ...]
+    """Each step's composition at its peak (stacked bottom-up in `Pile` order)."""
+    alerts: frozenset[int]
+    cursor_step: int | None
+    binary: bool
+    allocated: tuple[int | None, ...] = ()
+    reserved: tuple[int | None, ...] = ()
+    """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
+    carried: frozenset[int] = frozenset()
+    """Steps in the window whose activations were carried from a measured step."""
+
+
+@dataclass(frozen=True)
+class AlertsView:
+    """Every alert on screen, newest first, follow-on ones folded under the first."""
+
+    rows: tuple[AlertRow, ...] = ()
+
+    def step_of(self, key: str) -> int | None:
+        """The step of the alert with this row key (a table's selection), from the data."""
+        return next((row.step for row in self.rows if row.key == key), None)
+
+
+@dataclass(frozen=True)
+class DtypesView:
+    """Pile x dtype at the cursor step."""
+
+    rows: tuple[DtypeRow, ...]
+    binary: bool
+
+
+@dataclass(frozen=True)
+class ActivationsView:
+    """Modules by saved-activation bytes at the cursor step, by module id."""
+
+    rows: tuple[ModuleRow, ...]
+    binary: bool
+
+
+@dataclass(frozen=True)
+class RanksView:
+    """Every rank side by side (only with several ranks)."""
+
+    rows: tuple[RankRow, ...] = ()
+    shown: str = ""
+    """The label of the rank on screen."""
+    binary: bool = True
+
+
+@dataclass(frozen=True)
+class AllocationsView:
+    """The allocator's events of the cursor step (`--alloc-events`)."""
+
+    recorded: bool = False
+    """The job runs with `--alloc-events`: the allocations table is on screen."""
+    rows: tuple[AllocRow, ...] = ()
+    binary: bool = True
+
+
+@dataclass(frozen=True)
+class ViewState:
+    """Everything the screen shows, for one cursor position: one slice per panel."""
+
+    header: HeaderView
+    notes: NotesView
+    piles: PilesView
+    gap: GapView
+    timeline: TimelineView
+    alerts: AlertsView
+    dtypes: DtypesView
+    activations: ActivationsView
+    allocations: AllocationsView
+    ranks: RanksView = RanksView()
+
+
+def piles_view(
+    step: schema.Step | None,
+    live: schema.Piles | None,
+    binary: bool,
+    step_owner: str | None = None,
+) -> PilesView:
+    """The piles panel for the cursor step (or the live piles before the first step closes)."""
+    rows = pile_rows(step, live if step is None else None)
+    if step is None:
+        return PilesView(rows, binary)
+    return PilesView(
+        rows,
+        binary,
+        step_owner=step_owner,
+        loss=step.loss,
+        skipped=step.skipped,
+        microbatches=step.microbatches,
+        activations_measured=step.activations_measured,
+        activations_from=step.activations_from,
+        distributed_lines=distributed_notes(step, binary),
+    )
+
+
+def gap_view(step: schema.Step | None, live: schema.Piles | None, binary: bool) -> GapView:
+    """The gap panel for the cursor step (or the live piles before the first step closes)."""
+    return GapView(
+        gap_rows(step, live if step is None else None), binary, allocator_lines(step, binary)
+    )
+
+
+def timeline_view(
+    window: list[schema.Step], alert_steps: frozenset[int], cursor: int | None, binary: bool
+) -> TimelineView:
+    """The chart's slice of a window of steps (the Session cuts it around the cursor)."""
+    return TimelineView(
+        steps=tuple(step.step for step in window),
+        piles=tuple(step.peak for step in window),
+        alerts=alert_steps,
+        cursor_step=cursor,
+        binary=binary,
+        allocated=tuple(step.allocator.allocated for step in window),
+        reserved=tuple(step.allocator.reserved for step in window),
+        carried=frozenset(step.step for step in window if not step.activations_measured),
+    )
+
+
+def dtypes_view(step: schema.Step | None, binary: bool) -> DtypesView:
+    """The dtype table for the cursor step."""
+    return DtypesView(dtype_rows(step), binary)
+
+
+def activations_view(
+    step: schema.Step | None, names: dict[int, str], binary: bool
+) -> ActivationsView:
+    """The top-activations table for the cursor step, each row keyed by its module id."""
+    return ActivationsView(module_rows(step, names), binary)

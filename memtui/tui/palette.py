@@ -1,0 +1,61 @@
+"""The screen's colours and words for each concept, keyed by the concept's enum.
+
+Every widget that colours or names a pile, a bar part, an alert kind or an allocation line
+looks it up here, by member: the timeline and the piles bar cannot drift apart, and a mapping
+indexed by a position or a string spelt by hand does not type-check.
+"""
+
+from __future__ import annotations
+
+from memtui.model.alert_kinds import AlertKindShown
+from memtui.model.alloc_rows import AllocKind
+from memtui.model.step_rows import BarPart, Untracked
+from memtui_protocol.schema import AlertKind, Pile
+
+PILE_COLOURS: dict[Pile, str] = {
+    Pile.WEIGHTS: "#4c8bf5",
+    Pile.GRADIENTS: "#f5a623",
+    Pile.OPTIMIZER_STATE: "#b06ce0",
+    Pile.ACTIVATIONS: "#3fb950",
+}
+CARRIED_ACTIVATIONS = "#a6e3b0"
+"""A lighter green for activations a step carries from a measured step (not measured itself)."""
+UNTRACKED_COLOURS: dict[Untracked, str] = {
+    Untracked.DDP_BUCKETS: "#d29922",
+    Untracked.FSDP_GATHERED: "#39c5cf",
+    Untracked.OTHER: "#8b949e",
+}
+PART_COLOURS: dict[BarPart, str] = dict([*PILE_COLOURS.items(), *UNTRACKED_COLOURS.items()])
+"""The piles' colours plus the memory no pile tracks (shown only when present)."""
+
+PART_LABELS: dict[BarPart, str] = {
+    Pile.WEIGHTS: "weights",
+    Pile.GRADIENTS: "gradients",
+    Pile.OPTIMIZER_STATE: "optimizer state",
+    Pile.ACTIVATIONS: "activations",
+    Untracked.DDP_BUCKETS: "DDP buckets",
+    Untracked.FSDP_GATHERED: "FSDP gathered",
+    Untracked.OTHER: "other",
+}
+COLUMN_LABELS: dict[Pile, str] = {
+    **{pile: PART_LABELS[pile] for pile in Pile},
+    Pile.OPTIMIZER_STATE: "optimizer",
+}
+"""A pile as a table column's heading, where room is short."""
+
+ALERT_STYLES: dict[AlertKind, str] = {AlertKind.OOM: "bold red"}
+"""Alert kinds drawn apart from the rest (bold); the one that ends a job in red."""
+ALERT_STYLE = "bold"
+
+ALLOC_STYLES: dict[AllocKind, str] = {
+    AllocKind.HEADING: "bold",
+    AllocKind.NONE: "dim",
+    AllocKind.OOM: "bold red",
+    AllocKind.RING_FULL: "yellow",
+}
+"""Allocation lines styled apart from the plain allocations and segment growth."""
+
+
+def alert_style(kind: AlertKindShown) -> str:
+    """The kind column's style: a kind this version does not know gets the usual one."""
+    return ALERT_STYLES.get(kind, ALERT_STYLE) if isinstance(kind, AlertKind) else ALERT_STYLE
