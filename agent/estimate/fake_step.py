@@ -239,7 +239,9 @@ def _step_without_values(optimizer: Any) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class ValuesAsOne(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             if func is torch.ops.aten._local_scalar_dense.default and isinstance(
                 args[0], FakeTensor
             ):
@@ -335,8 +337,8 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         trainable = sum(p.numel() for p in params if p.requires_grad)
         size = batch_size(batch)
     if failures:
-        part, exc = failures[0]
-        raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(exc)}")
+        part, failure = failures[0]
+        raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(failure)}")
     if len(steps) != 2:
         raise FakeStepError(f"expected two closed steps, the tracker closed {len(steps)}")
     first, steady = steps
