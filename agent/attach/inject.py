@@ -237,7 +237,7 @@ class Arming:
             record=options.get("record"),
             argv=None,
             budget=options.get("budget"),
-            nan_check=options.get("nan_check", "default"),
+            nan_check=options.get("nan_check", schema.NanCheck.DEFAULT),
         )
         if agent is None:
             write_reply(

@@ -1,16 +1,18 @@
 """The hooks: installed, removed, and what each one reports.
 
 Installed globally so that any script is instrumented without code changes: module forward
-pre/post hooks, optimizer step pre/post hooks, saved-tensor default hooks on the thread that
-starts the agent, post-accumulate-grad hooks on every discovered parameter, a forward pre/post
-hook on each root module (`root_calls`), and thin wrappers around `torch.autograd.backward` (to
-see the loss), `Optimizer.__init__`, `Module._apply` and the library calls of
-`library_wrappers`. Every handle is kept and removed by `remove()`.
+pre/post hooks, saved-tensor default hooks on the thread that starts the agent and
+post-accumulate-grad hooks on every discovered parameter (here: they count), optimizer step
+pre/post hooks and a `torch.autograd.backward` wrapper (`step_hooks`), a forward pre/post hook
+on each root module (`root_calls`), wrappers around GradScaler, clipping and checkpoint
+(`library_wrappers`), DDP/FSDP measurements (`data_parallel`). Every handle is kept and removed
+by `remove()`.
 
 The hooks count into the ledger (saved tensors, gradients, weights packed by autograd) and keep
 the training phase (`phase.JobPhase`); everything else they see they report: step events to the
 step window (`steps.window`), measuring events to the activation gate (`steps.gate`), first
-steps to `steps.first_step`. The tracker owns no step logic.
+steps to `steps.first_step`. The tracker builds those parts and installs the hooks; it owns no
+step logic.
 
 Each hook does constant-time work inside a `try`: an exception disables that hook, is reported
 once, and never reaches the training code.
@@ -23,6 +25,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from threading import get_ident
 from typing import Any
 
@@ -35,6 +38,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from memtui_agent.hooks.data_parallel import DataParallelHooks
 from memtui_agent.hooks.hook_arming import GateSwitch, HookArming, forget_when_freed
 from memtui_agent.hooks.library_wrappers import (
     CheckpointNotes,
@@ -45,14 +49,13 @@ from memtui_agent.hooks.library_wrappers import (
 from memtui_agent.hooks.phase import JobPhase
 from memtui_agent.hooks.root_calls import RootHooks
 from memtui_agent.hooks.saved_tensors import Saved, SavedOne, SavedWeight, unpack, unpack_samplers
-from memtui_agent.job.distributed import DistributedMemory
+from memtui_agent.hooks.step_hooks import StepHooks, register_live_optimizers
 from memtui_agent.job.modules import ModuleRegistry
-from memtui_agent.job.optimizer_book import OptimizerBook, caller_frame, live_optimizers
+from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.memory.allocator import AllocatorReader
 from memtui_agent.memory.ledger import (
     GRADIENTS,
     NO_MODULE,
-    OPTIMIZER_STATE,
     WEIGHTS,
     Ledger,
     plain_storage,
@@ -69,7 +72,7 @@ from memtui_agent.steps.step_closer import StepCloser
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
-from memtui_protocol.schema import Phase, StepTrigger
+from memtui_protocol.schema import Phase
 
 Emit = Callable[[schema.Message | ClosedStep], None]
 """Where frames go (the agent's emitter)."""
@@ -99,8 +102,9 @@ class Tracker:
         self._fail = fail
         self.enabled = dict.fromkeys(HOOK_KINDS, True)
         self.registry = ModuleRegistry(emit)
-        self.distributed = DistributedMemory()
         self._fsdp = False
+        """FSDP is in use: its gathered parameters are sampled by the hooks."""
+        self.data_parallel = DataParallelHooks(self._set_fsdp, self.enabled, self._disable)
         self.job_phase = JobPhase()
         self._stack = self.job_phase.stack
         """The module stack, read by the hottest hooks without another attribute lookup."""
@@ -121,13 +125,28 @@ class Tracker:
         self.closer = StepCloser(
             ledger, self.registry, self.piles, self._health, budget, self.gate, self, config
         )
-        self.window = StepWindow(self.closer, self.gate, ledger, emit, self._find_optimizers)
-        self.first_steps = FirstSteps(budget, emit, AllocatorReader.active)
+        self.window = StepWindow(
+            self.closer, self.gate, ledger, emit, partial(register_live_optimizers, self.registry)
+        )
         self.roots = RootHooks(
             self.registry, self.job_phase, self.arming, self.gate, self.window, self._disable
         )
+        self.step_hooks = StepHooks(
+            self.job_phase,
+            self.window,
+            self.gate,
+            FirstSteps(budget, emit, AllocatorReader.active),
+            self.optimizers,
+            self.registry,
+            ledger,
+            self.piles,
+            self.closer.allocator,
+            self.sync_objects,
+            self.enabled,
+            self._disable,
+        )
         self._scaler = GradScalerWrappers(
-            self.window, self.optimizers, self, self.enabled, self._disable
+            self.window, self.optimizers, self.step_hooks, self.enabled, self._disable
         )
         self._clip = ClipWarning(self.window)
         self._checkpoint = CheckpointNotes(self.window, emit)
@@ -140,12 +159,14 @@ class Tracker:
         The module hooks find the models on the first step whatever the mode says; the gate
         arms the rest for it (not in `off`).
         """
-        self.owner_thread = self.roots.owner_thread = get_ident()
+        thread = get_ident()
+        self.owner_thread = self.roots.owner_thread = self.step_hooks.owner_thread = thread
         self.arming.arm_modules()
         self.gate.started()
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre))
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_post))
-        self._wrap(torch.autograd, "backward", self._wrap_backward)
+        steps = self.step_hooks
+        self._handles.append(register_optimizer_step_pre_hook(steps.optimizer_pre))
+        self._handles.append(register_optimizer_step_post_hook(steps.optimizer_post))
+        self._wrap(torch.autograd, "backward", steps.backward)
         scaler_cls = torch.amp.grad_scaler.GradScaler
         self._wrap(scaler_cls, "step", self._scaler.step)
         self._wrap(scaler_cls, "scale", self._scaler.scale)
@@ -154,7 +175,7 @@ class Tracker:
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             self._wrap(torch.nn.utils, name, self._clip.clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self._checkpoint.checkpoint)
-        self._wrap(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        self._wrap(torch.optim.Optimizer, "__init__", steps.optimizer_init)
         # The module trees change: a close walks them again only then (`pile_watch`).
         module_hooks = torch.nn.modules.module
         note = self.registry.note_tree_change
@@ -262,7 +283,7 @@ class Tracker:
         try:
             module_id = self.registry.lookup(module)
             if self.registry.generation != self._synced_generation:
-                self.new_objects()
+                self.new_objects()  # not `sync_objects()`: a call less per module call
             stack = self._stack
             if not stack:
                 self.job_phase.in_optimizer = False
@@ -286,8 +307,8 @@ class Tracker:
                 elif self.gate.probing:
                     self._health.module_output(stack[-1], args, output)
                 stack.pop()
-            if self._fsdp and self.distributed.fsdp.is_fsdp_module(module):
-                self._sample_gathered()  # before FSDP's own post-forward hook reshards
+            if self._fsdp:
+                self.data_parallel.module_returned(module)
         except Exception as exc:
             self._disable("modules", exc)
 
@@ -334,8 +355,7 @@ class Tracker:
         """A parameter (or a view of one) not seen before: a weight, never an activation.
         False for FSDP's all-gathered parameter, whose memory is FSDP's (the shard is the
         weight) and which autograd must keep exactly as FSDP expects."""
-        if self._fsdp and self.distributed.fsdp.is_gathered_parameter(origin):
-            self._sample_gathered()
+        if self._fsdp and self.data_parallel.gathered_parameter(origin):
             return False
         # A parameter no module or optimizer has shown us yet: it is a weight.
         self._seen_params[id(origin)] = forget_when_freed(origin, self._seen_params)
@@ -362,122 +382,6 @@ class Tracker:
         except Exception as exc:
             self._disable("grads", exc)
 
-    # ----- backward and loss -------------------------------------------------------------------
-
-    def _wrap_backward(self, original: Wrapper) -> Wrapper:
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if get_ident() != self.owner_thread:
-                return original(tensors, *args, **kwargs)
-            phase = self.job_phase
-            outermost = phase.in_backward == 0
-            if outermost:
-                self.window.backward_started()
-                self._record_loss(tensors)
-                self.closer.allocator.phase_ended(Phase.FORWARD)
-                self._stack.clear()
-                phase.in_optimizer = False
-            phase.in_backward += 1
-            try:
-                result = original(tensors, *args, **kwargs)
-            except BaseException:
-                phase.note_error(Phase.BACKWARD, None)
-                raise
-            finally:
-                phase.in_backward -= 1
-            if outermost and self.window.trigger is not StepTrigger.OPTIMIZER:
-                self._backward_returned()
-            return result
-
-        return backward
-
-    def _record_loss(self, tensors: Any) -> None:
-        if not self.enabled["loss"]:
-            return
-        try:
-            self.window.loss(tensors)
-        except Exception as exc:
-            self._disable("loss", exc)
-
-    def _backward_returned(self) -> None:
-        if not self.enabled["steps"]:
-            return
-        try:
-            self.window.backward_returned()
-        except Exception as exc:
-            self._disable("steps", exc)
-
-    def _find_optimizers(self) -> bool:
-        """Whether the job holds optimizers (built before the agent, or not stepped yet),
-        registering them: one search of the heap, at the first backward that needs it."""
-        found = live_optimizers()
-        for optimizer in found:
-            self.registry.add_optimizer(optimizer)
-        return bool(found)
-
-    # ----- optimizer hooks ---------------------------------------------------------------------
-
-    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.enabled["steps"]:
-            return
-        try:
-            top_level = self.optimizers.enter(optimizer, caller_frame(1))
-            if top_level:
-                self.job_phase.in_optimizer = True
-                self.closer.allocator.phase_ended(Phase.BACKWARD)
-                self.window.optimizer_exists()
-            self.registry.add_optimizer(optimizer)
-            if self.registry.generation != self._synced_generation:
-                self.new_objects()
-            record = self.optimizers.record(optimizer)
-            if not record.forecasted:
-                record.forecasted = True
-                self.gate.first_step_begins()
-                # State some optimizers create up front (Adagrad) is not the first step's doing.
-                self.ledger.sync(OPTIMIZER_STATE, self.registry.optimizer_state_tensors())
-                # `args` is (optimizer, closure?): torch's step wrapper passes self first.
-                closure = (len(args) > 1 and args[1] is not None) or bool(kwargs.get("closure"))
-                self.first_steps.before(
-                    optimizer, record, self.window.number, self.piles.current(), closure
-                )
-        except Exception as exc:
-            self._disable("steps", exc)
-
-    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.enabled["steps"]:
-            return
-        try:
-            record = self.optimizers.get(optimizer)
-            if record is not None and not record.first_step_done:
-                growth = self.first_steps.after(optimizer, record)
-                if growth is not None:
-                    self.window.note(growth)
-            closed = self.optimizers.leave(optimizer, caller_frame(1))
-            if closed is not None:
-                self.job_phase.in_optimizer = False
-                self.window.optimizer_stepped(closed)
-        except Exception as exc:
-            self._disable("steps", exc)
-
-    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
-        """GradScaler skipped `optimizer`'s update (no optimizer hook fired): its step closes."""
-        if self.registry.add_optimizer(optimizer):
-            self.new_objects()
-        self.job_phase.in_optimizer = False
-        self.window.scaler_skipped(self.optimizers.count_step(optimizer), scaler)
-
-    def _wrap_optimizer_init(self, original: Wrapper) -> Wrapper:
-        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            original(optimizer, *args, **kwargs)
-            # An optimizer now exists: its step(), not backward, will close steps.
-            if self.enabled["steps"]:
-                try:
-                    self.gate.optimizer_created()
-                    self.window.optimizer_exists()
-                except Exception as exc:
-                    self._disable("steps", exc)
-
-        return __init__
-
     def _wrap_module_apply(self, original: Wrapper) -> Wrapper:
         def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -491,12 +395,17 @@ class Tracker:
 
     # ----- new objects -------------------------------------------------------------------------
 
+    def sync_objects(self) -> None:
+        """Register and hook what appeared since the last look (new roots, optimizers)."""
+        if self.registry.generation != self._synced_generation:
+            self.new_objects()
+
     def new_objects(self) -> None:
         """A new model tree or optimizer appeared: count its weights and hook its parameters."""
         self._synced_generation = self.registry.generation
         self.roots.hook_roots()
         self.gate.parameters_found()
-        self._discover_wrappers()
+        self.data_parallel.discover(self.registry.live_roots())
         self.piles.resync()
 
     def before_close(self, step: int) -> None:
@@ -510,42 +419,15 @@ class Tracker:
 
     # ----- data-parallel wrappers --------------------------------------------------------------
 
-    def _discover_wrappers(self) -> None:
-        if not self.enabled["distributed"]:
-            return
-        try:
-            self.distributed.discover(list(self.registry.live_roots()))
-            if self.distributed.fsdp.active and not self._fsdp:
-                self._set_fsdp(True)
-        except Exception as exc:
-            self._distributed_failed(exc)
-
     def _set_fsdp(self, on: bool) -> None:
         """FSDP found (or its measurements off): the gathered parameters are sampled by the
         unpack hook, every step measured, the piles walked at every close."""
         self._fsdp = self.gate.fsdp = self.piles.walk_always = on
-        unpack_samplers[:] = [self._sample_gathered] if on else []
-
-    def _sample_gathered(self) -> None:
-        try:
-            self.distributed.fsdp.sample()
-        except Exception as exc:
-            self._distributed_failed(exc)
+        unpack_samplers[:] = [self.data_parallel.sample_gathered] if on else []
 
     def distributed_at_close(self) -> schema.Distributed | None:
         """The wrappers' memory at a close (`steps.step_closer.CloseHooks`)."""
-        if not self.enabled["distributed"]:
-            return None
-        try:
-            return self.distributed.at_close()
-        except Exception as exc:
-            self._distributed_failed(exc)
-            return None
-
-    def _distributed_failed(self, exc: BaseException) -> None:
-        """Turn the DDP/FSDP measurements off everywhere they run, reported once."""
-        self._set_fsdp(False)
-        self._disable("distributed", exc)
+        return self.data_parallel.at_close()
 
     def _disable(self, component: str, exc: BaseException) -> None:
         self.enabled[component] = False
