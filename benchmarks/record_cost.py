@@ -44,9 +44,8 @@ def closed_step(number: int) -> ClosedStep:
     ledger = LedgerReading(piles, piles, piles, dtypes, top)
     reading = CloseReading(number, ledger, schema.Allocator())
     inputs = StepInputs(
-        step=number, t_start=0.0, t_end=0.0, skipped=False, microbatches=1,
-        closed_by=schema.StepTrigger.OPTIMIZER, optimizer="AdamW#1", optimizer_step=number,
-        reading=reading, gradients=None, verdict=Verdict(measured=True), host=host_now(),
+        step=number, t_start=0.0, t_end=0.0, reading=reading, verdict=Verdict(measured=True),
+        microbatches=1, optimizer="AdamW#1", optimizer_step=number, host=host_now(),
     )  # fmt: skip
     return ClosedStep(inputs, [torch.tensor(0.5)])
 

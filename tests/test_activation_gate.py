@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import torch
 
 from memtui_agent.job.modules import ModuleRegistry
@@ -99,21 +98,7 @@ def reading(step: int, activations: int) -> CloseReading:
 
 
 def closed_inputs(step: int, verdict: Verdict, **changes: Any) -> StepInputs:
-    closed = StepInputs(
-        step=step,
-        t_start=0.0,
-        t_end=1.0,
-        skipped=False,
-        microbatches=1,
-        closed_by=schema.StepTrigger.OPTIMIZER,
-        optimizer="SGD#1",
-        optimizer_step=step,
-        reading=reading(step, 0),
-        gradients=None,
-        verdict=verdict,
-        host=schema.Host(),
-    )
-    return msgspec.structs.replace(closed, **changes)
+    return StepInputs(step, 0.0, 1.0, reading(step, 0), verdict, **changes)
 
 
 def test_auto_measures_what_is_new_then_carries_its_repeats() -> None:

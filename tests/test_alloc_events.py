@@ -37,7 +37,7 @@ from memtui_agent.memory.alloc_trace import (
     summarize,
 )
 from memtui_agent.steps.activation_policy import Verdict
-from memtui_agent.steps.frame import CloseReading, HostValues, LedgerReading, StepInputs, build_step
+from memtui_agent.steps.frame import CloseReading, HostValues, StepInputs, build_step
 from memtui_protocol import schema, wire
 
 MIB = 2**20
@@ -430,22 +430,7 @@ def test_the_unfinished_step_holds_the_oom_that_ended_the_job() -> None:
 
 def test_the_frame_builder_summarises_the_drained_events() -> None:
     drained = Drained([entry("alloc", 9 * MIB, 1, IN_MODEL)], False, 1, (), "/work/job")
-    piles = schema.Piles()
-    inputs = StepInputs(
-        step=1,
-        t_start=0.0,
-        t_end=1.0,
-        skipped=False,
-        microbatches=1,
-        closed_by=schema.StepTrigger.OPTIMIZER,
-        optimizer=None,
-        optimizer_step=None,
-        reading=CloseReading(1, LedgerReading(piles, piles, piles, {}, []), schema.Allocator()),
-        gradients=None,
-        verdict=Verdict(measured=True),
-        host=schema.Host(),
-        alloc_events=drained,
-    )
+    inputs = StepInputs(1, 0.0, 1.0, CloseReading(1), Verdict(measured=True), alloc_events=drained)
     step = build_step(inputs, HostValues())
     assert step.alloc_events is not None
     assert step.alloc_events.largest == [schema.AllocEvent(9 * MIB, 1, "model.py:42 forward")]

@@ -47,14 +47,11 @@ def inputs(**changes: Any) -> StepInputs:
         step=7,
         t_start=10.0,
         t_end=10.5,
-        skipped=False,
+        reading=CloseReading(7, ledger, schema.Allocator(allocated=9000, reserved=12000)),
+        verdict=Verdict(measured=True),
         microbatches=2,
-        closed_by=schema.StepTrigger.OPTIMIZER,
         optimizer="AdamW#1",
         optimizer_step=7,
-        reading=CloseReading(7, ledger, schema.Allocator(allocated=9000, reserved=12000)),
-        gradients=None,
-        verdict=Verdict(measured=True),
         host=schema.Host(rss=123),
     )
     return msgspec.structs.replace(base, **changes)

@@ -12,9 +12,8 @@ import torch
 
 from memtui_agent.job.optimizer_book import OptimizerRecord
 from memtui_agent.steps.activation_policy import Verdict
-from memtui_agent.steps.frame import ClosedStep, CloseReading, LedgerReading, StepInputs
+from memtui_agent.steps.frame import ClosedStep, CloseReading, StepInputs
 from memtui_agent.steps.window import MAX_LOSSES_PER_STEP, OpenStep, StepWindow
-from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, StepTrigger
 
 
@@ -28,22 +27,15 @@ class Closer:
         self, opened: OpenStep, step: int, skipped: bool, record: OptimizerRecord | None
     ) -> StepInputs:
         self.calls.append((opened, step, skipped, record))
-        piles = schema.Piles()
         return StepInputs(
             step=step,
             t_start=opened.started,
             t_end=opened.started + 1.0,
+            reading=CloseReading(step),
+            verdict=Verdict(measured=True),
             skipped=skipped,
             microbatches=opened.microbatches,
             closed_by=StepTrigger.BACKWARD if record is None else StepTrigger.OPTIMIZER,
-            optimizer=record.name if record is not None else None,
-            optimizer_step=record.steps if record is not None else None,
-            reading=CloseReading(
-                step, LedgerReading(piles, piles, piles, {}, []), schema.Allocator()
-            ),
-            gradients=None,
-            verdict=Verdict(measured=True),
-            host=schema.Host(),
             raised=tuple(opened.raised),
         )
 

@@ -28,14 +28,15 @@ from memtui_protocol.schema import AlertKind, Pile
 
 
 class LedgerReading(msgspec.Struct, frozen=True):
-    """The ledger's piles as the step closes (`Ledger.at_close`, `Ledger.top_modules`)."""
+    """The ledger's piles as the step closes (`Ledger.at_close`, `Ledger.top_modules`); the
+    defaults are a ledger that counted nothing."""
 
-    end: schema.Piles
-    high: schema.Piles
+    end: schema.Piles = schema.Piles()
+    high: schema.Piles = schema.Piles()
     """Each pile's high-water mark during the step (the frame's `max`)."""
-    peak: schema.Piles
-    dtypes: dict[str, dict[str, schema.DtypeStat]]
-    top: list[schema.ModuleBytes]
+    peak: schema.Piles = schema.Piles()
+    dtypes: dict[str, dict[str, schema.DtypeStat]] = {}
+    top: list[schema.ModuleBytes] = []
 
 
 class CloseReading(msgspec.Struct, frozen=True):
@@ -47,28 +48,31 @@ class CloseReading(msgspec.Struct, frozen=True):
     """
 
     step: int
-    ledger: LedgerReading
-    allocator: schema.Allocator
+    ledger: LedgerReading = LedgerReading()
+    allocator: schema.Allocator = schema.Allocator()
 
 
 class StepInputs(msgspec.Struct, frozen=True):
-    """Everything a closed step's frame is built from, gathered at its close."""
+    """Everything a closed step's frame is built from, gathered at its close.
+
+    Fields that a step often lacks default as `schema.Step`'s do.
+    """
 
     step: int
     t_start: float
     t_end: float
-    skipped: bool
-    microbatches: int
-    closed_by: schema.StepTrigger
-    optimizer: str | None
-    """The optimizer whose top-level `step()` (or GradScaler skip) closed it (`AdamW#1`)."""
-    optimizer_step: int | None
     reading: CloseReading
-    gradients: tuple[int, dict[str, schema.DtypeStat]] | None
+    verdict: Verdict
+    skipped: bool = False
+    microbatches: int = 0
+    closed_by: schema.StepTrigger = schema.StepTrigger.OPTIMIZER
+    optimizer: str | None = None
+    """The optimizer whose top-level `step()` (or GradScaler skip) closed it (`AdamW#1`)."""
+    optimizer_step: int | None = None
+    gradients: tuple[int, dict[str, schema.DtypeStat]] | None = None
     """The gradients pile counted outside the ledger (bytes, dtype inventory) at an unarmed
     close; None when the ledger holds the gradients."""
-    verdict: Verdict
-    host: schema.Host
+    host: schema.Host = schema.Host()
     raised: tuple[schema.Alert, ...] = ()
     """Alerts raised during the step by the hooks and wrappers (clipping order, first-step
     growth, the step rule, the attach)."""
