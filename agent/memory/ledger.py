@@ -61,6 +61,7 @@ OPTIMIZER_STATE = PileIndex.OPTIMIZER_STATE
 ACTIVATIONS = PileIndex.ACTIVATIONS
 PERSISTENT = (WEIGHTS, GRADIENTS, OPTIMIZER_STATE)
 """The piles whose members are claimed by `sync`/`claim` (activations are packed instead)."""
+_PERSISTENT_NAMED = tuple((index, index.pile) for index in PERSISTENT)
 _BITS = tuple(1 << index for index in PileIndex)
 """A storage's membership mask: one bit per pile; the lowest set bit is the pile it counts in."""
 ACTIVATION_BIT = _BITS[ACTIVATIONS]
@@ -285,7 +286,7 @@ class Ledger:
         with self._lock:
             self._settle()
             dtypes: dict[str, dict[str, DtypeStat]] = {
-                pile.pile: self._dtype_snapshot(pile) for pile in PERSISTENT
+                pile: self._dtype_snapshot(index) for index, pile in _PERSISTENT_NAMED
             }
             dtypes[Pile.ACTIVATIONS] = dict(self._act_dtypes_at_max)
             return Piles(*self.piles), Piles(*self.max), Piles(*self.peak), dtypes

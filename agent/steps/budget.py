@@ -45,17 +45,13 @@ class Budget:
     def judge_peak(self, peak: schema.Piles) -> schema.Alert | None:
         """The alert for a closing step's final peak (measured, or carried from the step it
         repeats: between measured steps the ledger alone holds neither its activations nor its
-        gradients); the peak is also what the next steps' arming compares with the budget."""
-        alert = self._over(peak)
-        self.previous_peak = peak
-        return alert
-
-    def _over(self, peak: schema.Piles) -> schema.Alert | None:
-        """The step's peak over the budget, naming the pile that grew the most (once)."""
+        gradients), once per run, naming the pile that grew the most; the peak is also what the
+        next steps' arming compares with the budget."""
+        before, self.previous_peak = self.previous_peak, peak
         if self.limit is None or peak.total <= self.limit or self.warned:
             return None
         self.warned = True
-        before = self.previous_peak or schema.Piles()
+        before = before or schema.Piles()
         growth = {pile: getattr(peak, pile.value) - getattr(before, pile.value) for pile in Pile}
         grew = max(growth, key=lambda pile: growth[pile])
         message = (

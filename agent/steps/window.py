@@ -210,7 +210,7 @@ class StepWindow:
         """Close the open step and open the next; the closed step's message."""
         self.release_held_skip()
         opened = self.current
-        inputs = self._closer.close(opened, self.number, skipped, record)
+        inputs = self._closer.close(opened, self.closed + 1, skipped, record)
         self.closed = inputs.step
         self._open(inputs)
         return ClosedStep(inputs, opened.losses, opened.scale)
