@@ -5,7 +5,7 @@
 A step's frame is now built, encoded and appended to the recording with one `os.write` before
 `optimizer.step()` returns to the job; before, the training thread only queued it and the
 emitter thread did that work. This times `Emitter.put` for a realistic closed step (CPU loss,
-dtype inventory, ten top modules, host RSS read) in the same process, interleaved:
+dtype inventory, ten top modules, host RSS read at the close) in the same process, interleaved:
 - "queue only": appending to a deque, which is what the old training thread paid;
 - "frame, no file": building and encoding the frame (no recording);
 - "frame + write": the same plus the `os.write` to a recording (what a step pays now);
@@ -26,23 +26,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtui_agent.memory.memory_readers import host_now
 from memtui_agent.output.emitter import Emitter
-from memtui_agent.steps.pending import PendingStep
+from memtui_agent.steps.activation_policy import Verdict
+from memtui_agent.steps.frame import ClosedStep, CloseReading, LedgerReading, StepInputs
 from memtui_protocol import schema
 
 
-def closed_step(number: int) -> PendingStep:
-    """A PendingStep shaped like a real close: piles, dtypes, a loss tensor, top modules."""
+def closed_step(number: int) -> ClosedStep:
+    """A closed step shaped like a real close: piles, dtypes, a loss tensor, top modules, the
+    host read (as the close reads it, on this thread)."""
     piles = schema.Piles(1 << 20, 1 << 20, 2 << 20, 3 << 20)
     dtypes = {
-        pile: {"float32": schema.DtypeStat(1 << 20, 12)} for pile in schema.PILES
+        pile: {"float32": schema.DtypeStat(1 << 20, 12)} for pile in schema.Pile
     }  # fmt: skip
-    return PendingStep(
-        step=number, t_start=0.0, t_end=0.0, end=piles, high=piles, peak=piles, dtypes=dtypes,
-        microbatches=1, skipped=False, losses=[torch.tensor(0.5)], scale=None, scale_after=None,
-        alerts=[], top=[schema.ModuleBytes(index, 4096) for index in range(10)],
-        allocator=schema.Allocator(),
+    top = [schema.ModuleBytes(index, 4096) for index in range(10)]
+    ledger = LedgerReading(piles, piles, piles, dtypes, top)
+    reading = CloseReading(number, ledger, schema.Allocator())
+    inputs = StepInputs(
+        step=number, t_start=0.0, t_end=0.0, reading=reading, verdict=Verdict(measured=True),
+        microbatches=1, optimizer="AdamW#1", optimizer_step=number, host=host_now(),
     )  # fmt: skip
+    return ClosedStep(inputs, [torch.tensor(0.5)])
 
 
 def time_per_call(action: Any, count: int) -> float:

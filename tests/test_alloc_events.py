@@ -36,7 +36,8 @@ from memtui_agent.memory.alloc_trace import (
     new_entries,
     summarize,
 )
-from memtui_agent.steps.pending import PendingStep
+from memtui_agent.steps.activation_policy import Verdict
+from memtui_agent.steps.frame import CloseReading, HostValues, StepInputs, build_step
 from memtui_protocol import schema, wire
 
 MIB = 2**20
@@ -427,27 +428,10 @@ def test_the_unfinished_step_holds_the_oom_that_ended_the_job() -> None:
     assert rec.unfinished() is None  # nothing new since
 
 
-def test_the_pending_step_summarises_on_finalize() -> None:
+def test_the_frame_builder_summarises_the_drained_events() -> None:
     drained = Drained([entry("alloc", 9 * MIB, 1, IN_MODEL)], False, 1, (), "/work/job")
-    pending = PendingStep(
-        step=1,
-        t_start=0.0,
-        t_end=1.0,
-        end=schema.Piles(),
-        high=schema.Piles(),
-        peak=schema.Piles(),
-        dtypes={},
-        microbatches=1,
-        skipped=False,
-        losses=[],
-        scale=None,
-        scale_after=None,
-        alerts=[],
-        top=[],
-        allocator=schema.Allocator(),
-        alloc_events=drained,
-    )
-    step, _late = pending.finalize()
+    inputs = StepInputs(1, 0.0, 1.0, CloseReading(1), Verdict(measured=True), alloc_events=drained)
+    step = build_step(inputs, HostValues())
     assert step.alloc_events is not None
     assert step.alloc_events.largest == [schema.AllocEvent(9 * MIB, 1, "model.py:42 forward")]
 

@@ -273,12 +273,12 @@ import sys
 import torch
 from torch import nn
 import memtui_agent
-from memtui_agent.steps import pending
+from memtui_agent.output import emitter
 
-def broken():
+def broken(*args, **kwargs):
     raise RuntimeError("psutil exploded")
 
-pending.host_now = broken  # a fault while the step frame is built
+emitter.build_step = broken  # a fault while the step frame is built
 model = nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 with memtui_agent.monitor(record="rec.memtui"):

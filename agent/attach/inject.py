@@ -237,7 +237,7 @@ class Arming:
             record=options.get("record"),
             argv=None,
             budget=options.get("budget"),
-            nan_check=options.get("nan_check", "default"),
+            nan_check=options.get("nan_check", schema.NanCheck.DEFAULT),
         )
         if agent is None:
             write_reply(
@@ -257,15 +257,14 @@ class Arming:
         for root in (ref() for ref in self.roots):
             if root is not None:
                 agent.watch(root, None)
-        # The scan above replaces the tracker's own search at the first backward.
-        tracker.trigger = (
-            schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
-        )
+        window = tracker.window
+        # The scan above replaces the step window's own search at the first backward.
+        window.trigger = schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
         steps_before = job_step(optimizers)
         if steps_before:
-            tracker.closed_steps = steps_before  # frames carry the job's own step numbers
-        tracker.pending_alerts.append(
-            schema.Alert(kind=schema.ATTACHED_ALERT, message=attached_message(steps_before))
+            window.closed = steps_before  # frames carry the job's own step numbers
+        window.note(
+            schema.Alert(kind=schema.AlertKind.ATTACHED, message=attached_message(steps_before))
         )
         # The forward starting now: its module on the stack, as if the hooks had seen it begin.
         tracker._module_pre(module, args)
@@ -336,7 +335,7 @@ class Detaching:
         try:
             self._pre.remove()
             self.agent.detached = True
-            step = tracker.closed_steps
+            step = tracker.window.closed
             api.stop(exit_code=None)
             tracker.remove()  # `finish()` removes them only on the main thread
             write_reply(self.reply, Answer.DETACHED, f"detached after {step} recorded steps")

@@ -239,7 +239,9 @@ def _step_without_values(optimizer: Any) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class ValuesAsOne(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             if func is torch.ops.aten._local_scalar_dense.default and isinstance(
                 args[0], FakeTensor
             ):
@@ -257,7 +259,7 @@ def _step_without_values(optimizer: Any) -> None:
 
 
 def _figures(step: Any) -> StepFigures:
-    return StepFigures(step.end.as_dict(), step.high.as_dict(), step.peak.as_dict())
+    return StepFigures(step.end.as_dict(), step.max.as_dict(), step.peak.as_dict())
 
 
 def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -> FakeStepResult:
@@ -271,20 +273,20 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
 
     from memtui_agent.hooks.tracker import Tracker
     from memtui_agent.memory.ledger import Ledger, count_fake_storages
-    from memtui_agent.steps.pending import PendingStep
+    from memtui_agent.steps.frame import ClosedStep, HostValues, build_step
     from memtui_protocol import schema
     from memtui_protocol.config import AgentConfig
     from memtui_protocol.schema import ActivationMode, NanCheck
 
     started = time.perf_counter()
     build_model, build_batch = resolve(request.model, "--model"), resolve(request.batch, "--batch")
-    steps: list[PendingStep] = []
+    steps: list[schema.Step] = []
     names: dict[int, str] = {}
     failures: list[tuple[str, BaseException]] = []
 
     def emit(item: Any) -> None:
-        if isinstance(item, PendingStep):
-            steps.append(item)
+        if isinstance(item, ClosedStep):  # its frame, without reading the fake loss
+            steps.append(build_step(item.inputs, HostValues()))
         elif isinstance(item, schema.Names) and item.kind == "module":
             names.update(enumerate(item.names, start=item.first_id))
 
@@ -335,8 +337,8 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         trainable = sum(p.numel() for p in params if p.requires_grad)
         size = batch_size(batch)
     if failures:
-        part, exc = failures[0]
-        raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(exc)}")
+        part, failure = failures[0]
+        raise FakeStepError(f"the agent's {part} failed on fake tensors: {one_line(failure)}")
     if len(steps) != 2:
         raise FakeStepError(f"expected two closed steps, the tracker closed {len(steps)}")
     first, steady = steps
@@ -347,7 +349,7 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         batch_size=size,
         first=_figures(first),
         steady=_figures(steady),
-        top_modules=[(names.get(m.module, "<no module>"), m.bytes) for m in steady.top],
+        top_modules=[(names.get(m.module, "<no module>"), m.bytes) for m in steady.top_activations],
         dtypes={pile: {d: s.bytes for d, s in by.items()} for pile, by in steady.dtypes.items()},
         seconds=round(time.perf_counter() - started, 3),
     )

@@ -1,7 +1,8 @@
 """The costly hooks, installed and removed as one set: module, saved-tensor and gradient hooks.
 
-`Tracker` arms them for the steps it measures (all of them in `every` mode) and disarms them at
-the step close in `auto` mode. Everything here keeps the job's own hooks intact:
+The activation gate (`steps.gate`) decides when they run and switches them through `GateSwitch`
+(all of them on every step in `every` mode; in `auto` mode armed for the steps it measures and
+disarmed as the next step opens). Everything here keeps the job's own hooks intact:
 
 - Saved-tensor hooks live on a per-thread stack the job may use too (`save_on_cpu`, checkpoint's
   own). The agent pops only its own pair, seen at the top of the stack: pushed onto an empty
@@ -20,6 +21,9 @@ from enum import Enum
 from typing import Any
 
 import torch
+
+from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.steps.pile_count import PersistentPiles
 
 
 class Push(Enum):
@@ -157,3 +161,52 @@ class HookArming:
         self.disarm_modules()
         self.unhook_grads()
         self.pop_pack()
+
+
+class GateSwitch:
+    """The activation gate's switch (`steps.gate.HookSwitch`) over one tracker's hooks.
+
+    Arming also brings the gradients alive now back into the ledger (the gradient hooks keep
+    them there from here), and a root whose forward is starting onto the module stack (its own
+    global pre-hook ran before the arming); disarming takes the gradients out again, to be
+    counted at each close (`pile_count`).
+    """
+
+    def __init__(
+        self,
+        arming: HookArming,
+        registry: ModuleRegistry,
+        piles: PersistentPiles,
+        stack: list[int],
+        enabled: dict[str, bool],
+    ) -> None:
+        self._arming = arming
+        self._registry = registry
+        self._piles = piles
+        self._stack = stack
+        self._enabled = enabled
+
+    @property
+    def armed(self) -> bool:
+        """Whether the set is installed."""
+        return self._arming.armed
+
+    def arm(self, root: Any | None) -> None:
+        """Install the set; `root` is the root module whose pre-hook asks (or None)."""
+        rejoin = not self._arming.armed
+        parameters = self._registry.parameters()
+        self._arming.arm(parameters)
+        if rejoin:
+            self._piles.gradients_rejoin(parameters)
+        if root is not None and self._enabled["modules"]:
+            self._stack.append(self._registry.lookup(root))
+
+    def disarm(self) -> None:
+        """Remove the set; the module stack restarts empty with the next forward."""
+        self._arming.disarm()
+        self._stack.clear()
+        self._piles.gradients_leave()
+
+    def hook_new_parameters(self) -> None:
+        """Gradient hooks on parameters found since the set was armed."""
+        self._arming.hook_grads(self._registry.parameters())

@@ -1,21 +1,31 @@
 """Wrappers around library calls no hook reports: GradScaler, gradient clipping, checkpoint.
 
-A GradScaler that skips an update fires no optimizer hook, so `GradScaler.step`/`update` are
-wrapped to notice the skip (and the scale before and after). `clip_grad_norm_` is wrapped to warn
-when gradients are clipped while still scaled (the seeds' wrong order), and
-`torch.utils.checkpoint.checkpoint` to say once that checkpointed regions hide their activations.
-Mixed into `Tracker`, whose state (scale, losses, pending alerts, step closing) they update.
+Each wrapper does what the library does and reports what it saw; the step window and the rest
+decide what that means:
+
+- GradScaler: a skipped update fires no optimizer hook, so `GradScaler.step` is wrapped to notice
+  the skip (`Skips`); `scale` and `unscale_` tell the window which loss was scaled and whether the
+  gradients were unscaled, `update` releases a held skip with the scale after it.
+- `clip_grad_norm_`/`clip_grad_value_`: a warning when gradients are clipped while still scaled
+  (the seeds' wrong order).
+- `torch.utils.checkpoint.checkpoint`: said once per variant, since checkpointed regions hide
+  their activations from the saved-tensor hooks.
+
+`Tracker._wrap` installs them and restores the originals.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-import torch
-
+from memtui_agent.job.optimizer_book import OptimizerBook
+from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind
+
+Wrapper = Callable[..., Any]
 
 CHECKPOINT_NOTES = {
     "non-reentrant": "activation checkpointing (use_reentrant=False) in use: inside "
@@ -28,101 +38,96 @@ CHECKPOINT_NOTES = {
 """What each checkpoint variant means for the activations pile (measured on torch 2.13)."""
 
 
-class LibraryWrappers:
-    """The wrapper factories; `Tracker._wrap` installs them and restores the originals.
+class SkipSink(Protocol):
+    """Where a noticed skip goes (the tracker: it registers the optimizer, then tells the
+    step window)."""
 
-    The attributes below are the Tracker state they share (declared here for readers); the
-    methods they call back (`close_step`, `_on_new_objects`, `_disable`) are Tracker's.
-    """
+    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
+        """`scaler.step(optimizer)` returned without stepping `optimizer`."""
+        ...
 
-    _scaled_loss: tuple[int, Any] | None
-    _scale: Any
-    _held_skip: tuple[Any, Any] | None
-    optimizers: Any
-    _scaled_backward: bool
-    _unscaled: bool
-    _warned_clip: bool
-    _noted_checkpoint: set[str]
-    _in_optimizer: bool
-    closed_steps: int
-    enabled: dict[str, bool]
-    pending_alerts: list[schema.Alert]
-    registry: Any
-    _emit: Callable[[Any], None]
 
-    def _wrap_scaler_scale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+class GradScalerWrappers:
+    """`GradScaler.scale`, `step`, `unscale_` and `update`, reporting to the step window."""
+
+    def __init__(
+        self,
+        window: StepWindow,
+        optimizers: OptimizerBook,
+        skips: SkipSink,
+        enabled: dict[str, bool],
+        disable: Callable[[str, BaseException], None],
+    ) -> None:
+        self._window = window
+        self._optimizers = optimizers
+        self._skips = skips
+        self._enabled = enabled
+        self._disable = disable
+
+    def scale(self, original: Wrapper) -> Wrapper:
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
             try:
-                if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-                    self._scaled_loss = (id(result), outputs.detach())
+                self._window.loss_scaled(outputs, result)
             except Exception:
                 pass
             return result
 
         return scale
 
-    def _wrap_scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def step(self, original: Wrapper) -> Wrapper:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            record = self.optimizers.get(optimizer)
+            record = self._optimizers.get(optimizer)
             steps_before = record.steps if record is not None else 0
             try:
                 # The scale this step's backward used; `update()` changes it in place later,
                 # and the step may close inside `original` (the optimizer's post hook).
                 if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
-                    self._scale = scaler._scale.detach().clone()
+                    self._window.scale_used(scaler._scale.detach().clone())
             except Exception as exc:
                 self._disable("scaler", exc)
             result = original(scaler, optimizer, *args, **kwargs)
             try:
-                record = self.optimizers.get(optimizer)
+                record = self._optimizers.get(optimizer)
                 stepped = record is not None and record.steps != steps_before
-                if not stepped and self.enabled["steps"]:
-                    # Skipped: no optimizer hook fired. The step closes now (so the next
-                    # optimizer's frame does not take its window) and is emitted at update(),
-                    # which knows the scale after the skip.
-                    if self.registry.add_optimizer(optimizer):
-                        self._on_new_objects()
-                    self._steps_close_at_optimizer()
-                    self._in_optimizer = False
-                    closed = self.close_step(
-                        skipped=True, record=self.optimizers.count_step(optimizer)
-                    )
-                    self._held_skip = (closed, scaler)
+                if not stepped and self._enabled["steps"]:
+                    self._skips.scaler_skipped(optimizer, scaler)
             except Exception as exc:
                 self._disable("steps", exc)
             return result
 
         return step
 
-    def _wrap_scaler_update(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def update(self, original: Wrapper) -> Wrapper:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
-            held = self._held_skip
-            if held is not None and held[1] is scaler:
-                try:
-                    held[0].scale_after = scaler._scale.detach().clone()
-                except Exception:
-                    pass
-                self.release_held_skip()
+            self._window.scaler_updated(scaler)
             return result
 
         return update
 
-    def _wrap_scaler_unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def unscale_(self, original: Wrapper) -> Wrapper:
         def unscale_(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            self._unscaled = True
+            self._window.unscaled()
             return original(scaler, *args, **kwargs)
 
         return unscale_
 
-    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+
+class ClipWarning:
+    """Warns once when gradients are clipped while GradScaler's scale is still in them."""
+
+    def __init__(self, window: StepWindow) -> None:
+        self._window = window
+        self._warned = False
+
+    def clip(self, original: Wrapper) -> Wrapper:
         def clip(*args: Any, **kwargs: Any) -> Any:
-            if self._scaled_backward and not self._unscaled and not self._warned_clip:
-                self._warned_clip = True
-                self.pending_alerts.append(
+            if not self._warned and self._window.gradients_scaled:
+                self._warned = True
+                self._window.note(
                     schema.Alert(
-                        kind="clip_before_unscale",
+                        kind=AlertKind.CLIP_BEFORE_UNSCALE,
                         message=f"{original.__name__} ran on gradients still multiplied by the "
                         "GradScaler's scale: call scaler.unscale_(optimizer) first, or the "
                         "clipping threshold applies to scaled gradients",
@@ -133,22 +138,26 @@ class LibraryWrappers:
 
         return clip
 
-    def _wrap_checkpoint(self, original: Callable[..., Any]) -> Callable[..., Any]:
+
+class CheckpointNotes:
+    """Says once per checkpoint variant what it hides from the activations pile."""
+
+    def __init__(self, window: StepWindow, emit: Callable[[schema.Message], None]) -> None:
+        self._window = window
+        self._emit = emit
+        self._noted: set[str] = set()
+
+    def checkpoint(self, original: Wrapper) -> Wrapper:
         def checkpoint(*args: Any, **kwargs: Any) -> Any:
             # torch 2.x treats a missing use_reentrant as True (with a warning).
             reentrant = kwargs.get("use_reentrant")
             variant = "reentrant" if reentrant is None or reentrant else "non-reentrant"
-            if variant not in self._noted_checkpoint:
-                self._noted_checkpoint.add(variant)
-                self._emit(
-                    schema.AlertNow(
-                        time=time.time(),
-                        step=self.closed_steps + 1,
-                        alert=schema.Alert(
-                            kind="checkpoint_limit", message=CHECKPOINT_NOTES[variant]
-                        ),
-                    )
+            if variant not in self._noted:
+                self._noted.add(variant)
+                alert = schema.Alert(
+                    kind=AlertKind.CHECKPOINT_LIMIT, message=CHECKPOINT_NOTES[variant]
                 )
+                self._emit(schema.AlertNow(time=time.time(), step=self._window.number, alert=alert))
             return original(*args, **kwargs)
 
         return checkpoint

@@ -48,7 +48,8 @@ class ModuleRegistry:
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
         self.param_names: dict[int, str] = {}
-        self._module_cache: tuple[int, list[weakref.ref[Any]]] | None = None
+        self._module_cache: tuple[tuple[int, int], list[weakref.ref[Any]]] | None = None
+        """((generation, tree_generation), weakrefs to every module) of the last walk."""
         self._walks = 0
         self.generation = 0
         """Bumped whenever a root or an optimizer is added, so hooks can resync once."""
@@ -94,7 +95,7 @@ class ModuleRegistry:
     def _add_root(self, root: Any) -> None:
         first_id = len(self._names)
         root_name = type(root).__name__
-        new_names = []
+        new_names: list[str] = []
         for qualified, module in root.named_modules():
             name = qualified or root_name
             self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names))

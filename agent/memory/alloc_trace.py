@@ -250,7 +250,8 @@ def device_traces(snapshot: Any) -> list[list[Any]]:
 
 @dataclass
 class Drained:
-    """What a close read from the ring; summarised later, off the training thread."""
+    """What a close read from the ring; summarised when the step's frame is built
+    (`steps.frame.build_step`, as the emitter writes it)."""
 
     entries: list[Any]
     overflowed: bool

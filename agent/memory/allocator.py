@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memtui_protocol.schema import Allocator
+from memtui_protocol.schema import Allocator, Phase
 
 CUMULATIVE = {
     "allocations": "allocation.all.allocated",
@@ -79,6 +79,7 @@ class AllocatorReader:
         self.reset_peaks = reset_peaks
         self._previous: dict[str, Any] | None = None
         self._phase_peaks: dict[str, int] = {}
+        """Peak allocated bytes per `Phase` of the step (with `reset_peaks`)."""
 
     @staticmethod
     def active() -> bool:
@@ -87,7 +88,7 @@ class AllocatorReader:
 
         return bool(torch.cuda.is_available() and torch.cuda.is_initialized())
 
-    def phase_ended(self, phase: str) -> None:
+    def phase_ended(self, phase: Phase) -> None:
         """With `reset_peaks`: note the peak of the phase that just ended, reset for the next."""
         if not self.reset_peaks or not self.active():
             return

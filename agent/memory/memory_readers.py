@@ -2,8 +2,9 @@
 (RSS every step, a few microseconds from /proc; the machine's memory through psutil at most once
 a second) and NVML's GPU process and device figures (GPU jobs only).
 
-Kept apart from the step frame it feeds (pending.py) so each reader is cached, tested and
-replaced in one place.
+Both are read on the training thread as the step closes (`steps.step_closer`), with the rest of
+the close's measurements, because the step's frame is written before control returns to the job.
+Kept apart from the close so each reader is cached, tested and replaced in one place.
 """
 
 from __future__ import annotations

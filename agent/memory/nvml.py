@@ -1,10 +1,12 @@
 """What the driver sees (NVML): this process's GPU memory, the device's used and total.
 
-Read on the emitter thread, never the training thread. The CUDA device index the job uses is
-mapped to NVML's through `CUDA_VISIBLE_DEVICES` (indices or GPU UUIDs). The process figure is
-matched by pid; inside a PID namespace (containers) NVML reports host pids that never match, so
-the device's used memory stands in and the frame says so. A missing library or driver, or no
-permission, gives one note and the CPU-only view, never an exception.
+Read at each step close on the training thread (`memory_readers.with_nvml`), with the other
+figures of the step's frame, which is written before control returns to the job (a reading on
+another thread would belong to some other moment of the step). The CUDA device index the job
+uses is mapped to NVML's through `CUDA_VISIBLE_DEVICES` (indices or GPU UUIDs). The process
+figure is matched by pid; inside a PID namespace (containers) NVML reports host pids that never
+match, so the device's used memory stands in and the frame says so. A missing library or
+driver, or no permission, gives one note and the CPU-only view, never an exception.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Frames out of the job: recorded on the caller's thread, served to viewers by one thread.
 
-A step is in the recording before control returns to the job: `put` encodes the frame and
-appends it to the file with one `os.write` on the thread that closed the step, so a process
-killed with SIGKILL right after `optimizer.step()` leaves that step in the file. Everything a
-frame holds is known at that moment without waiting for the device (see pending.py); a loss or
-scale still in GPU memory follows in a later frame (`late_values.LateValues`). What stays off
+A step is in the recording before control returns to the job: `put` builds the frame from the
+closed step's inputs (`steps.frame.build_step`), encodes it and appends it to the file with one
+`os.write` on the thread that closed the step, so a process killed with SIGKILL right after
+`optimizer.step()` leaves that step in the file. Everything a frame holds was measured at the
+close without waiting for the device (`steps.step_closer`); a loss or scale still in GPU memory
+follows in a later frame (`late_values.LateValues`). What stays off
 the training thread is the socket: `put` only appends the encoded bytes to a bounded queue, and
 the emitter thread, every `SERVE_SECONDS`, hands them to the socket server and sends the
 once-a-second tick. A failing disk or socket turns that output off and is reported once; the job
@@ -19,12 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 
 from memtui_agent.output.socket_server import SocketServer
-from memtui_agent.steps.late_values import LateValues
+from memtui_agent.steps.frame import ClosedStep, build_step
+from memtui_agent.steps.late_values import LateValues, read_values
 from memtui_protocol import schema, wire
 from memtui_protocol.safe_open import create_private
 
@@ -38,17 +39,8 @@ MAX_LATE = schema.LATE_SEARCH
 """Steps whose device values may be in flight at once; older ones are given up (and counted)."""
 
 
-class Pending(Protocol):
-    """A closed step whose frame is built at `put` (pending.PendingStep)."""
-
-    def finalize(
-        self, late: list[schema.StepLate] | None = None
-    ) -> tuple[schema.Step, LateValues | None]:
-        """The frame now, and the device values still on their way to the host."""
-        ...
-
-
-Item = schema.Message | Pending
+Item = schema.Message | ClosedStep
+"""What the emitter takes: a message as it is, or a closed step whose frame it builds."""
 
 
 class Emitter:
@@ -121,11 +113,18 @@ class Emitter:
     # ----- the caller's thread ------------------------------------------------------------------
 
     def _message(self, item: Item) -> schema.Message:
+        if isinstance(item, ClosedStep):
+            return self._frame(item)
         if isinstance(item, schema.End):
             return msgspec.structs.replace(item, late=[*item.late, *self._late_values(wait=True)])
-        if isinstance(item, schema.Message):
-            return item
-        step, pending = item.finalize(self._late_values(wait=False))
+        return item
+
+    def _frame(self, closed: ClosedStep) -> schema.Step:
+        """The closed step's frame, with the values of earlier steps that reached the host;
+        its own device values are queued until they do."""
+        inputs = closed.inputs
+        values, pending = read_values(inputs.step, closed.losses, closed.scale, closed.scale_after)
+        step = build_step(inputs, values, self._late_values(wait=False), self.dropped)
         if pending is not None:
             self._late.append(pending)
             if len(self._late) > MAX_LATE:  # the device is that far behind: give the oldest up

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,7 +29,12 @@ from memtui_protocol.runtime_dir import (
     process_create_time,
     write_sidecar,
 )
+from memtui_protocol.schema import AlertKind, ExitStatus
 from memtui_protocol.units import format_bytes
+
+if TYPE_CHECKING:  # the agent imports torch only in `start()`
+    from memtui_agent.hooks.tracker import Tracker
+    from memtui_agent.output.emitter import Emitter, Item
 
 
 class Agent:
@@ -52,8 +57,8 @@ class Agent:
         """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
         self.socket_path: Path | None = None
         self.sidecar: Path | None = None
-        self.tracker: Any = None
-        self.emitter: Any = None
+        self.tracker: Tracker | None = None
+        self.emitter: Emitter | None = None
 
     def start(self) -> None:
         """Import torch, install hooks, open the recording and the socket."""
@@ -137,6 +142,7 @@ class Agent:
         """`--alloc-events`: the recorder drains the allocator's history at every close."""
         from memtui_agent.memory.alloc_events import AllocEventsRecorder
 
+        assert self.tracker is not None
         closer = self.tracker.closer
         recorder = AllocEventsRecorder(
             fail=self.report_failure,
@@ -150,10 +156,8 @@ class Agent:
 
     # ----- plumbing -----------------------------------------------------------------------------
 
-    def _emit(self, item: Any) -> None:
+    def _emit(self, item: Item) -> None:
         if self.emitter is not None and not self._forked_child:
-            if hasattr(item, "dropped"):
-                item.dropped = self.emitter.dropped
             self.emitter.put(item)
 
     def _tick(self) -> schema.Tick | None:
@@ -203,11 +207,13 @@ class Agent:
     def watch(self, model: Any, optimizer: Any) -> None:
         """Register a model tree and an optimizer ahead of their first use."""
         tracker = self.tracker
+        if tracker is None:
+            return
         if model is not None:
             tracker.registry.lookup(model)
         if optimizer is not None:
             tracker.registry.add_optimizer(optimizer)
-        tracker._on_new_objects()
+        tracker.new_objects()
 
     def finish(
         self, exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
@@ -226,14 +232,14 @@ class Agent:
             )
         if tracker is not None:
             try:
-                tracker.release_held_skip()  # a skipped step whose update() never came
-                tracker.resync(walk_all=True)  # exit piles from the objects alive now
+                tracker.window.release_held_skip()  # a skipped step whose update() never came
+                tracker.piles.resync(walk_all=True)  # exit piles from the objects alive now
             except Exception as exc:
                 self.report_failure("end-piles", exc)
         late: list[schema.StepLate] = []
         if tracker is not None:
             try:
-                late = tracker.late_health(wait=True)  # the end of the job may wait
+                late = tracker.closer.late_health(wait=True)  # the end of the job may wait
             except Exception as exc:
                 self.report_failure("health", exc)
         try:
@@ -242,7 +248,7 @@ class Agent:
             )
             end = msgspec.structs.replace(end, late=late)
         except Exception as exc:
-            end = schema.End(time=time.time(), status="error", error=f"agent: {exc}")
+            end = schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
         if self.emitter is not None:
             self.emitter.put(end)
         try:
@@ -267,28 +273,28 @@ class Agent:
             status=schema.ExitStatus.STOPPED,
             code=exit_code,
             error="stopped from memtui (SIGTERM)",
-            step=tracker.closed_steps + 1 if tracker is not None else None,
+            step=tracker.window.number if tracker is not None else None,
             phase=tracker.phase() if tracker is not None else None,
-            piles=tracker.current_piles() if tracker is not None else None,
+            piles=tracker.piles.current() if tracker is not None else None,
         )
 
     def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
         tracker = self.tracker
-        step = tracker.closed_steps + 1 if tracker is not None else None
-        piles = tracker.current_piles() if tracker is not None else None
+        step = tracker.window.number if tracker is not None else None
+        closed = tracker.window.closed if tracker is not None else None
+        piles = tracker.piles.current() if tracker is not None else None
         if self.detached:
-            closed = tracker.closed_steps if tracker is not None else None
             return schema.End(
-                time=time.time(), status=schema.ExitStatus.DETACHED.value, step=closed, piles=piles
+                time=time.time(), status=ExitStatus.DETACHED, step=closed, piles=piles
             )
         if error is None or (isinstance(error, SystemExit) and exit_code == 0):
-            status = "ok" if not exit_code else "error"
+            status = ExitStatus.OK if not exit_code else ExitStatus.ERROR
             return schema.End(
                 time=time.time(),
                 status=status,
                 code=exit_code,
-                error=None if status == "ok" else f"exit code {exit_code}",
-                step=tracker.closed_steps if tracker is not None else None,
+                error=None if status is ExitStatus.OK else f"exit code {exit_code}",
+                step=closed,
                 piles=piles,
                 alloc_events=self._unfinished_alloc_events(),
             )
@@ -306,17 +312,18 @@ class Agent:
             held = f"; tracked piles held {format_bytes(piles.total)}" if piles is not None else ""
             if observed is not None:
                 held += f"; {format_bytes(observed['free'])} was free on the device"
+            during = phase.value if phase is not None else None
             alerts.append(
                 schema.Alert(
-                    kind="oom",
-                    message=f"out of memory in {phase} of step {step}{size}{held}: "
+                    kind=AlertKind.OOM,
+                    message=f"out of memory in {during} of step {step}{size}{held}: "
                     f"{first_line(error)}",
                     where=where,
                 )
             )
         return schema.End(
             time=time.time(),
-            status="error",
+            status=ExitStatus.ERROR,
             code=exit_code,
             requested=(observed or {}).get("requested")
             or (requested_bytes(error) if oom else None),

@@ -38,11 +38,11 @@ def start(
     socket: bool = True,
     argv: list[str] | None = None,
     budget: int | None = None,
-    nan_check: str = "default",
+    nan_check: NanCheck | str = NanCheck.DEFAULT,
     reset_peaks: bool = False,
     snapshot_on_oom: bool = False,
     alloc_events: bool = False,
-    activations: str = "auto",
+    activations: ActivationMode | str = ActivationMode.AUTO,
     config: AgentConfig | None = None,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
@@ -154,8 +154,8 @@ def monitor(
     *,
     socket: bool = True,
     budget: int | None = None,
-    nan_check: str = "default",
-    activations: str = "auto",
+    nan_check: NanCheck | str = NanCheck.DEFAULT,
+    activations: ActivationMode | str = ActivationMode.AUTO,
 ) -> Iterator[Any]:
     """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
     agent = start(

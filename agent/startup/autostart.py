@@ -21,7 +21,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from memtui_protocol.config import AgentConfig
 
@@ -74,7 +74,8 @@ class _TorchImportWatcher(importlib.abc.MetaPathFinder):
         _remove_watcher(self)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _LoaderProxy(spec.loader, self._callback)
+        # Duck-typed: every other Loader attribute reaches torch's loader (`__getattr__`).
+        spec.loader = cast(importlib.abc.Loader, _LoaderProxy(spec.loader, self._callback))
         return spec
 
 
@@ -215,7 +216,7 @@ def _install_exit_handlers() -> None:
     api.exit_owned = True  # the handlers below record the end; api's fallback stays out
     previous_hook = sys.excepthook
     original_exit = sys.exit
-    requested: list[object] = []
+    requested: list[str | int | None] = []
 
     def excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
         try:
@@ -226,7 +227,7 @@ def _install_exit_handlers() -> None:
             pass
         previous_hook(kind, error, traceback)
 
-    def exit(status: object = None) -> None:
+    def exit(status: str | int | None = None) -> NoReturn:
         requested[:] = [status]
         original_exit(status)
 

@@ -10,7 +10,9 @@ activation figures are carried from that step, which is exact for every job whos
 depend on shapes only. An audit that finds a repeat measuring differently (MoE routing,
 data-dependent masks) switches the job to measuring every step and says why.
 
-The policy is plain bookkeeping; `Tracker` arms and disarms the hooks it asks for.
+The policy is plain bookkeeping; the activation gate (`gate.ActivationGate`) asks it, adds the
+reasons to measure it does not know (NaN probes, FSDP, a budget nearly reached, alerts) and arms
+or disarms the hooks.
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ class Verdict:
     carried: Figures | None = None
     """The measured step whose figures this one repeats (None: measured, or not known)."""
     alert: schema.Alert | None = None
+
+    def peak(self, measured: schema.Piles) -> schema.Piles:
+        """The step's peak: the carried one for a repeat, else what the ledger measured."""
+        return self.carried.peak if self.carried is not None else measured
 
 
 @functools.cache
@@ -277,4 +283,5 @@ class ActivationPolicy:
             f"{known.peak.total:,} B): they depend on the data (routing, masks), so every "
             "step is measured from now on"
         )
-        return Verdict(measured=True, alert=schema.Alert(kind="activations_vary", message=message))
+        alert = schema.Alert(kind=schema.AlertKind.ACTIVATIONS_VARY, message=message)
+        return Verdict(measured=True, alert=alert)

@@ -8,6 +8,8 @@ import runpy
 from dataclasses import dataclass
 from types import TracebackType
 
+from memtui_protocol.schema import Phase
+
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -57,11 +59,11 @@ class ErrorContext:
     ident: int
     kind: str
     message: str
-    phase: str
+    phase: Phase
     where: str | None
 
     @classmethod
-    def of(cls, error: BaseException, phase: str, where: str | None) -> ErrorContext:
+    def of(cls, error: BaseException, phase: Phase, where: str | None) -> ErrorContext:
         """Capture an exception's identity and where it surfaced."""
         return cls(id(error), type(error).__name__, first_line(error), phase, where)
 

@@ -37,10 +37,10 @@ import torch
 
 from memtui_agent.memory.ledger import local_tensor
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind, NanCheck
 
 ARMED_STEPS = 20
 MAX_NAMES = 5
-MODES = ("default", "full", "off")
 DEFERRED_DEVICES = frozenset({"cuda"})
 """Devices whose check results are read late: reading them at the close would wait for the
 device (a host sync the agent must not add). Tests swap in a stand-in device here."""
@@ -179,8 +179,8 @@ def _host_checks(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) ->
 class HealthMonitor:
     """Per-step finiteness state: armed module checks, and when the weights went bad."""
 
-    def __init__(self, mode: str = "default") -> None:
-        self.mode = mode if mode in MODES else "default"
+    def __init__(self, mode: schema.NanCheck = schema.NanCheck.DEFAULT) -> None:
+        self.mode = mode
         self.armed_until = 0
         self.weights_bad_since: int | None = None
         self._module_flags: list[tuple[int, Any, Any]] = []
@@ -190,7 +190,8 @@ class HealthMonitor:
 
     def watching_modules(self, step: int) -> bool:
         """Whether module outputs are checked during this step."""
-        return self.mode == "full" or (self.mode == "default" and step <= self.armed_until)
+        mode = self.mode
+        return mode is NanCheck.FULL or (mode is NanCheck.DEFAULT and step <= self.armed_until)
 
     def module_output(self, module_id: int, args: Any, output: Any) -> None:
         """Record device flags for one module call (inputs finite, output finite)."""
@@ -211,8 +212,9 @@ class HealthMonitor:
         and only if nothing wrote to it since (its version counter is unchanged).
         """
         if len(inputs) == 1:
-            known = self._probed.get(id(inputs[0]))
-            if known is not None and known[0]() is inputs[0] and known[1] == inputs[0]._version:
+            tensor = inputs[0]
+            known = self._probed.get(id(tensor))
+            if known is not None and known[1] == tensor._version and known[0]() is tensor:
                 return known[2]
         return _probe(inputs)
 
@@ -232,7 +234,7 @@ class HealthMonitor:
         (`gradient_batch`), or None to group them here."""
         module_flags, self._module_flags = self._module_flags, []
         self._probed.clear()
-        if self.mode == "off" or (not grads and not losses and not module_flags):
+        if self.mode is NanCheck.OFF or (not grads and not losses and not module_flags):
             return []
         if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
             groups = _by_device_and_dtype(_checkable(grads))
@@ -352,7 +354,7 @@ class HealthMonitor:
         module_ok, inputs_ok = module_checks
         grouped = self.weights_bad_since
         alerts: list[schema.Alert] = []
-        if self.mode == "default" and not skipped:
+        if self.mode is NanCheck.DEFAULT and not skipped:
             self.armed_until = step + ARMED_STEPS
         for index, ok in enumerate(module_ok):
             if not ok:
@@ -362,10 +364,12 @@ class HealthMonitor:
                     message = f"output of {where} turned non-finite from finite inputs"
                 else:
                     message = f"input of {where} was already non-finite (bad data or upstream)"
-                alerts.append(self._alert("nonfinite_activation", message, where, grouped))
+                alerts.append(self._alert(AlertKind.NONFINITE_ACTIVATION, message, where, grouped))
                 break
         if loss_bad:
-            alerts.append(self._alert("nonfinite_loss", "the loss is NaN or Inf", None, grouped))
+            alerts.append(
+                self._alert(AlertKind.NONFINITE_LOSS, "the loss is NaN or Inf", None, grouped)
+            )
         if grads_bad and not skipped:
             names = self._nonfinite_names([(name, p.grad) for name, p in parameters])
             shown = ", ".join(names[:MAX_NAMES])
@@ -373,14 +377,16 @@ class HealthMonitor:
             message = f"{len(names)} parameter gradient(s) are NaN or Inf"
             if not loss_bad:
                 message += " under a finite loss"
-            alerts.append(self._alert("nonfinite_gradient", message, shown + more, grouped))
+            alerts.append(self._alert(AlertKind.NONFINITE_GRADIENT, message, shown + more, grouped))
         if self.weights_bad_since is None and not skipped:
             bad_weights = self._nonfinite_names(parameters)
             if bad_weights:
                 self.weights_bad_since = step
         return alerts
 
-    def _alert(self, kind: str, message: str, where: str | None, group: int | None) -> schema.Alert:
+    def _alert(
+        self, kind: AlertKind, message: str, where: str | None, group: int | None
+    ) -> schema.Alert:
         if group is not None:
             message += f" (weights non-finite since step {group})"
         return schema.Alert(kind=kind, message=message, where=where, group=group)

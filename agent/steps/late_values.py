@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memtui_agent.steps.frame import HostValues
 from memtui_protocol import schema
 
 
@@ -73,3 +74,14 @@ class LateValues:
 def device_values(losses: list[Any], scale: Any, scale_after: Any) -> bool:
     """Whether any of a step's values lives on a device (so it must be read late)."""
     return not (on_host(scale) and on_host(scale_after) and all(on_host(v) for v in losses))
+
+
+def read_values(
+    step: int, losses: list[Any], scale: Any, scale_after: Any
+) -> tuple[HostValues, LateValues | None]:
+    """A closed step's loss and scales: read now when all of them are on the host, else sent
+    to the host behind an event and carried by a later frame (none of them read now)."""
+    if device_values(losses, scale, scale_after):
+        return HostValues(), LateValues(step, losses, scale)
+    loss = float(sum(host_float(value) or 0.0 for value in losses)) if losses else None
+    return HostValues(loss, host_float(scale), host_float(scale_after)), None

@@ -25,7 +25,7 @@ from typing import Any
 
 from memtui_agent.job.modules import ModuleRegistry, holds_sequences
 from memtui_agent.memory.gradient_batch import ParameterFacts
-from memtui_agent.memory.ledger import OPTIMIZER_STATE, WEIGHTS, Ledger
+from memtui_agent.memory.ledger import OPTIMIZER_STATE, WEIGHTS, Ledger, PileIndex
 
 AUDIT_CLOSES = 64
 FIRST_CLOSES = 3
@@ -38,9 +38,9 @@ class PileWatch:
     def __init__(self, registry: ModuleRegistry, ledger: Ledger) -> None:
         self._registry = registry
         self._ledger = ledger
-        self._keys: dict[int, Any] = {}
+        self._keys: dict[PileIndex, Any] = {}
         self._closes = 0
-        self.always: set[int] = set()
+        self.always: set[PileIndex] = set()
         """Piles an audit caught changing unannounced: walked at every close."""
         self._facts: tuple[Any, ParameterFacts | None] = (None, None)
         self._weights_walks = 0
@@ -75,11 +75,11 @@ class PileWatch:
             return None
         return (self._registry.generation, self._ledger.member_count(OPTIMIZER_STATE), shape)
 
-    def due(self, pile: int, key: Any, walk_all: bool) -> bool:
+    def due(self, pile: PileIndex, key: Any, walk_all: bool) -> bool:
         """Whether `pile` must be walked at this close."""
         return walk_all or key is None or pile in self.always or self._keys.get(pile) != key
 
-    def walked(self, pile: int, key_before: Any, key_after: Any, changed: bool) -> None:
+    def walked(self, pile: PileIndex, key_before: Any, key_after: Any, changed: bool) -> None:
         """Remember the key after a walk; a change that the key before did not announce (seen
         on an audit or first close) makes the pile walked at every close."""
         if changed and key_before is not None and key_before == self._keys.get(pile):

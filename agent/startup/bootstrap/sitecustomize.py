@@ -20,6 +20,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
 
@@ -48,7 +49,7 @@ def _leave_sys_path() -> list[str]:
     return list(sys.path)
 
 
-def _load_user_sitecustomize(path: list[str]) -> object:
+def _load_user_sitecustomize(path: list[str]) -> types.ModuleType | None:
     """Import the user's `sitecustomize`, if any, as `import sitecustomize` would.
 
     Returns:
@@ -82,7 +83,7 @@ def _arm() -> None:
         _note(f"agent not armed ({type(exc).__name__}: {exc})")
 
 
-def _main() -> object:
+def _main() -> types.ModuleType:
     """Chain, arm, then hand `site` the outcome the user's own sitecustomize would have had."""
     ours = sys.modules.get("sitecustomize")
     user_error: BaseException | None = None
@@ -92,7 +93,7 @@ def _main() -> object:
     except Exception as exc:
         user_error = exc
     finally:
-        if user_module is None:
+        if user_module is None and ours is not None:
             sys.modules["sitecustomize"] = ours  # the import system expects ours until we end
     _arm()
     if user_error is not None:

@@ -1,0 +1,81 @@
+"""DDP's gradient buckets and FSDP2's gathered parameters, measured from the hooks.
+
+Neither is one of the four piles (DESIGN.md, "Memory piles"), and both are memory the job holds:
+DDP keeps its gradient buckets (`job.distributed.DdpBuckets`), FSDP2 all-gathers a module's
+parameters for its forward and backward and frees them after (`FsdpGathered`). FSDP's gathered
+parameters are sampled as its modules' forwards return and as saved tensors are unpacked in
+backward, so while FSDP is in use every step is measured (the activation gate's `fsdp`) and the
+persistent piles are walked at every close. A failure turns all of it off, reported once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from memtui_agent.job.distributed import DistributedMemory
+from memtui_protocol import schema
+
+
+class DataParallelHooks:
+    """Finds DDP and FSDP wrappers among the roots and measures them."""
+
+    def __init__(
+        self,
+        on_fsdp: Callable[[bool], None],
+        enabled: dict[str, bool],
+        disable: Callable[[str, BaseException], None],
+    ) -> None:
+        """`on_fsdp(True)` when FSDP is found, `on_fsdp(False)` when its measurements stop."""
+        self.memory = DistributedMemory()
+        self._on_fsdp = on_fsdp
+        self._enabled = enabled
+        self._disable = disable
+        self._fsdp = False
+
+    def discover(self, roots: Iterable[Any]) -> None:
+        """Look for the wrappers among newly registered model roots."""
+        if not self._enabled["distributed"]:
+            return
+        try:
+            self.memory.discover(list(roots))
+            if self.memory.fsdp.active and not self._fsdp:
+                self._fsdp = True
+                self._on_fsdp(True)
+        except Exception as exc:
+            self._failed(exc)
+
+    def module_returned(self, module: Any) -> None:
+        """A module's forward returned: sample before FSDP's own post-forward hook reshards."""
+        if self.memory.fsdp.is_fsdp_module(module):
+            self.sample_gathered()
+
+    def gathered_parameter(self, parameter: Any) -> bool:
+        """Whether a parameter autograd saves is FSDP's all-gathered one (sampled then)."""
+        if not self.memory.fsdp.is_gathered_parameter(parameter):
+            return False
+        self.sample_gathered()
+        return True
+
+    def sample_gathered(self) -> None:
+        """Sample FSDP's gathered parameters now (their high is the step's)."""
+        try:
+            self.memory.fsdp.sample()
+        except Exception as exc:
+            self._failed(exc)
+
+    def at_close(self) -> schema.Distributed | None:
+        """The wrappers' memory at a close (None without DDP or FSDP)."""
+        if not self._enabled["distributed"]:
+            return None
+        try:
+            return self.memory.at_close()
+        except Exception as exc:
+            self._failed(exc)
+            return None
+
+    def _failed(self, exc: BaseException) -> None:
+        """Turn the DDP/FSDP measurements off everywhere they run, reported once."""
+        self._fsdp = False
+        self._on_fsdp(False)
+        self._disable("distributed", exc)

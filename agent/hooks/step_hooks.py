@@ -1,0 +1,178 @@
+"""The hooks that mark a step's boundaries: backward, `optimizer.step()`, a GradScaler skip.
+
+A top-level backward is a microbatch (its loss is the step's) and, in a job with no optimizer,
+the end of a step; a top-level `optimizer.step()` ends one (a `step()` inside another's belongs
+to the outer one, `job.optimizer_book`); so does a GradScaler skip, which fires no optimizer
+hook. These hooks keep the training phase and report each boundary to the step window; an
+optimizer's first `step()` is also reported to the activation gate (its first steps are
+measured) and to `steps.first_step` (its state forecast and growth).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from threading import get_ident
+from typing import Any
+
+from memtui_agent.hooks.library_wrappers import Wrapper
+from memtui_agent.hooks.phase import JobPhase
+from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.job.optimizer_book import OptimizerBook, caller_frame, live_optimizers
+from memtui_agent.memory.allocator import AllocatorReader
+from memtui_agent.memory.ledger import OPTIMIZER_STATE, Ledger
+from memtui_agent.steps.first_step import FirstSteps
+from memtui_agent.steps.gate import ActivationGate
+from memtui_agent.steps.pile_count import PersistentPiles
+from memtui_agent.steps.window import StepWindow
+from memtui_protocol.schema import Phase, StepTrigger
+
+
+def register_live_optimizers(registry: ModuleRegistry) -> bool:
+    """Whether the job holds optimizers (built before the agent, or not stepped yet),
+    registering them: one search of the heap, at the first backward that needs it."""
+    found = live_optimizers()
+    for optimizer in found:
+        registry.add_optimizer(optimizer)
+    return bool(found)
+
+
+class StepHooks:
+    """The backward wrapper, the optimizer step hooks and `Optimizer.__init__`'s wrapper."""
+
+    def __init__(
+        self,
+        phase: JobPhase,
+        window: StepWindow,
+        gate: ActivationGate,
+        first_steps: FirstSteps,
+        optimizers: OptimizerBook,
+        registry: ModuleRegistry,
+        ledger: Ledger,
+        piles: PersistentPiles,
+        allocator: AllocatorReader,
+        sync_objects: Callable[[], None],
+        enabled: dict[str, bool],
+        disable: Callable[[str, BaseException], None],
+    ) -> None:
+        """`sync_objects` registers and hooks what appeared since (new roots, optimizers)."""
+        self._phase = phase
+        self._window = window
+        self._gate = gate
+        self._first_steps = first_steps
+        self._optimizers = optimizers
+        self._registry = registry
+        self._ledger = ledger
+        self._piles = piles
+        self._allocator = allocator
+        self._sync_objects = sync_objects
+        self._enabled = enabled
+        self._disable = disable
+        self.owner_thread = get_ident()
+        """The thread whose backwards are followed (the tracker's, set at install)."""
+
+    # ----- backward and loss -------------------------------------------------------------------
+
+    def backward(self, original: Wrapper) -> Wrapper:
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            if get_ident() != self.owner_thread:
+                return original(tensors, *args, **kwargs)
+            phase = self._phase
+            outermost = phase.in_backward == 0
+            if outermost:
+                self._window.backward_started()
+                self._record_loss(tensors)
+                self._allocator.phase_ended(Phase.FORWARD)
+                phase.stack.clear()
+                phase.in_optimizer = False
+            phase.in_backward += 1
+            try:
+                result = original(tensors, *args, **kwargs)
+            except BaseException:
+                phase.note_error(Phase.BACKWARD, None)
+                raise
+            finally:
+                phase.in_backward -= 1
+            if outermost and self._window.trigger is not StepTrigger.OPTIMIZER:
+                self._backward_returned()
+            return result
+
+        return backward
+
+    def _record_loss(self, tensors: Any) -> None:
+        if not self._enabled["loss"]:
+            return
+        try:
+            self._window.loss(tensors)
+        except Exception as exc:
+            self._disable("loss", exc)
+
+    def _backward_returned(self) -> None:
+        if not self._enabled["steps"]:
+            return
+        try:
+            self._window.backward_returned()
+        except Exception as exc:
+            self._disable("steps", exc)
+
+    # ----- optimizer hooks ---------------------------------------------------------------------
+
+    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._enabled["steps"]:
+            return
+        try:
+            top_level = self._optimizers.enter(optimizer, caller_frame(1))
+            if top_level:
+                self._phase.in_optimizer = True
+                self._allocator.phase_ended(Phase.BACKWARD)
+                self._window.optimizer_exists()
+            self._registry.add_optimizer(optimizer)
+            self._sync_objects()
+            record = self._optimizers.record(optimizer)
+            if not record.forecasted:
+                record.forecasted = True
+                self._gate.first_step_begins()
+                # State some optimizers create up front (Adagrad) is not the first step's doing.
+                self._ledger.sync(OPTIMIZER_STATE, self._registry.optimizer_state_tensors())
+                # `args` is (optimizer, closure?): torch's step wrapper passes self first.
+                closure = (len(args) > 1 and args[1] is not None) or bool(kwargs.get("closure"))
+                self._first_steps.before(
+                    optimizer, record, self._window.number, self._piles.current(), closure
+                )
+        except Exception as exc:
+            self._disable("steps", exc)
+
+    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._enabled["steps"]:
+            return
+        try:
+            record = self._optimizers.get(optimizer)
+            if record is not None and not record.first_step_done:
+                growth = self._first_steps.after(optimizer, record)
+                if growth is not None:
+                    self._window.note(growth)
+            closed = self._optimizers.leave(optimizer, caller_frame(1))
+            if closed is not None:
+                self._phase.in_optimizer = False
+                self._window.optimizer_stepped(closed)
+        except Exception as exc:
+            self._disable("steps", exc)
+
+    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
+        """GradScaler skipped `optimizer`'s update (no optimizer hook fired): its step closes."""
+        self._registry.add_optimizer(optimizer)
+        self._sync_objects()
+        self._phase.in_optimizer = False
+        self._window.scaler_skipped(self._optimizers.count_step(optimizer), scaler)
+
+    def optimizer_init(self, original: Wrapper) -> Wrapper:
+        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+            original(optimizer, *args, **kwargs)
+            # An optimizer now exists: its step(), not backward, will close steps.
+            if self._enabled["steps"]:
+                try:
+                    self._gate.optimizer_created()
+                    self._window.optimizer_exists()
+                except Exception as exc:
+                    self._disable("steps", exc)
+
+        return __init__

@@ -1,0 +1,201 @@
+"""A step's frame, built once from the inputs its close gathered, by a pure function.
+
+A close first gathers everything the frame says (`step_closer.StepCloser.close`): the ledger's
+piles at the close, the gradients counted outside the ledger, the activation gate's verdict with
+the figures a repeat carries, the allocator's counters with NVML's, the process's memory, the
+health check's alerts, alerts of earlier steps that arrived late, the data-parallel wrappers'
+memory, the allocator events drained and the alerts raised during the step. Those inputs are one
+frozen `StepInputs`; `build_step` turns them into the `schema.Step` the recording and viewers
+get, and nothing writes into the frame afterwards. Tests build frames from hand-made inputs, with
+no hooks and no training job.
+
+What is not an input yet when the step closes comes with the build: the step's loss and
+GradScaler scales (read on the host, or None while their copies travel, `late_values`), values
+of earlier steps that reached the host since, and the emitter's count of dropped frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from memtui_agent.memory.alloc_trace import Drained
+from memtui_agent.steps.activation_policy import Verdict
+from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind, Pile
+
+
+class LedgerReading(msgspec.Struct, frozen=True):
+    """The ledger's piles as the step closes (`Ledger.at_close`, `Ledger.top_modules`); the
+    defaults are a ledger that counted nothing."""
+
+    end: schema.Piles = schema.Piles()
+    high: schema.Piles = schema.Piles()
+    """Each pile's high-water mark during the step (the frame's `max`)."""
+    peak: schema.Piles = schema.Piles()
+    dtypes: dict[str, dict[str, schema.DtypeStat]] = {}
+    top: list[schema.ModuleBytes] = []
+
+
+class CloseReading(msgspec.Struct, frozen=True):
+    """What a close measured, as the activation gate's verdict reads it.
+
+    The allocator's counters are here for the check that confirms a carry exactly (allocated at
+    the close and the peak since the step began, against the measured step's): the verdict
+    takes the whole reading, so that check is added inside it, not around it.
+    """
+
+    step: int
+    ledger: LedgerReading = LedgerReading()
+    allocator: schema.Allocator = schema.Allocator()
+
+
+class StepInputs(msgspec.Struct, frozen=True):
+    """Everything a closed step's frame is built from, gathered at its close.
+
+    Fields that a step often lacks default as `schema.Step`'s do.
+    """
+
+    step: int
+    t_start: float
+    t_end: float
+    reading: CloseReading
+    verdict: Verdict
+    skipped: bool = False
+    microbatches: int = 0
+    closed_by: schema.StepTrigger = schema.StepTrigger.OPTIMIZER
+    optimizer: str | None = None
+    """The optimizer whose top-level `step()` (or GradScaler skip) closed it (`AdamW#1`)."""
+    optimizer_step: int | None = None
+    gradients: tuple[int, dict[str, schema.DtypeStat]] | None = None
+    """The gradients pile counted outside the ledger (bytes, dtype inventory) at an unarmed
+    close; None when the ledger holds the gradients."""
+    host: schema.Host = schema.Host()
+    raised: tuple[schema.Alert, ...] = ()
+    """Alerts raised during the step by the hooks and wrappers (clipping order, first-step
+    growth, the step rule, the attach)."""
+    fragmentation: schema.Alert | None = None
+    health: tuple[schema.Alert, ...] = ()
+    over_budget: schema.Alert | None = None
+    late: tuple[schema.StepLate, ...] = ()
+    """Alerts of earlier steps whose checks reached the host since (CUDA: read late)."""
+    distributed: schema.Distributed | None = None
+    alloc_events: Drained | None = None
+    """`--alloc-events`: the ring entries read at the close, summarised by `build_step`."""
+
+    def alerts(self) -> list[schema.Alert]:
+        """The step's alerts in the frame's order (without the skip's, which needs the scales)."""
+        alerts = list(self.raised)
+        if self.fragmentation is not None:
+            alerts.append(self.fragmentation)
+        alerts.extend(self.health)
+        if self.verdict.alert is not None:
+            alerts.append(self.verdict.alert)
+        if self.over_budget is not None:
+            alerts.append(self.over_budget)
+        return alerts
+
+    def start_of_next(self) -> schema.Piles:
+        """The persistent piles the next step starts from (its activations are its own)."""
+        end = self.reading.ledger.end
+        gradients = self.gradients[0] if self.gradients is not None else end.gradients
+        return schema.Piles(end.weights, gradients, end.optimizer_state, 0)
+
+
+class HostValues(msgspec.Struct, frozen=True):
+    """The step's loss (sum of its microbatches' losses) and GradScaler scales, read on the
+    host; None where a value is still on its way from the device (or there is none)."""
+
+    loss: float | None = None
+    scale: float | None = None
+    scale_after: float | None = None
+
+
+class ClosedStep(msgspec.Struct, frozen=True):
+    """A closed step on its way to the emitter, which builds its frame (`build_step`).
+
+    The loss and scales are the job's values as the close saw them (tensors, maybe on a
+    device); the emitter reads them on the host or sends them late (`late_values`).
+    """
+
+    inputs: StepInputs
+    losses: list[Any]
+    scale: Any = None
+    scale_after: Any = None
+    """The scale after a skipped update (`GradScaler.update()` ran after the close)."""
+
+
+def build_step(
+    inputs: StepInputs,
+    values: HostValues,
+    late: Sequence[schema.StepLate] = (),
+    dropped: int = 0,
+) -> schema.Step:
+    """The `Step` frame of a closed step: the ledger's piles with the gradients counted outside
+    it and the activation figures a repeat carries, and every alert in one list.
+
+    Args:
+        inputs: what the close gathered.
+        values: the step's loss and scales on the host (`HostValues()` while they travel).
+        late: values of earlier steps that reached the host since, carried by this frame.
+        dropped: frames the emitter's socket queue had no room for so far.
+    """
+    ledger = inputs.reading.ledger
+    end, high, peak, top = ledger.end, ledger.high, ledger.peak, ledger.top
+    dtypes = dict(ledger.dtypes)
+    gradients = end.gradients
+    if inputs.gradients is not None:
+        gradients = inputs.gradients[0]
+        dtypes[Pile.GRADIENTS] = inputs.gradients[1]
+    activations = end.activations
+    carried = inputs.verdict.carried
+    if carried is not None:
+        activations = carried.end_activations
+        high, peak, top = carried.high, carried.peak, list(carried.top)
+        dtypes[Pile.ACTIVATIONS] = carried.dtypes
+    if gradients != end.gradients or activations != end.activations:
+        end = schema.Piles(end.weights, gradients, end.optimizer_state, activations)
+    alerts = inputs.alerts()
+    if inputs.skipped:
+        alerts.insert(0, skipped_alert(values.scale, values.scale_after))
+    drained = inputs.alloc_events
+    return schema.Step(
+        step=inputs.step,
+        t_start=inputs.t_start,
+        t_end=inputs.t_end,
+        end=end,
+        max=high,
+        peak=peak,
+        microbatches=inputs.microbatches,
+        skipped=inputs.skipped,
+        dtypes=dtypes,
+        allocator=inputs.reading.allocator,
+        host=inputs.host,
+        loss=values.loss,
+        scale=values.scale,
+        alerts=alerts,
+        top_activations=top,
+        dropped=dropped,
+        distributed=inputs.distributed,
+        alloc_events=drained.summary() if drained is not None else None,
+        closed_by=inputs.closed_by,
+        optimizer=inputs.optimizer,
+        optimizer_step=inputs.optimizer_step,
+        activations_measured=inputs.verdict.measured,
+        activations_from=carried.step if carried is not None else None,
+        late=[*late, *inputs.late],
+    )
+
+
+def skipped_alert(scale: float | None, after: float | None) -> schema.Alert:
+    """`skipped_step`, with the scale change when both scales are known at close (host values)."""
+    # The scale after is known when GradScaler.update() ran before the step was written (with
+    # two optimizers on one scaler, the other's step may close first).
+    change = f"; scale {scale:g} -> {after:g}" if scale and after else ""
+    change = change or (f"; at scale {scale:g}" if scale else "")
+    return schema.Alert(
+        kind=AlertKind.SKIPPED_STEP,
+        message="GradScaler skipped the optimizer update (non-finite gradients)" + change,
+    )

@@ -1,0 +1,237 @@
+"""The activation gate (`steps.gate.ActivationGate`) on its own: every reason to arm or disarm
+the costly hooks, and the close-time verdict.
+
+The hooks are a stand-in switch that records what the gate asks; the policy, health monitor and
+budget are the real ones. No training job runs: root calls are reported as the root hooks report
+them, and closes as the step closer's readings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.steps.activation_policy import FIRST_STEPS, Verdict
+from memtui_agent.steps.budget import Budget
+from memtui_agent.steps.frame import CloseReading, LedgerReading, StepInputs
+from memtui_agent.steps.gate import ActivationGate
+from memtui_agent.steps.health import ARMED_STEPS, HealthMonitor
+from memtui_protocol import schema
+from memtui_protocol.schema import ActivationMode, AlertKind, NanCheck, Pile
+
+MODEL = torch.nn.Linear(2, 2)
+BATCH = (torch.zeros(3, 2),)
+OTHER_BATCH = (torch.zeros(5, 2),)
+
+
+class Switch:
+    """The hooks side: records arming and disarming."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.log: list[str] = []
+
+    def arm(self, root: Any | None) -> None:
+        self.armed = True
+        self.log.append("arm" if root is None else "arm-root")
+
+    def disarm(self) -> None:
+        self.armed = False
+        self.log.append("disarm")
+
+    def hook_new_parameters(self) -> None:
+        self.log.append("hook-params")
+
+
+class Job:
+    """A gate, its switch and its parts, stepped as the hooks and the closer would."""
+
+    def __init__(
+        self,
+        mode: ActivationMode = ActivationMode.AUTO,
+        nan_check: NanCheck = NanCheck.DEFAULT,
+        budget: int | None = None,
+    ) -> None:
+        self.switch = Switch()
+        self.health = HealthMonitor(nan_check)
+        self.budget = Budget(budget)
+        self.gate = ActivationGate(
+            mode, self.switch, ModuleRegistry(lambda names: None), self.health, self.budget
+        )
+        self.step = 1
+        self.gate.started()
+
+    def run(
+        self,
+        batch: tuple[Any, ...] = BATCH,
+        activations: int = 100,
+        alarm: bool = False,
+        **inputs: Any,
+    ) -> tuple[bool, Verdict]:
+        """One step: a root call, the close's verdict, the next step opening. `alarm`: the
+        close's NaN check raised one (it arms the module probes, as `HealthMonitor` does).
+        Returns whether the hooks were armed during the step, and the verdict."""
+        self.gate.root_call(MODEL, batch, {}, self.step)
+        armed = self.switch.armed
+        verdict = self.gate.verdict(reading(self.step, activations if armed else 0))
+        if alarm:
+            self.health.armed_until = self.step + ARMED_STEPS
+        self.gate.step_opens(closed_inputs(self.step, verdict, **inputs))
+        self.step += 1
+        return armed, verdict
+
+    def settle(self) -> None:
+        """Steps 1 and 2: the first starts from empty piles, the second from the weights, so
+        step 3 is the first that can repeat a measured one."""
+        self.run()
+        self.run()
+
+
+def reading(step: int, activations: int) -> CloseReading:
+    """A close's reading whose activation figures are `activations` bytes."""
+    high = schema.Piles(weights=24, activations=activations)
+    dtypes = {Pile.ACTIVATIONS: {"float32": schema.DtypeStat(activations, 1)}}
+    ledger = LedgerReading(schema.Piles(weights=24), high, high, dtypes, [])
+    return CloseReading(step, ledger, schema.Allocator())
+
+
+def closed_inputs(step: int, verdict: Verdict, **changes: Any) -> StepInputs:
+    return StepInputs(step, 0.0, 1.0, reading(step, 0), verdict, **changes)
+
+
+def test_auto_measures_what_is_new_then_carries_its_repeats() -> None:
+    job = Job()
+    assert job.switch.log == ["arm"]  # armed from the start: the models are found there
+    armed, first = job.run()
+    assert armed and first.measured and first.carried is None
+    assert job.switch.log[-1] == "disarm"  # a root module was called: the next call decides
+    armed, second = job.run()  # it starts from other piles (the weights): new
+    assert armed and second.measured
+    armed, third = job.run()
+    assert not armed and not third.measured
+    assert third.carried is not None and third.carried.step == 2
+    assert third.carried.high.activations == 100  # the measured step's figures
+
+
+def test_a_new_signature_is_measured_whole() -> None:
+    job = Job()
+    job.settle()
+    armed, verdict = job.run(OTHER_BATCH)
+    assert armed and verdict.measured
+    assert job.switch.log[-2] == "arm-root"  # armed at the root call, the root on the stack
+
+
+def test_every_never_disarms_and_off_never_arms() -> None:
+    every = Job(ActivationMode.EVERY)
+    for _ in range(3):
+        armed, verdict = every.run()
+        assert armed and verdict.measured
+    assert "disarm" not in every.switch.log
+    off = Job(ActivationMode.OFF)
+    assert off.switch.log == []
+    for _ in range(3):
+        armed, verdict = off.run()
+        assert not armed and not verdict.measured and verdict.carried is None
+    assert "arm" not in off.switch.log and "arm-root" not in off.switch.log
+
+
+def test_a_new_optimizer_makes_its_first_steps_measured() -> None:
+    job = Job()
+    job.settle()
+    job.gate.optimizer_created()
+    measured = [job.run()[0] for _ in range(FIRST_STEPS + 1)]
+    assert measured == [True] * FIRST_STEPS + [False]
+
+
+def test_an_alert_that_calls_for_measuring_arms_the_next_steps() -> None:
+    job = Job()
+    job.settle()
+    job.run(over_budget=schema.Alert(kind=AlertKind.OVER_BUDGET, message="over"))
+    assert [job.run()[0] for _ in range(FIRST_STEPS + 1)] == [True] * FIRST_STEPS + [False]
+    job.run(raised=(schema.Alert(kind=AlertKind.CLIP_BEFORE_UNSCALE, message="clip"),))
+    assert not job.run()[0]  # a warning about clipping changes nothing measured
+
+
+def test_nan_probes_and_fsdp_arm_every_step_they_cover() -> None:
+    full = Job(nan_check=NanCheck.FULL)
+    assert full.gate.probing
+    assert all(full.run()[0] for _ in range(4))
+    job = Job()
+    job.settle()
+    assert not job.gate.probing and not job.run()[0]
+    job.run(alarm=True)  # the close's check found NaN: the module probes are armed
+    assert job.gate.probing and job.run()[0]
+    job.gate.fsdp = True
+    job.health.armed_until = 0
+    assert job.run()[0] and job.run()[0]
+    job.gate.fsdp = False
+    assert not job.run()[0]
+
+
+def test_a_peak_near_the_budget_is_measured() -> None:
+    job = Job(budget=1000)
+    job.settle()
+    job.budget.judge_peak(schema.Piles(weights=899))
+    assert not job.run()[0]
+    job.budget.judge_peak(schema.Piles(weights=900))
+    assert job.run()[0]
+
+
+def test_a_step_with_no_root_call_arms_the_next_from_its_start() -> None:
+    job = Job()
+    job.run()
+    assert not job.switch.armed
+    verdict = job.gate.verdict(reading(job.step, 0))  # plain tensors: no root module called
+    job.gate.step_opens(closed_inputs(job.step, verdict))
+    assert job.switch.armed and job.switch.log[-1] == "arm"
+
+
+def test_new_parameters_get_gradient_hooks_only_while_measuring() -> None:
+    job = Job()
+    job.gate.parameters_found()
+    assert job.switch.log[-1] == "hook-params"
+    job.run()  # disarmed after it
+    job.gate.parameters_found()
+    assert job.switch.log[-1] == "disarm"
+    off = Job(ActivationMode.OFF)
+    off.switch.armed = True  # the module hooks that find the models
+    off.gate.parameters_found()
+    assert off.switch.log == []
+
+
+def test_a_repeat_that_measures_differently_switches_to_every_step() -> None:
+    job = Job()
+    job.gate.policy.audit_every = 3
+    job.run(activations=100)
+    job.run()
+    armed, audit = job.run(activations=180)  # step 3 is an audit: measured, and it differs
+    assert armed and audit.measured and audit.alert is not None
+    assert audit.alert.kind is AlertKind.ACTIVATIONS_VARY
+    assert job.gate.mode is ActivationMode.EVERY
+
+
+def test_probing_lasts_the_armed_steps_after_an_alarm() -> None:
+    job = Job()
+    job.settle()
+    job.run(alarm=True)
+    probed = []
+    for _ in range(ARMED_STEPS + 1):
+        probed.append(job.gate.probing)
+        job.run()
+    assert probed == [True] * ARMED_STEPS + [False]
+
+
+def test_the_budget_is_reported_once_naming_the_pile_that_grew_most() -> None:
+    budget = Budget(1000)
+    assert budget.judge_peak(schema.Piles(weights=400, activations=500)) is None
+    over = budget.judge_peak(schema.Piles(weights=400, activations=700))
+    assert over is not None and over.kind is AlertKind.OVER_BUDGET
+    assert over.where == Pile.ACTIVATIONS and "(+200 B)" in over.message
+    assert budget.judge_peak(schema.Piles(weights=900, activations=900)) is None  # said once
+    forecast = Budget(1000)
+    assert forecast.forecast_over(600, 400, "the first SGD.step()") is None
+    alert = forecast.forecast_over(600, 401, "the first SGD.step()")
+    assert alert is not None and alert.where == Pile.OPTIMIZER_STATE
+    assert forecast.judge_peak(schema.Piles(weights=2000)) is None  # the forecast said it
