@@ -59,3 +59,25 @@ def test_a_loss_module_built_at_every_call_is_named_once(
     assert names.count("CrossEntropyLoss") == 1
     steps = read_recording(long / "rec.memtui").steps
     assert len(steps) == 12 and all(step.activations_measured for step in steps)
+
+
+def test_two_roots_of_one_class_get_names_of_their_own() -> None:
+    """A GAN's pair, a teacher and its student, an EMA copy: the second tree of a class is
+    named under `Class#2.`, its parameters too, so no row or alert is ambiguous."""
+    from torch import nn
+
+    from memtui_agent.job.modules import ModuleRegistry
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    published: list[schema.Names] = []
+    registry = ModuleRegistry(published.append)
+    first, second = Net(), Net()
+    ids = [registry.lookup(module) for module in (first, first.fc, second, second.fc)]
+    assert [registry.name(i) for i in ids] == ["Net", "fc", "Net#2", "Net#2.fc"]
+    assert registry.param_names[id(second.fc.weight)] == "Net#2.fc.weight"
+    assert registry.param_names[id(first.fc.weight)] == "fc.weight"
+    assert [n for names in published for n in names.names] == ["Net", "fc", "Net#2", "Net#2.fc"]

@@ -43,6 +43,8 @@ class ModuleRegistry:
         self._publish = publish
         self._by_id: dict[int, tuple[weakref.ref[Any], int]] = {}
         self._names: list[str] = []
+        self._roots_of_class: dict[str, int] = {}
+        """Class name -> roots of that class registered so far (`_add_root` numbers them)."""
         self._empty_ids: dict[str, int] = {}
         """Class name -> the name id all of its empty modules share (`lookup`)."""
         self.roots: list[weakref.ref[Any]] = []
@@ -93,15 +95,20 @@ class ModuleRegistry:
         return self._names[module_id] if 0 <= module_id < len(self._names) else "<no module>"
 
     def _add_root(self, root: Any) -> None:
+        """Name a new tree: the first root of a class by its qualified names (`encoder.fc`),
+        a later one of the same class under `Class#N.` (`Net#2.fc`), so two models of one class
+        (a GAN's pair, a teacher and its student, an EMA copy) never share a name."""
         first_id = len(self._names)
         root_name = type(root).__name__
+        count = self._roots_of_class[root_name] = self._roots_of_class.get(root_name, 0) + 1
+        prefix = f"{root_name}#{count}" if count > 1 else ""
         new_names: list[str] = []
         for qualified, module in root.named_modules():
-            name = qualified or root_name
+            name = _joined(prefix, qualified) or root_name
             self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names))
             new_names.append(name)
         for qualified, parameter in root.named_parameters(remove_duplicate=False):
-            self.param_names.setdefault(id(parameter), qualified)
+            self.param_names.setdefault(id(parameter), _joined(prefix, qualified))
         self._names.extend(new_names)
         self.roots.append(weakref.ref(root))
         self.generation += 1
@@ -258,3 +265,8 @@ def state_bytes(optimizer: Any) -> int:
     tensors = state_tensors([optimizer])
     unique = {key: nbytes for t in tensors for key, nbytes, _, _ in storages_of(t)}
     return sum(unique.values())
+
+
+def _joined(prefix: str, qualified: str) -> str:
+    """`prefix.qualified`, or whichever of the two is not empty."""
+    return f"{prefix}.{qualified}" if prefix and qualified else prefix or qualified
