@@ -80,6 +80,8 @@ class AlertKind(TextEnum):
     CHECKPOINT_LIMIT = "checkpoint_limit"
     STEP_RULE = "step_rule"
     ACTIVATIONS_VARY = "activations_vary"
+    LEAK = "leak"
+    """Memory no pile explains grows step after step; `where` names what holds it."""
     ATTACHED = "attached"
     """`memtui attach` injected the agent into a running job (its first recorded step)."""
     SNAPSHOT = "snapshot"
@@ -95,6 +97,15 @@ class AlertKind(TextEnum):
             return cls(text)
         except ValueError:
             return None
+
+
+class LeakKind(TextEnum):
+    """What a leaking holder keeps alive (DESIGN.md, "Leaks")."""
+
+    RETAINED_GRAPH = "retained_graph"
+    """Tensors whose autograd graph still holds its saved tensors (never backpropagated)."""
+    TENSORS = "tensors"
+    """Tensors alone: their graphs, if any, were freed by backward."""
 
 
 class ActivationMode(TextEnum):
@@ -333,6 +344,35 @@ class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.untracked_buckets() + (self.fsdp_gathered_max or 0)
 
 
+class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What one holder keeps alive and how fast it grows (DESIGN.md, "Leaks").
+
+    Sent in the frame of each step whose close took a census (`Step.leaks`); the latest entry
+    per holder is the report's `leaks`.
+    """
+
+    holder: str
+    """The shortest path from a name the user wrote: `history`, `model.encoder.cache`,
+    `outputs (closure of make_hook.<locals>.store)`, `val_total (local of train)`."""
+    kind: str
+    """`LeakKind`: a retained graph, or tensors."""
+    bytes: int
+    tensors: int
+    per_step: int
+    """Bytes it grew by per step between the last two censuses."""
+    first_step: int
+    """The step its growth began at."""
+
+
+class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a census of live tensors cost the step whose close ran it (`memory/census.py`)."""
+
+    seconds: float
+    objects: int
+    complete: bool = True
+    """False when its bound stopped it: the holders named are real, more may exist."""
+
+
 class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
     """Values of an earlier step that were still on the GPU when its frame was written.
 
@@ -391,6 +431,10 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     `activations_measured` False means they are not known (measured in part, or off)."""
     late: list[StepLate] = []
     """Device values of earlier steps that reached the host since (see `StepLate`)."""
+    leaks: Annotated[list[Leak], _BOUNDED] = []
+    """Holders whose memory grows, as a census at this close found them (see `Leak`)."""
+    census: CensusCost | None = None
+    """The census this close ran, if any: its cost is part of the step's time."""
 
 
 LATE_SEARCH = 64

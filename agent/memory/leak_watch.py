@@ -1,0 +1,193 @@
+"""Memory that grows step after step and that no pile explains: when to look, and what to say.
+
+At each close the agent knows, exactly on a GPU (the caching allocator's `allocated`) and with a
+few hundred bytes of noise on a CPU (glibc's in-use heap), how much memory the process holds
+beyond the weights, gradients and optimizer state. A job that leaks grows it at nearly every
+close; a healthy one does not, once warm. When it has grown at nearly every close of a window,
+a census (`census.py`) files every tensor no pile counts under its holder; a second census a few
+steps later shows which holders grew, by how much per step, and since when. Those are the leaks:
+one `leak` alert each, with the fix that usually applies, and a `Leak` entry in the frames of
+the steps that took a census. A deque with a `maxlen` is bounded and never a leak; a holder that
+stops growing stops being reported.
+
+Censuses cost time on the training thread (they walk the job's objects while nothing else
+mutates them; a walk from another thread could race autograd freeing a graph), so they are
+rare: only while growth lasts, and spaced further apart each time they find nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from memtui_agent.memory.census import Census, Holding
+from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind, CensusCost, Leak, LeakKind
+from memtui_protocol.units import format_bytes
+
+WINDOW = 8
+"""Closes over which growth must be sustained before a census."""
+GROWING = 7
+"""Of the window's intervals, how many must grow."""
+CONFIRM_AFTER = 4
+"""Steps between the census that found holders and the one that measures their growth."""
+FOLLOW_FIRST = 8
+FOLLOW_MAX = 128
+"""While leaks last, censuses follow them at growing intervals up to this many steps."""
+EXACT_FLOOR = 1
+HEAP_FLOOR = 512
+"""Growth below this between two closes is noise: glibc's in-use bytes move by a few hundred
+bytes between equal steps (measured on this project's CPU jobs)."""
+
+
+@dataclass
+class LeakReport:
+    """What a close adds to its frame."""
+
+    alerts: list[schema.Alert] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)
+    census: CensusCost | None = None
+
+
+@dataclass
+class _Named:
+    """A holder already reported, and the census numbers it was last seen with."""
+
+    first_step: int
+    bytes: int
+    step: int
+
+
+class LeakWatch:
+    """Decides, close after close, when to take a census and what it found growing."""
+
+    def __init__(self, take: Callable[[], Census], exact: bool) -> None:
+        self._take = take
+        self._floor = EXACT_FLOOR if exact else HEAP_FLOOR
+        self._samples: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)
+        self._previous: tuple[int, Census] | None = None
+        """The last census and its step: the next one is compared with it."""
+        self._next_census: int | None = None
+        self._quiet_until = 0
+        self._backoff = 2 * WINDOW
+        self._follow = FOLLOW_FIRST
+        self._named: dict[str, _Named] = {}
+
+    def at_close(self, step: int, kept: int | None, headroom: int | None = None) -> LeakReport:
+        """One close: `kept` is the memory held beyond weights, gradients and optimizer state
+        (held activations included); `headroom` what is left before the budget or the
+        device's end, for the out-of-memory forecast. None where nothing can be read."""
+        report = LeakReport()
+        if kept is None:
+            return report
+        self._samples.append((step, kept))
+        if self._next_census is not None:
+            if step < self._next_census:
+                return report  # a census is already planned: growth alone does not hurry it
+        elif step < self._quiet_until or not self._growing():
+            return report
+        census = self._take()
+        report.census = CensusCost(
+            seconds=round(census.seconds, 4), objects=census.visited, complete=census.complete
+        )
+        previous, self._previous = self._previous, (step, census)
+        if previous is None or previous[0] >= step:
+            self._next_census = step + CONFIRM_AFTER
+            return report
+        leaks = self._growing_holders(previous, step, census)
+        if not leaks:
+            self._next_census = None
+            self._quiet_until = step + self._backoff
+            self._backoff = min(self._backoff * 2, 1024)
+            self._follow = FOLLOW_FIRST
+            return report
+        for holding, per_step in leaks:
+            named = self._named.get(holding.holder)
+            first = named.first_step if named else self._growth_start(step, holding, per_step)
+            leak = Leak(
+                holder=holding.holder,
+                kind=holding.kind.value,
+                bytes=holding.bytes,
+                tensors=holding.tensors,
+                per_step=per_step,
+                first_step=first,
+            )
+            report.leaks.append(leak)
+            if named is None:
+                report.alerts.append(leak_alert(leak, holding, headroom))
+            self._named[holding.holder] = _Named(first, holding.bytes, step)
+        self._next_census = step + self._follow
+        self._follow = min(self._follow * 2, FOLLOW_MAX)
+        return report
+
+    def _growing(self) -> bool:
+        """Growth at nearly every close of the last window, well above the noise."""
+        samples = list(self._samples)[-(WINDOW + 1) :]
+        if len(samples) <= WINDOW:
+            return False
+        steps = [b[1] - a[1] for a, b in pairwise(samples)]
+        grew = sum(1 for delta in steps if delta > self._floor)
+        return grew >= GROWING and samples[-1][1] - samples[0][1] > 2 * WINDOW * self._floor
+
+    def _growing_holders(
+        self, previous: tuple[int, Census], step: int, census: Census
+    ) -> list[tuple[Holding, int]]:
+        """Holders that grew since the previous census (bounded deques never count)."""
+        then_step, then = previous
+        found = []
+        for holding in census.holdings.values():
+            if holding.bounded is not None:
+                continue
+            before = then.holdings.get(holding.holder)
+            grown = holding.bytes - (before.bytes if before else 0)
+            if grown > 0:
+                found.append((holding, grown // (step - then_step)))
+        return sorted(found, key=lambda item: item[0].bytes, reverse=True)
+
+    def _growth_start(self, step: int, holding: Holding, per_step: int) -> int:
+        """The step growth began at: the first close of the run of growing closes, or, when
+        that run reaches back past the samples kept, where the holder's bytes began at its
+        rate."""
+        samples = list(self._samples)
+        start = samples[-1][0]
+        reaches_oldest = True
+        for earlier, later in zip(reversed(samples[:-1]), reversed(samples[1:]), strict=False):
+            if later[1] - earlier[1] <= self._floor:
+                reaches_oldest = False
+                break
+            start = later[0]
+        if reaches_oldest and per_step > 0:
+            start = min(start, max(1, step - holding.bytes // per_step + 1))
+        return start
+
+
+def leak_alert(leak: Leak, holding: Holding, headroom: int | None) -> schema.Alert:
+    """The alert for a newly named leak: who, how much, how fast, since when, and the fix."""
+    message = (
+        f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
+        f"tensor{'s' if leak.tensors != 1 else ''} and grows {format_bytes(leak.per_step)} "
+        f"per step since step {leak.first_step}"
+    )
+    if headroom is not None and leak.per_step > 0:
+        message += f"; at this rate, out of memory in about {headroom // leak.per_step:,} steps"
+    return schema.Alert(
+        kind=AlertKind.LEAK, message=f"{message}: {usual_fix(holding)}", where=leak.holder
+    )
+
+
+def usual_fix(holding: Holding) -> str:
+    """The one-line fix that applies to most leaks of this shape."""
+    if holding.kind is LeakKind.RETAINED_GRAPH:
+        return (
+            "it keeps autograd graphs alive: accumulate `loss.item()` (or `.detach()`), and run "
+            "evaluation under `torch.no_grad()`"
+        )
+    if holding.attached:
+        return "store `.detach()` (or `.item()`) instead of tensors still attached to a graph"
+    if holding.container == "dict":
+        return "clear or bound the cache"
+    if holding.container in ("list", "set", "deque"):
+        return "clear it, or bound it (`collections.deque(maxlen=...)`)"
+    return "drop the reference once it is no longer needed"

@@ -1,0 +1,137 @@
+"""The census names what holds memory no pile explains, with bytes equal to an independent count.
+
+Each case builds the holder a user writes (a list of non-detached logits, a validation total
+accumulated without `torch.no_grad()`, a module's dict cache, a hook storing outputs in a
+closure, a bounded deque) and checks the census against storages counted here, by hand or
+through the job's own saved-tensor hooks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtui_agent.memory.census import take_census
+from memtui_agent.memory.ledger import storages_of
+from memtui_protocol.schema import LeakKind
+
+
+def _keys(*tensors: torch.Tensor) -> dict[int, int]:
+    return {key: nbytes for t in tensors for key, nbytes, _d, _s in storages_of(t)}
+
+
+def _weights(model: nn.Module) -> set[int]:
+    return set(_keys(*model.parameters(), *model.buffers()))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class SavedCount:
+    """The job's own count of what autograd saves (unique storages, parameters left out)."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        self.parameters = parameters
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for key, nbytes, _dtype, _storage in storages_of(tensor):
+            if key not in self.parameters:
+                self.storages[key] = nbytes
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def test_a_list_of_logits_kept_after_backward_is_tensors_held_by_the_list() -> None:
+    model = _model()
+    history: list[torch.Tensor] = []
+    for _ in range(5):
+        logits = model(torch.randn(8, 16))
+        logits.sum().backward()
+        history.append(logits)  # not detached: its graph ran backward, its buffers are freed
+    census = take_census([("history", history), ("model", model)], excluded=_weights(model))
+    holding = census.holdings["history"]
+    assert holding.kind is LeakKind.TENSORS
+    assert holding.tensors == 5 and holding.attached == 5
+    assert holding.container == "list"
+    assert holding.storages == _keys(*history)
+    assert holding.bytes == 5 * 8 * 4 * 4
+    assert census.complete
+
+
+def test_a_validation_total_without_no_grad_is_a_retained_graph_of_every_batch() -> None:
+    model = _model()
+    count = SavedCount(_weights(model))
+    val_total: Any = 0.0
+    with torch.autograd.graph.saved_tensors_hooks(count.pack, SavedCount.unpack):
+        for _ in range(3):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            val_total += nn.functional.cross_entropy(model(x), y)
+    census = take_census([("val_total", val_total), ("model", model)], excluded=_weights(model))
+    holding = census.holdings["val_total"]
+    assert holding.kind is LeakKind.RETAINED_GRAPH
+    assert holding.storages == _keys(val_total)
+    expected = {k: v for k, v in count.storages.items() if k not in holding.storages}
+    assert holding.graph_storages == expected
+    assert sum(expected.values()) > 3 * 8 * 32 * 4  # every batch's activations, not one
+
+
+def test_a_module_cache_and_a_hook_closure_are_named_by_where_the_user_wrote_them() -> None:
+    model = _model()
+    model.cache = {}  # type: ignore[assignment]
+    for step in range(3):
+        model.cache[step] = torch.randn(64)  # type: ignore[index]
+    outputs: list[torch.Tensor] = []
+
+    def make_hook() -> Any:
+        def store(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            outputs.append(output.detach())
+
+        return store
+
+    model[0].register_forward_hook(make_hook())
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+        model(torch.randn(2, 16))
+    census = take_census([("model", model)], excluded=_weights(model))
+    assert set(census.holdings) == {
+        "model.cache",
+        "outputs (closure of test_a_module_cache_and_a_hook_closure_are_named_by_where_the_"
+        "user_wrote_them.<locals>.make_hook.<locals>.store)",
+    }
+    assert census.holdings["model.cache"].bytes == 3 * 64 * 4
+    assert census.holdings["model.cache"].tensors == 3
+    hooked = next(h for name, h in census.holdings.items() if name.startswith("outputs"))
+    assert hooked.bytes == 2 * 2 * 32 * 4
+
+
+def test_piles_and_shared_storages_are_counted_once_and_a_deque_is_bounded() -> None:
+    model = _model()
+    base = torch.randn(100)
+    recent: deque[torch.Tensor] = deque(maxlen=4)
+    recent.extend([base[:10], base[10:20]])  # two views of one storage
+    weights = _weights(model)
+    census = take_census(
+        [("recent", recent), ("again", [base]), ("model", model)], excluded=weights
+    )
+    assert census.holdings["recent"].bytes == 400
+    assert census.holdings["recent"].bounded == 4
+    assert "again" not in census.holdings  # the same storage, already filed
+    assert not any(key in weights for h in census.holdings.values() for key in h.storages)
+
+
+def test_the_walk_is_bounded_and_says_so() -> None:
+    big = [[torch.randn(1)] for _ in range(1000)]
+    census = take_census([("big", big)], max_objects=50)
+    assert not census.complete
+    assert census.visited <= 50
+    assert sum(h.tensors for h in census.holdings.values()) < 1000
+    assert take_census([("big", big)]).holdings["big"].tensors == 1000

@@ -1,0 +1,63 @@
+"""Graphs that outlive their step are seen exactly, whether or not the hooks were armed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memtui_agent.steps.held_graphs import HeldGraphs
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def test_a_backpropagated_graph_is_not_held_and_an_accumulated_total_is() -> None:
+    model, watch = _model(), HeldGraphs()
+    out = model(torch.randn(4, 8))
+    watch.mark(out, step=1, armed=False)
+    out.sum().backward()
+    assert watch.held().graphs == 0
+    total: Any = 0.0
+    for step in (2, 3):
+        out = model(torch.randn(4, 8))
+        watch.mark(out, step=step, armed=step == 3)
+        total += out.sum()  # validation without no_grad: the graph stays
+    held = watch.held()
+    assert (held.graphs, held.unarmed, held.oldest_step) == (2, 1, 2)
+    del out, total
+    assert watch.held().graphs == 0
+
+
+def test_retain_graph_keeps_buffers_and_a_model_output_dict_is_marked() -> None:
+    model, watch = _model(), HeldGraphs()
+    out = model(torch.randn(4, 8))
+    aux = out * 2
+    watch.mark({"logits": out, "aux": [aux]}, step=1, armed=True)
+    watch.retaining = True
+    out.sum().backward(retain_graph=True)
+    watch.retaining = False
+    # Both nodes keep their buffers: one ran with retain_graph, the other never ran.
+    assert watch.held().graphs == 2
+    del aux
+    assert watch.held().graphs == 1
+    del out
+    assert watch.held().graphs == 0
+
+
+def test_a_graph_crossing_into_the_next_step_is_held_until_its_backward() -> None:
+    """A GAN whose critic graph is built in one step and backpropagated in the next."""
+    critic, watch = _model(), HeldGraphs()
+    pending = critic(torch.randn(4, 8))
+    watch.mark(pending, step=1, armed=False)
+    assert watch.held().graphs == 1  # at step 1's close
+    pending.mean().backward()
+    fresh = critic(torch.randn(4, 8))
+    watch.mark(fresh, step=2, armed=False)
+    held = watch.held()
+    assert (held.graphs, held.oldest_step) == (1, 2)
+    watch.forget_unarmed()
+    assert watch.held().unarmed == 0

@@ -1,0 +1,89 @@
+"""When a census is taken, and what growing holders become: alerts, `Leak`s, silence."""
+
+from __future__ import annotations
+
+from memtui_agent.memory.census import Census, Holding
+from memtui_agent.memory.leak_watch import CONFIRM_AFTER, GROWING, LeakWatch
+from memtui_protocol.schema import AlertKind
+
+
+class FakeJob:
+    """Holders whose bytes follow the step; censuses counted."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.censuses: list[int] = []
+        self.leak_from: int | None = None
+        self.queue_bytes = 0
+
+    def census(self) -> Census:
+        self.censuses.append(self.step)
+        holdings = {"model.cache": Holding("model.cache", storages={1: 4096}, container="dict")}
+        if self.leak_from is not None and self.step >= self.leak_from:
+            grown = self.step - self.leak_from + 1
+            history = Holding("history", container="list", attached=grown)
+            history.storages = {100 + i: 1000 for i in range(grown)}
+            history.tensors = grown
+            holdings["history"] = history
+        if self.queue_bytes:
+            holdings["recent"] = Holding(
+                "recent", storages={7: self.queue_bytes}, container="deque", bounded=4
+            )
+        return Census(holdings, visited=123, seconds=0.01, complete=True)
+
+
+def _run(job: FakeJob, watch: LeakWatch, steps: int, kept: callable) -> list:  # type: ignore[valid-type]
+    reports = []
+    for step in range(1, steps + 1):
+        job.step = step
+        reports.append(watch.at_close(step, kept(step), headroom=1_000_000))
+    return reports
+
+
+def test_a_flat_job_takes_no_census_and_a_leak_is_named_within_twenty_steps() -> None:
+    job = FakeJob()
+    watch = LeakWatch(job.census, exact=True)
+    flat = _run(job, watch, 30, lambda step: 50_000)
+    assert job.censuses == [] and not any(r.alerts for r in flat)
+
+    job = FakeJob()
+    watch = LeakWatch(job.census, exact=True)
+    job.leak_from = 5
+    reports = _run(job, watch, 40, lambda step: 50_000 + max(0, step - 4) * 1000)
+    alerts = [(i + 1, a) for i, r in enumerate(reports) for a in r.alerts]
+    assert len(alerts) == 1
+    step, alert = alerts[0]
+    assert step - job.leak_from < 20
+    assert alert.kind == AlertKind.LEAK and alert.where == "history"
+    assert "grows 1000 B per step since step 5" in alert.message
+    assert "out of memory in about 1,000 steps" in alert.message
+    assert "`.detach()`" in alert.message
+    leaks = [leak for r in reports for leak in r.leaks]
+    assert {leak.holder for leak in leaks} == {"history"}
+    last = leaks[-1]
+    last_census = max(i + 1 for i, r in enumerate(reports) if r.leaks)
+    assert last.bytes == 1000 * (last_census - 5 + 1) and last.tensors == last_census - 4
+    assert last.per_step == 1000 and last.first_step == 5
+    assert all(r.census is not None for r in reports if r.leaks)
+    # The first census comes after a window of growth; censuses then space out.
+    assert job.censuses[0] >= job.leak_from + GROWING - 1
+    assert job.censuses[1] == job.censuses[0] + CONFIRM_AFTER
+    gaps = [b - a for a, b in zip(job.censuses[1:], job.censuses[2:], strict=False)]
+    assert gaps == sorted(gaps)
+
+
+def test_a_bounded_queue_and_noise_raise_nothing() -> None:
+    job = FakeJob()
+    job.queue_bytes = 4000
+    watch = LeakWatch(job.census, exact=False)
+    # Heap noise: a few hundred bytes up and down.
+    noisy = _run(job, watch, 40, lambda step: 90_000 + (300 if step % 2 else -200))
+    assert job.censuses == [] and not any(r.alerts for r in noisy)
+    # Growth that a bounded deque explains: censuses run, nothing is named.
+    job = FakeJob()
+    watch = LeakWatch(job.census, exact=False)
+    job.queue_bytes = 4000
+    growing = _run(job, watch, 40, lambda step: 90_000 + step * 2000)
+    assert job.censuses and not any(r.alerts or r.leaks for r in growing)
+    # ... and each empty census pushes the next one further out.
+    assert len(job.censuses) <= 6
