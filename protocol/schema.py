@@ -520,6 +520,8 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     alloc_events: AllocEvents | None = None
     late: list[StepLate] = []
     """Device values of the last steps, read as the job ended (see `StepLate`)."""
+    leaks: Annotated[list[Leak], _BOUNDED] = []
+    """The leaks named during the run, as a census found them when the job ended."""
 
     def describe_error(self) -> str | None:
         """The error in one line, as every reader shows it: `Type: message`, or the type

@@ -130,16 +130,18 @@ def test_ctrl_c_shows_the_jobs_frames_only(tmp_path: Path) -> None:
 
 
 def test_every_alert_kind_the_code_emits_is_an_alert_kind() -> None:
-    """One spelling per concept: a `kind="..."` literal anywhere must be an AlertKind value."""
+    """One spelling per concept: every alert the code builds names its kind by an AlertKind
+    member, never by a string literal."""
     sources = [*AGENT.rglob("*.py"), *(AGENT.parent / "memtui").rglob("*.py")]
-    found = set()
+    members, literals = set(), set()
     for path in sources:
-        for match in re.finditer(r'Alert\(\s*kind="([a-z_]+)"', path.read_text()):
-            found.add(match.group(1))
-        for match in re.finditer(r'_alert\(\s*"([a-z_]+)"', path.read_text()):
-            found.add(match.group(1))
-    assert found, "the scan found no alert kinds at all"
-    assert found <= {kind.value for kind in schema.AlertKind}, found - set(schema.AlertKind)
+        text = path.read_text()
+        members.update(re.findall(r"Alert\(\s*kind=AlertKind\.([A-Z_]+)", text))
+        members.update(re.findall(r"Alert\(\s*kind=schema\.AlertKind\.([A-Z_]+)", text))
+        literals.update(re.findall(r'Alert\(\s*kind="([a-z_]+)"', text))
+    assert len(members) >= 10, f"the scan found too few alerts built: {members}"
+    assert members <= {kind.name for kind in schema.AlertKind}
+    assert not literals, f"alert kinds spelled as strings: {literals}"
 
 
 def test_an_unknown_alert_kind_still_decodes() -> None:

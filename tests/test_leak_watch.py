@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from memtui_agent.memory.census import Census, Holding
-from memtui_agent.memory.leak_watch import CONFIRM_AFTER, GROWING, LeakWatch
+from memtui_agent.memory.leak_watch import CONFIRM_AFTER, GROWING, LeakReport, LeakWatch
 from memtui_protocol.schema import AlertKind
 
 
@@ -32,22 +34,24 @@ class FakeJob:
         return Census(holdings, visited=123, seconds=0.01, complete=True)
 
 
-def _run(job: FakeJob, watch: LeakWatch, steps: int, kept: callable) -> list:  # type: ignore[valid-type]
+def _run(
+    job: FakeJob, watch: LeakWatch, steps: int, kept: Callable[[int], int], exact: bool = True
+) -> list[LeakReport]:
     reports = []
     for step in range(1, steps + 1):
         job.step = step
-        reports.append(watch.at_close(step, kept(step), headroom=1_000_000))
+        reports.append(watch.at_close(step, kept(step), headroom=1_000_000, exact=exact))
     return reports
 
 
 def test_a_flat_job_takes_no_census_and_a_leak_is_named_within_twenty_steps() -> None:
     job = FakeJob()
-    watch = LeakWatch(job.census, exact=True)
+    watch = LeakWatch(job.census)
     flat = _run(job, watch, 30, lambda step: 50_000)
     assert job.censuses == [] and not any(r.alerts for r in flat)
 
     job = FakeJob()
-    watch = LeakWatch(job.census, exact=True)
+    watch = LeakWatch(job.census)
     job.leak_from = 5
     reports = _run(job, watch, 40, lambda step: 50_000 + max(0, step - 4) * 1000)
     alerts = [(i + 1, a) for i, r in enumerate(reports) for a in r.alerts]
@@ -75,15 +79,15 @@ def test_a_flat_job_takes_no_census_and_a_leak_is_named_within_twenty_steps() ->
 def test_a_bounded_queue_and_noise_raise_nothing() -> None:
     job = FakeJob()
     job.queue_bytes = 4000
-    watch = LeakWatch(job.census, exact=False)
+    watch = LeakWatch(job.census)
     # Heap noise: a few hundred bytes up and down.
-    noisy = _run(job, watch, 40, lambda step: 90_000 + (300 if step % 2 else -200))
+    noisy = _run(job, watch, 40, lambda step: 90_000 + (300 if step % 2 else -200), False)
     assert job.censuses == [] and not any(r.alerts for r in noisy)
     # Growth that a bounded deque explains: censuses run, nothing is named.
     job = FakeJob()
-    watch = LeakWatch(job.census, exact=False)
+    watch = LeakWatch(job.census)
     job.queue_bytes = 4000
-    growing = _run(job, watch, 40, lambda step: 90_000 + step * 2000)
+    growing = _run(job, watch, 40, lambda step: 90_000 + step * 2000, False)
     assert job.censuses and not any(r.alerts or r.leaks for r in growing)
     # ... and each empty census pushes the next one further out.
     assert len(job.censuses) <= 6

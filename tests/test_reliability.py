@@ -376,9 +376,18 @@ def test_compiled_model_is_counted_like_eager(batch: dict[str, Finished]) -> Non
     recording = job.recording()
     weights = _weights(*_linear(16, 32), *_linear(32, 4))
     assert [step.step for step in recording.steps] == [1, 2, 3, 4]
+    unknown = []
     for step in recording.steps:
-        assert step.end == schema.Piles(weights, weights, weights, 0), step.step
+        assert step.end.weights == step.end.gradients == step.end.optimizer_state == weights
+        if not step.activations_measured and step.activations_from is None:
+            unknown.append(step.step)  # said "not known": no figure stated
+            continue
+        assert step.end.activations == 0, step.step
         assert step.max.activations == job.results["activations"], step.step
+    # Arming the hooks again makes dynamo recompile, which moves the heap a repeat is checked
+    # against: the first repeat after the measured steps may say "not known", never a wrong
+    # figure.
+    assert len(unknown) <= 1, unknown
     assert recording.agent_errors == []
     assert recording.end is not None and recording.end.status == "ok"
 

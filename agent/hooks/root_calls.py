@@ -92,10 +92,13 @@ class RootHooks:
         if phase.root_depth:
             return
         try:
-            if sys.exc_info()[1] is not None and not self._arming.modules_armed:
-                # Unarmed, the module hooks that say where a forward failed are off.
-                where = self._registry.name(self._registry.lookup(module))
-                phase.note_error(Phase.FORWARD, where)
+            if sys.exc_info()[1] is not None:
+                if not self._arming.modules_armed:
+                    # Unarmed, the module hooks that say where a forward failed are off.
+                    where = self._registry.name(self._registry.lookup(module))
+                    phase.note_error(Phase.FORWARD, where)
+            else:
+                self._gate.root_returned(output, self._window.number)
             self._arming.pop_pack(scoped_only=True)
         except Exception as exc:
             self._disable("activations", exc)

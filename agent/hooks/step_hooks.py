@@ -84,6 +84,7 @@ class StepHooks:
                 self._allocator.phase_ended(Phase.FORWARD)
                 phase.stack.clear()
                 phase.in_optimizer = False
+                self._backward_starts(args, kwargs)
             phase.in_backward += 1
             try:
                 result = original(tensors, *args, **kwargs)
@@ -92,11 +93,27 @@ class StepHooks:
                 raise
             finally:
                 phase.in_backward -= 1
+                if outermost:
+                    self._gate.backward_ended()
             if outermost and self._window.trigger is not StepTrigger.OPTIMIZER:
                 self._backward_returned()
             return result
 
         return backward
+
+    def _backward_starts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Tell the gate (its counters, and whether this backward keeps its graph's buffers:
+        `backward(tensors, grad_tensors, retain_graph, create_graph)`, retain defaulting to
+        create)."""
+        if not self._enabled["activations"]:
+            return
+        try:
+            retain = kwargs.get("retain_graph", args[1] if len(args) > 1 else None)
+            if retain is None:
+                retain = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+            self._gate.backward_starts(bool(retain))
+        except Exception as exc:
+            self._disable("activations", exc)
 
     def _record_loss(self, tensors: Any) -> None:
         if not self._enabled["loss"]:

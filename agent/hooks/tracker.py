@@ -69,6 +69,7 @@ from memtui_agent.steps.gate import ActivationGate
 from memtui_agent.steps.health import HealthMonitor
 from memtui_agent.steps.pile_count import PersistentPiles
 from memtui_agent.steps.step_closer import StepCloser
+from memtui_agent.steps.step_signature import heap_reader
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
@@ -121,7 +122,9 @@ class Tracker:
         budget = Budget(config.budget)
         self._health = HealthMonitor(config.nan_check)
         switch = GateSwitch(self.arming, self.registry, self.piles, self._stack, self.enabled)
-        self.gate = ActivationGate(config.activations, switch, self.registry, self._health, budget)
+        self.gate = ActivationGate(
+            config.activations, switch, self.registry, self._health, budget, heap_reader()
+        )
         self.closer = StepCloser(
             ledger, self.registry, self.piles, self._health, budget, self.gate, self, config
         )

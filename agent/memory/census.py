@@ -29,13 +29,13 @@ from __future__ import annotations
 import time
 import types
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from memtui_agent.memory.ledger import storages_of
+from memtui_agent.memory.ledger import StorageInfo, storages_of
 from memtui_protocol.schema import LeakKind
 
 MAX_OBJECTS = 2_000_000
@@ -127,6 +127,7 @@ class _Walk:
     nodes: set[Any] = field(default_factory=set)
     holdings: dict[str, Holding] = field(default_factory=dict)
     complete: bool = True
+    adopt: Callable[[StorageInfo], object] | None = None
 
     def holding(self, holder: str) -> Holding:
         found = self.holdings.get(holder)
@@ -140,6 +141,7 @@ def take_census(
     excluded: frozenset[int] | set[int] = frozenset(),
     max_objects: int = MAX_OBJECTS,
     max_seconds: float = MAX_SECONDS,
+    adopt: Callable[[StorageInfo], object] | None = None,
 ) -> Census:
     """Walk from `roots` (label, object), breadth first, and file every tensor by holder.
 
@@ -149,9 +151,11 @@ def take_census(
         excluded: storage keys already counted in a pile.
         max_objects: stop after visiting this many objects (`complete` is then False).
         max_seconds: likewise for time.
+        adopt: called with each storage a retained graph saves (not excluded), while the walk
+            still holds it: the ledger counts those as activations from then on.
     """
     started = time.perf_counter()
-    walk = _Walk(excluded, started + max_seconds, max_objects)
+    walk = _Walk(excluded, started + max_seconds, max_objects, adopt=adopt)
     queue: deque[tuple[Any, str, str | None, int]] = deque()
     for label, value in roots:
         queue.append((value, label, None, 0))
@@ -206,7 +210,12 @@ def _file_tensor(walk: _Walk, tensor: Any, holder: str) -> None:
     node = tensor.grad_fn
     if node is not None:
         for saved in saved_tensors(node, walk.nodes):
-            _count(walk, storages_of(saved), holding.graph_storages)
+            infos = storages_of(saved)
+            if walk.adopt is not None:
+                for info in infos:
+                    if info[0] not in walk.excluded:
+                        walk.adopt(info)
+            _count(walk, infos, holding.graph_storages)
 
 
 def _count(walk: _Walk, infos: Iterable[Any], into: dict[int, int]) -> None:

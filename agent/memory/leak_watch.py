@@ -58,14 +58,16 @@ class _Named:
     first_step: int
     bytes: int
     step: int
+    per_step: int
+    kind: LeakKind
 
 
 class LeakWatch:
     """Decides, close after close, when to take a census and what it found growing."""
 
-    def __init__(self, take: Callable[[], Census], exact: bool) -> None:
+    def __init__(self, take: Callable[[], Census]) -> None:
         self._take = take
-        self._floor = EXACT_FLOOR if exact else HEAP_FLOOR
+        self._floor = HEAP_FLOOR
         self._samples: deque[tuple[int, int]] = deque(maxlen=4 * WINDOW)
         self._previous: tuple[int, Census] | None = None
         """The last census and its step: the next one is compared with it."""
@@ -75,23 +77,39 @@ class LeakWatch:
         self._follow = FOLLOW_FIRST
         self._named: dict[str, _Named] = {}
 
-    def at_close(self, step: int, kept: int | None, headroom: int | None = None) -> LeakReport:
-        """One close: `kept` is the memory held beyond weights, gradients and optimizer state
-        (held activations included); `headroom` what is left before the budget or the
-        device's end, for the out-of-memory forecast. None where nothing can be read."""
+    def at_close(
+        self,
+        step: int,
+        kept: int | None,
+        headroom: int | None = None,
+        exact: bool = False,
+        taken: Census | None = None,
+    ) -> LeakReport:
+        """One close.
+
+        Args:
+            step: the closing step.
+            kept: memory held beyond weights, gradients and optimizer state (held activations
+                included); None where nothing can be read.
+            headroom: what is left before the budget or the device's end (the out-of-memory
+                forecast), None if unknown.
+            exact: `kept` is the CUDA allocator's (exact), not glibc's heap (noisy).
+            taken: a census this close already took for another reason: used if one is due.
+        """
         report = LeakReport()
+        if taken is not None:
+            report.census = _cost(taken)
         if kept is None:
             return report
+        self._floor = EXACT_FLOOR if exact else HEAP_FLOOR
         self._samples.append((step, kept))
         if self._next_census is not None:
             if step < self._next_census:
                 return report  # a census is already planned: growth alone does not hurry it
         elif step < self._quiet_until or not self._growing():
             return report
-        census = self._take()
-        report.census = CensusCost(
-            seconds=round(census.seconds, 4), objects=census.visited, complete=census.complete
-        )
+        census = taken if taken is not None else self._take()
+        report.census = _cost(census)
         previous, self._previous = self._previous, (step, census)
         if previous is None or previous[0] >= step:
             self._next_census = step + CONFIRM_AFTER
@@ -117,10 +135,39 @@ class LeakWatch:
             report.leaks.append(leak)
             if named is None:
                 report.alerts.append(leak_alert(leak, holding, headroom))
-            self._named[holding.holder] = _Named(first, holding.bytes, step)
+            self._named[holding.holder] = _Named(first, holding.bytes, step, per_step, holding.kind)
         self._next_census = step + self._follow
         self._follow = min(self._follow * 2, FOLLOW_MAX)
         return report
+
+    def final(self, step: int, take: Callable[[], Census]) -> list[Leak]:
+        """The named leaks as the job ends (`take`: a census from what is left of it); a holder
+        no longer reachable keeps its last census's figures."""
+        if not self._named:
+            return []
+        census = take()
+        found = []
+        for holder, named in self._named.items():
+            holding = census.holdings.get(holder)
+            if holding is None:
+                found.append(
+                    Leak(holder, named.kind.value, named.bytes, 0, named.per_step, named.first_step)
+                )
+                continue
+            per_step = named.per_step
+            if step > named.step and holding.bytes > named.bytes:
+                per_step = (holding.bytes - named.bytes) // (step - named.step)
+            found.append(
+                Leak(
+                    holder=holder,
+                    kind=holding.kind.value,
+                    bytes=holding.bytes,
+                    tensors=holding.tensors,
+                    per_step=per_step,
+                    first_step=named.first_step,
+                )
+            )
+        return found
 
     def _growing(self) -> bool:
         """Growth at nearly every close of the last window, well above the noise."""
@@ -191,3 +238,9 @@ def usual_fix(holding: Holding) -> str:
     if holding.container in ("list", "set", "deque"):
         return "clear it, or bound it (`collections.deque(maxlen=...)`)"
     return "drop the reference once it is no longer needed"
+
+
+def _cost(census: Census) -> CensusCost:
+    return CensusCost(
+        seconds=round(census.seconds, 4), objects=census.visited, complete=census.complete
+    )

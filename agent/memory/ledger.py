@@ -266,6 +266,10 @@ class Ledger:
         """id(weakref) -> key, for the one shared free callback."""
         self._on_freed = self._freed
         """The callback bound once: `self._freed` would make a new bound method per weakref."""
+        self._adopted: dict[int, tuple[weakref.ref[Any], Key]] = {}
+        """id(weakref) -> (the weakref, key): saved tensors of graphs built while the hooks
+        were off, counted from the live graph (`adopt_activation`) until their storage dies."""
+        self._on_adopted_freed = self._adopted_freed
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
@@ -553,6 +557,33 @@ class Ledger:
             entry.pile = NO_PILE
             self._account(_ACTIVATIONS_AT, entry, -entry.nbytes)
             self._drop_entry(key, entry)
+
+    def adopt_activation(self, info: StorageInfo) -> bool:
+        """Count a saved tensor found in a live graph (built while the hooks were off) as an
+        activation until its storage is freed; False when the ledger already counts it.
+
+        A graph the job keeps across steps holds its saved tensors whether or not the pack hook
+        saw them: they are activations at every close from here on (DESIGN.md, "Steps").
+        """
+        key, nbytes, dtype, storage = info
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and (entry.act_refs or entry.mask):
+                return False
+            ref = weakref.ref(storage, self._on_adopted_freed)
+            self._adopted[id(ref)] = (ref, key)
+        self.acquire_activation(key, nbytes, dtype, NO_MODULE)
+        return True
+
+    def _adopted_freed(self, ref: weakref.ref[Any]) -> None:
+        held = self._adopted.pop(id(ref), None)
+        if held is not None:
+            self.release_activation(held[1])
+
+    def persistent_keys(self) -> frozenset[Key]:
+        """Keys of every storage in weights, gradients or optimizer state now."""
+        with self._lock:
+            return frozenset().union(*self._members)
 
     # ----- the one place where bytes move --------------------------------------------------
 

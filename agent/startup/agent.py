@@ -216,9 +216,16 @@ class Agent:
         tracker.new_objects()
 
     def finish(
-        self, exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
+        self,
+        exit_code: int | None = 0,
+        error: BaseException | None = None,
+        stopped: bool = False,
+        namespace: dict[str, Any] | None = None,
     ) -> None:
-        """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once."""
+        """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once.
+
+        `namespace`: the script's globals once it returned, for the leaks' last count.
+        """
         if self._finished or self._forked_child or os.getpid() != self.pid:
             return
         self._finished = True
@@ -242,11 +249,17 @@ class Agent:
                 late = tracker.closer.late_health(wait=True)  # the end of the job may wait
             except Exception as exc:
                 self.report_failure("health", exc)
+        leaks: list[schema.Leak] = []
+        if tracker is not None:
+            try:
+                leaks = tracker.closer.final_leaks(tracker.window.closed, namespace, error)
+            except Exception as exc:
+                self.report_failure("leaks", exc)
         try:
             end = (
                 self._stopped_message(exit_code) if stopped else self._end_message(exit_code, error)
             )
-            end = msgspec.structs.replace(end, late=late)
+            end = msgspec.structs.replace(end, late=late, leaks=leaks)
         except Exception as exc:
             end = schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
         if self.emitter is not None:

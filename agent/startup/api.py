@@ -118,17 +118,22 @@ def _stop_at_exit() -> None:
 
 
 def stop(
-    exit_code: int | None = 0, error: BaseException | None = None, stopped: bool = False
+    exit_code: int | None = 0,
+    error: BaseException | None = None,
+    stopped: bool = False,
+    namespace: dict[str, Any] | None = None,
 ) -> None:
     """Record how the job ended, flush the recording and remove every hook.
 
     `stopped`: memtui itself ended the job (SIGTERM after the user quit the TUI).
+    `namespace`: the script's globals once it returned (runpy's result), where a leak's
+    holder is counted one last time.
     """
     global _agent
     with _lock:
         agent, _agent = _agent, None
     if agent is not None and agent.pid == os.getpid():
-        agent.finish(exit_code=exit_code, error=error, stopped=stopped)
+        agent.finish(exit_code=exit_code, error=error, stopped=stopped, namespace=namespace)
 
 
 def current() -> Any:

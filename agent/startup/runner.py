@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         if as_module:
             sys.argv = [target, *arguments]
             sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            namespace = runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.argv = [target, *arguments]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(os.path.abspath(target), run_name="__main__")
+            namespace = runpy.run_path(os.path.abspath(target), run_name="__main__")
     except SystemExit as exit_request:
         api.stop(exit_code=exit_code_of(exit_request), error=exit_request)
         raise
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         api.stop(exit_code=code, error=error)
         show_error(error, as_module)
         return code
-    api.stop(exit_code=0)
+    api.stop(exit_code=0, namespace=namespace)
+    del namespace  # the job's globals: freed as they would be without the agent
     return 0
 
 

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
 
 FIRST_STEPS = 3
@@ -37,12 +38,14 @@ many times per step (an RL rollout), which then keeps fewer signatures."""
 MAX_SIGNATURE_ITEMS = 64
 """Values looked at per root call; a call with more gets an opaque (never repeating) signature."""
 
-Signature = tuple[Any, ...]
+CallSignature = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
 class Figures:
-    """Everything a step says about its activations (what a repeating step carries)."""
+    """Everything a step says about its activations (what a repeating step carries), and the
+    counters that show a later step repeats it (`step_signature`, the activations it started
+    from: graphs held from earlier steps)."""
 
     step: int
     end_activations: int
@@ -50,16 +53,23 @@ class Figures:
     peak: schema.Piles
     dtypes: dict[str, schema.DtypeStat]
     top: tuple[schema.ModuleBytes, ...]
+    signature: Signature | None = None
+    start_activations: int = 0
 
-    def same_as(self, other: Figures) -> bool:
-        """Whether two measurements agree (the step number aside)."""
-        return (
-            self.end_activations == other.end_activations
-            and self.high == other.high
-            and self.peak == other.peak
-            and self.dtypes == other.dtypes
-            and self.top == other.top
-        )
+    def differences(self, other: Figures) -> list[str]:
+        """What two measurements disagree on, in words and numbers (empty: they agree)."""
+        found = []
+        if self.high.activations != other.high.activations:
+            found.append(f"max {self.high.activations:,} B vs {other.high.activations:,} B")
+        if self.end_activations != other.end_activations:
+            found.append(f"end {self.end_activations:,} B vs {other.end_activations:,} B")
+        if self.peak != other.peak:
+            found.append(f"peak {self.peak.total:,} B vs {other.peak.total:,} B")
+        if self.dtypes != other.dtypes:
+            found.append("dtypes differ")
+        if self.top != other.top:
+            found.append("the modules holding them differ")
+        return found
 
 
 class _Prefixes:
@@ -70,17 +80,17 @@ class _Prefixes:
     __slots__ = ("children", "count")
 
     def __init__(self) -> None:
-        self.children: dict[Signature, _Prefixes] = {}
+        self.children: dict[CallSignature, _Prefixes] = {}
         self.count = 0
 
-    def add(self, calls: tuple[Signature, ...]) -> None:
+    def add(self, calls: tuple[CallSignature, ...]) -> None:
         node = self
         node.count += 1
         for call in calls:
             node = node.children.setdefault(call, _Prefixes())
             node.count += 1
 
-    def remove(self, calls: tuple[Signature, ...]) -> None:
+    def remove(self, calls: tuple[CallSignature, ...]) -> None:
         node = self
         node.count -= 1
         for call in calls:
@@ -100,6 +110,9 @@ class Verdict:
     carried: Figures | None = None
     """The measured step whose figures this one repeats (None: measured, or not known)."""
     alert: schema.Alert | None = None
+    adopt: bool = False
+    """Graphs built while the hooks were off are held at the close: the close finds their saved
+    tensors in the live graphs so the ledger counts them from now on."""
 
     def peak(self, measured: schema.Piles) -> schema.Piles:
         """The step's peak: the carried one for a repeat, else what the ledger measured."""
@@ -115,7 +128,7 @@ def _autocast_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
+def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSignature:
     """What of a root call can change its activations: the module, its training flag, grad
     and autocast modes, and each argument's shape, dtype, device and requires_grad (plain
     values as themselves)."""
@@ -170,9 +183,14 @@ class ActivationPolicy:
         self._measure_next = 0
         """Steps still to measure whatever their signature (first steps, after a surprise)."""
         self._start: tuple[Any, ...] = (0, 0, 0, ())
-        self._calls: list[Signature] = []
+        self._calls: list[CallSignature] = []
         self._armed_at_start = False
         self._armed_late = False
+        self._whole_next: dict[tuple[Any, ...], int] = {}
+        """Start key -> steps from it still to measure whole, after one began like a
+        remembered step and diverged (measured in part). Two each time: the steps from one start
+        may alternate (a GAN's two windows begin with the same call), and the next one from it
+        may not be the one that diverged; once both are remembered, neither diverges again."""
 
     # ----- within a step -----------------------------------------------------------------------
 
@@ -194,7 +212,7 @@ class ActivationPolicy:
 
     def root_call(
         self,
-        signature: Signature,
+        signature: CallSignature,
         step: int,
         must_measure: bool,
         optimizers: tuple[tuple[int, bool], ...] = (),
@@ -215,7 +233,12 @@ class ActivationPolicy:
         if self.mode is not schema.ActivationMode.AUTO or self._armed_at_start or self._armed_late:
             return False  # `every` is always armed, `off` never; an armed step stays armed
         audit = step % self.audit_every == 0
-        if first and (must_measure or self._measure_next > 0 or audit):
+        whole = first and self._whole_next.get(self._start, 0) > 0
+        if whole:
+            self._whole_next[self._start] -= 1
+            if not self._whole_next[self._start]:
+                del self._whole_next[self._start]
+        if first and (must_measure or self._measure_next > 0 or audit or whole):
             self._armed_at_start = True
             return True
         if self._cursor is not None:  # the calls so far begin some remembered signature
@@ -243,7 +266,7 @@ class ActivationPolicy:
         if armed_throughout and not self._armed_late:
             known = self._references.get(key)
             self._remember(key, figures)
-            if known is not None and not known.same_as(figures) and self._calls:
+            if known is not None and self._calls and self._data_dependent(known, figures):
                 return self._varies(step, known, figures)
             return Verdict(measured=True)
         if not self._armed_late:
@@ -252,8 +275,11 @@ class ActivationPolicy:
                 self._references.move_to_end(key)
                 return Verdict(measured=False, carried=known)
         # Measured in part, or a repeat of a prefix that then ran differently: not known
-        # exactly; the next step is measured whatever it looks like.
+        # exactly; the next step is measured whatever it looks like, and the next from this
+        # start is measured whole.
         self._measure_next = max(self._measure_next, 1)
+        if self._armed_late and len(self._whole_next) < KEEP_REFERENCES:
+            self._whole_next[self._start] = min(self._whole_next.get(self._start, 0) + 2, 8)
         return Verdict(measured=False)
 
     def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
@@ -273,15 +299,27 @@ class ActivationPolicy:
                 del self._prefixes[old_start]
             self._kept_calls -= len(old_calls)
 
+    @staticmethod
+    def _data_dependent(known: Figures, figures: Figures) -> bool:
+        """A repeat measured differently although it ran the same autograd ops from the same
+        held activations: what it saved depends on the data. (With other ops, or other held
+        graphs, the step simply did something else: the new measurement replaces the old.)"""
+        if not known.differences(figures) or known.start_activations != figures.start_activations:
+            return False
+        before, now = known.signature, figures.signature
+        return before is not None and now is not None and before.nodes == now.nodes
+
     def _varies(self, step: int, known: Figures, figures: Figures) -> Verdict:
-        """A repeat measured differently: activations depend on the data, measure every step."""
+        """A repeat measured differently: activations depend on the data, measure every step
+        (said once: later measured steps that differ only confirm it)."""
+        if self.mode is schema.ActivationMode.EVERY:
+            return Verdict(measured=True)
         self.mode = schema.ActivationMode.EVERY
         message = (
-            f"step {step} repeats step {known.step} (same calls, shapes and piles) but its "
-            f"activations differ (max {figures.high.activations:,} B vs "
-            f"{known.high.activations:,} B, peak {figures.peak.total:,} B vs "
-            f"{known.peak.total:,} B): they depend on the data (routing, masks), so every "
-            "step is measured from now on"
+            f"step {step} repeats step {known.step} (the same calls, shapes, piles and autograd "
+            f"ops) but its activations differ ({'; '.join(figures.differences(known))}): what "
+            "the model saves depends on the data (routing, masks), so every step is measured "
+            "from now on"
         )
         alert = schema.Alert(kind=schema.AlertKind.ACTIVATIONS_VARY, message=message)
         return Verdict(measured=True, alert=alert)

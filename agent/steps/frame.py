@@ -84,6 +84,13 @@ class StepInputs(msgspec.Struct, frozen=True):
     distributed: schema.Distributed | None = None
     alloc_events: Drained | None = None
     """`--alloc-events`: the ring entries read at the close, summarised by `build_step`."""
+    activations_left: int = 0
+    """Activations still held after the close (graphs kept past it): the next step starts
+    from them."""
+    leaks: tuple[schema.Leak, ...] = ()
+    leak_alerts: tuple[schema.Alert, ...] = ()
+    census: schema.CensusCost | None = None
+    """The census this close took (a leak suspected, or graphs to count), if any."""
 
     def alerts(self) -> list[schema.Alert]:
         """The step's alerts in the frame's order (without the skip's, which needs the scales)."""
@@ -95,6 +102,7 @@ class StepInputs(msgspec.Struct, frozen=True):
             alerts.append(self.verdict.alert)
         if self.over_budget is not None:
             alerts.append(self.over_budget)
+        alerts.extend(self.leak_alerts)
         return alerts
 
     def start_of_next(self) -> schema.Piles:
@@ -186,6 +194,8 @@ def build_step(
         activations_measured=inputs.verdict.measured,
         activations_from=carried.step if carried is not None else None,
         late=[*late, *inputs.late],
+        leaks=list(inputs.leaks),
+        census=inputs.census,
     )
 
 

@@ -13,16 +13,23 @@ gradient (README, "Overhead"). Whether they run on a step is decided here, and o
   `ALERTS_TO_MEASURE`.
 
 At a close, `verdict` says whether the step's activation figures were measured, are carried from
-a measured step it repeats, or are not known. It takes the close's whole reading (`CloseReading`)
-so that an exact confirmation of a carry (the CUDA allocator's allocated-at-close and peak against
-the measured step's; exact CPU counters) goes inside it: a carry that fails it is "not known",
-and the next step is measured. When a step opens, `step_opens` arms or disarms the hooks for it.
+a measured step it repeats, or are not known. A repeat's key (the same calls on the same shapes)
+only makes it a candidate: the carry stands when the step's own counters confirm it
+(`step_signature`: the autograd nodes it recorded, exact; the memory it allocated, exact on a
+GPU, within a tolerance of glibc's heap on a CPU), when it starts and ends holding the same
+activations as its twin, and when no graph it built unarmed is still held at its close
+(`held_graphs`). Otherwise it is "not known" and the next step is measured; a cause that keeps
+coming back (LayerDrop, graphs crossing steps) makes every step measured. Each cause is said once,
+with its numbers (`activations_vary`). When a step opens, `step_opens` arms or disarms the hooks
+for it.
 
 The gate installs nothing itself: the hooks side hands it a `HookSwitch`.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
@@ -36,6 +43,14 @@ from memtui_agent.steps.activation_policy import (
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.frame import CloseReading, StepInputs
 from memtui_agent.steps.health import HealthMonitor
+from memtui_agent.steps.held_graphs import Held, HeldGraphs
+from memtui_agent.steps.step_signature import (
+    Difference,
+    Mismatch,
+    SignatureRecorder,
+    compare,
+)
+from memtui_protocol import schema
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
 
 ALERTS_TO_MEASURE = frozenset(
@@ -50,6 +65,14 @@ ALERTS_TO_MEASURE = frozenset(
 )
 """Alerts after which the next steps are measured (`auto`): whatever happens next is seen
 with every hook on."""
+RECENT_CARRIES = 10
+UNCONFIRMED_FOR_EVERY = 3
+"""Of the last `RECENT_CARRIES` repeats, this many unconfirmed make every step measured: the
+job's activations change with what its inputs do not show (LayerDrop), and a fifth of its steps
+or more would otherwise say "not known"."""
+CROSSINGS_FOR_EVERY = 2
+"""Closes finding a graph built unarmed still held, after which every step is measured (a GAN
+whose generator graph is backpropagated a step later): only armed steps count such graphs."""
 
 
 class HookSwitch(Protocol):
@@ -83,8 +106,20 @@ class ActivationGate:
         registry: ModuleRegistry,
         health: HealthMonitor,
         budget: Budget,
+        heap: Callable[[], int | None] | None = None,
     ) -> None:
+        """`heap` reads glibc's bytes in use (`step_signature.heap_reader`), for the CPU's half
+        of a carry's confirmation; None where there is no such counter."""
         self.policy = ActivationPolicy(mode)
+        self.signatures = SignatureRecorder(heap)
+        self.held = HeldGraphs()
+        self._start_activations = 0
+        """Activations held as the open step began (graphs kept from earlier steps)."""
+        self._recent: deque[bool] = deque(maxlen=RECENT_CARRIES)
+        """Whether each recent repeat's carry was confirmed."""
+        self._crossings = 0
+        self._said: set[str] = set()
+        """Causes of `activations_vary` already said (each once)."""
         self._switch = switch
         self._registry = registry
         self._health = health
@@ -135,6 +170,20 @@ class ActivationGate:
         if self.policy.root_call(signature, step, self._must_measure(), alive):
             self._switch.arm(module)
 
+    def root_returned(self, output: Any, step: int) -> None:
+        """A top-level root call of step `step` returned `output`: its graph is watched until
+        freed (whether the hooks counted what it saves is noted with it)."""
+        self.held.mark(output, step, self._switch.armed)
+
+    def backward_starts(self, retain_graph: bool) -> None:
+        """A top-level backward is starting (`retain_graph`: its graph keeps its buffers)."""
+        self.signatures.backward()
+        self.held.retaining = retain_graph
+
+    def backward_ended(self) -> None:
+        """The top-level backward returned or raised."""
+        self.held.retaining = False
+
     def _must_measure(self) -> bool:
         """Reasons to measure the open step whatever its signature (DESIGN.md, issue 15)."""
         # FSDP's gathered parameters and NaN probes need the module hooks.
@@ -156,18 +205,121 @@ class ActivationGate:
             peak=ledger.peak,
             dtypes=ledger.dtypes.get(Pile.ACTIVATIONS, {}),
             top=tuple(ledger.top),
+            signature=self.signatures.close(reading.allocator),
+            start_activations=self._start_activations,
         )
-        return self.policy.close(reading.step, figures)
+        held = self.held.held()
+        verdict = self.policy.close(reading.step, figures)
+        if self.policy.mode is ActivationMode.OFF:
+            return verdict
+        if held.unarmed:
+            return self._held_unarmed(reading.step, held, verdict)
+        carried = verdict.carried
+        if carried is None:
+            return verdict
+        reason = self._unconfirmed(carried, figures)
+        self._recent.append(reason is None)
+        if reason is None:
+            return verdict
+        return self._not_known(reading.step, carried, reason)
+
+    def _unconfirmed(self, carried: Figures, figures: Figures) -> Mismatch | None:
+        """Why the repeat does not stand (None: its counters confirm it)."""
+        now, twin = figures.signature, carried.signature
+        if not self.signatures.available or now is None or twin is None:
+            return Mismatch(Difference.COUNTER, (), ())
+        mismatch = compare(now, twin, carried.high.activations)
+        if mismatch is not None:
+            return mismatch
+        held_now = (figures.start_activations, figures.end_activations)
+        held_then = (carried.start_activations, carried.end_activations)
+        if held_now != held_then:
+            return Mismatch(Difference.HELD, held_now, held_then)
+        return None
+
+    def _not_known(self, step: int, carried: Figures, reason: Mismatch) -> Verdict:
+        """A repeat whose counters differ from its twin's: not known, the next step measured;
+        every step from now on when it keeps happening."""
+        self.policy.measure_next(1)
+        unconfirmed = sum(1 for confirmed in self._recent if not confirmed)
+        if reason.what is Difference.COUNTER or (
+            unconfirmed >= UNCONFIRMED_FOR_EVERY and self.policy.mode is ActivationMode.AUTO
+        ):
+            self.policy.mode = ActivationMode.EVERY
+            why = (
+                "no carry can be confirmed in this job"
+                if reason.what is Difference.COUNTER
+                else f"{unconfirmed} of the last {len(self._recent)} steps that repeated a "
+                "measured step's calls did something else: this job's activations change with "
+                "what its inputs do not show (LayerDrop, sampling, data-dependent branches)"
+            )
+            message = (
+                f"step {step} called the model as step {carried.step} did, but "
+                f"{reason.describe(carried.step)}; {why}, so every step is measured from now on"
+            )
+            return Verdict(measured=False, alert=self._vary("every step", message))
+        if reason.what.structural:
+            cause = (
+                "something its inputs do not show changed (a layer skipped, dropout switched, "
+                "a branch taken on the data)"
+            )
+        elif reason.what is Difference.HELD:
+            cause = "graphs kept from earlier steps changed"
+        else:
+            cause = "the same calls made tensors of other sizes"
+        message = (
+            f"step {step} called the model as step {carried.step} did, but "
+            f"{reason.describe(carried.step)}: {cause}; its activations are not known and the "
+            "next step is measured"
+        )
+        return Verdict(measured=False, alert=self._vary(reason.what.value, message))
+
+    def _held_unarmed(self, step: int, held: Held, verdict: Verdict) -> Verdict:
+        """Graphs built while the hooks were off are still held: no hook counted their saved
+        tensors. They are found in the live graphs (`adopt`) and counted from now on; this
+        step's figures are not known, and the next steps are measured (every step once it
+        happens again: graphs crossing steps are only counted whole when built armed)."""
+        self._crossings += 1
+        self.policy.measure_next(FIRST_STEPS)
+        oldest = f", the oldest from step {held.oldest_step}" if held.oldest_step else ""
+        message = (
+            f"at the close of step {step}, {held.graphs} graph{'s' if held.graphs != 1 else ''} "
+            f"built by the model{oldest} still hold their saved tensors (a loss accumulated "
+            "without torch.no_grad(), an output kept for a later backward): they are counted "
+            "from the live graphs from now on; this step's activations are not known"
+        )
+        cause = "held"
+        if self._crossings >= CROSSINGS_FOR_EVERY and self.policy.mode is ActivationMode.AUTO:
+            self.policy.mode = ActivationMode.EVERY
+            cause = "held, every step"
+            message += (
+                "; graphs keep crossing steps in this job, so every step is measured from now on"
+            )
+        alert = self._vary(cause, message)
+        if verdict.alert is not None and alert is None:
+            alert = verdict.alert
+        return Verdict(measured=False, alert=alert, adopt=True)
+
+    def _vary(self, cause: str, message: str) -> schema.Alert | None:
+        """An `activations_vary` alert, once per cause."""
+        if cause in self._said:
+            return None
+        self._said.add(cause)
+        return schema.Alert(kind=AlertKind.ACTIVATIONS_VARY, message=message)
 
     def step_opens(self, after: StepInputs) -> None:
         """A step opens after the step `after`: arm or disarm the hooks for it."""
         policy = self.policy
-        if any(alert.kind in ALERTS_TO_MEASURE for alert in after.alerts()):
+        self._start_activations = after.activations_left
+        if after.skipped or any(alert.kind in ALERTS_TO_MEASURE for alert in after.alerts()):
             policy.measure_next(FIRST_STEPS)
         mode = policy.mode
         switch = self._switch
         if mode is ActivationMode.OFF or (mode is ActivationMode.AUTO and policy.saw_calls):
             switch.disarm()  # `auto`: the next root call decides
+        elif mode is ActivationMode.EVERY:
+            if not switch.armed:
+                switch.arm(None)  # `auto` turned into `every` at an unarmed close
         elif mode is ActivationMode.AUTO:
             # No root module was called (a job of plain tensors): nothing to decide on, so the
             # next step is measured from its start.

@@ -15,10 +15,12 @@ the inputs by `frame.build_step`, when the emitter writes it.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.job.names import census_roots, final_roots
 from memtui_agent.job.optimizer_book import OptimizerRecord
 from memtui_agent.memory.alloc_events import AllocEventsRecorder
 from memtui_agent.memory.allocator import (
@@ -26,7 +28,9 @@ from memtui_agent.memory.allocator import (
     expandable_segments_enabled,
     fragmentation_message,
 )
+from memtui_agent.memory.census import Census, take_census
 from memtui_agent.memory.gpu_events import GpuEvents
+from memtui_agent.memory.leak_watch import LeakWatch
 from memtui_agent.memory.ledger import Ledger
 from memtui_agent.memory.memory_readers import host_now, with_nvml
 from memtui_agent.steps.budget import Budget
@@ -79,6 +83,7 @@ class StepCloser:
         self.gpu_events = GpuEvents(config.oom_snapshot_path())
         self.alloc_events: AllocEventsRecorder | None = None
         """Set by the agent with `--alloc-events`: drains the allocator's history each close."""
+        self.leaks = LeakWatch(self._census)
 
     def close(
         self, opened: OpenStep, step: int, skipped: bool, record: OptimizerRecord | None
@@ -119,7 +124,21 @@ class StepCloser:
         ledger = LedgerReading(end, high, peak, dtypes, self.ledger.top_modules(TOP_MODULES))
         reading = CloseReading(step, ledger, with_nvml(allocator, device_index))
         verdict = self._gate.verdict(reading)
-        over_budget = self.budget.judge_peak(verdict.peak(peak))
+        final_peak = verdict.peak(peak)
+        over_budget = self.budget.judge_peak(final_peak)
+        taken = None
+        if verdict.adopt:
+            # Graphs built while the hooks were off are held: count their saved tensors from
+            # the live graphs (the walk names their holders too, for the leak watch).
+            taken = self._census(adopt=True)
+            self._gate.held.forget_unarmed()
+        leak = self.leaks.at_close(
+            step,
+            self._kept(reading, end),
+            headroom=self._headroom(reading.allocator, final_peak),
+            exact=reading.allocator.allocated is not None,
+            taken=taken,
+        )
         distributed = self._hooks.distributed_at_close()
         return StepInputs(
             step=step,
@@ -141,7 +160,55 @@ class StepCloser:
             late=tuple(late),
             distributed=distributed,
             alloc_events=drained,
+            activations_left=self.ledger.current().activations,
+            leaks=tuple(leak.leaks),
+            leak_alerts=tuple(leak.alerts),
+            census=leak.census,
         )
+
+    def _census(self, adopt: bool = False) -> Census:
+        """A census of the job's live tensors from the names it wrote (this thread's frames
+        are the training loop's); with `adopt`, retained graphs' saved tensors join the
+        activations pile."""
+        roots = census_roots(self.registry, sys._getframe(1))
+        return take_census(
+            roots,
+            excluded=self.ledger.persistent_keys(),
+            adopt=self.ledger.adopt_activation if adopt else None,
+        )
+
+    def final_leaks(
+        self, step: int, namespace: dict[str, Any] | None, error: BaseException | None
+    ) -> list[schema.Leak]:
+        """The leaks named during the run, counted again as the job ends."""
+        return self.leaks.final(
+            step,
+            lambda: take_census(
+                final_roots(self.registry, namespace, error),
+                excluded=self.ledger.persistent_keys(),
+            ),
+        )
+
+    def _kept(self, reading: CloseReading, end: schema.Piles) -> int | None:
+        """Memory held at the close beyond weights, gradients and optimizer state: the
+        allocator's `allocated` on a GPU, glibc's bytes in use on a CPU (None off glibc)."""
+        used = reading.allocator.allocated
+        if used is None:
+            used = self._gate.signatures.heap_at_close
+        if used is None:
+            return None
+        gradients = self.piles.gradients[0] if self.piles.gradients is not None else end.gradients
+        return used - end.weights - gradients - end.optimizer_state
+
+    def _headroom(self, allocator: schema.Allocator, peak: schema.Piles) -> int | None:
+        """What is left before the budget, or else before the device is full, for a leak's
+        out-of-memory forecast."""
+        if self.budget.limit is not None:
+            return max(0, self.budget.limit - peak.total)
+        if allocator.device_total is not None and allocator.device_used is not None:
+            cached = (allocator.reserved or 0) - (allocator.allocated or 0)
+            return max(0, allocator.device_total - allocator.device_used + cached)
+        return None
 
     def late_health(self, wait: bool = False) -> list[schema.StepLate]:
         """Alerts of earlier steps whose GPU checks reached the host since (none on CPU)."""

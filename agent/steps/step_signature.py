@@ -1,7 +1,7 @@
 """What a step did, read from counters at its backward passes and its close: a carry's proof.
 
 A step whose activations are carried from a measured one must be shown, at its own close, to
-have done what that step did (DESIGN.md, "Steps"). Two counters say it without any per-tensor
+have done what that step did (DESIGN.md, "Steps"). Counters that say it without any per-tensor
 hook:
 
 - autograd's own sequence number, which every graph node created on a thread takes the next
@@ -9,21 +9,28 @@ hook:
   each top-level backward and after the last one are exact. A layer skipped (LayerDrop), a
   dropout switched to 0, a branch taken, an extra forward that is never backpropagated: each
   changes them.
-- memory in use, as a change from the step's start: on a GPU the caching allocator's
-  `allocated`, exact; on a CPU glibc's in-use heap (`mallinfo2`), which moves by a few hundred
-  bytes between equal steps, so it is compared within a tolerance. It sees what the node count
-  cannot: tensors of other sizes behind the same ops, and memory the step keeps at its close.
+- memory, for what the node count cannot see (tensors of other sizes behind the same ops). On a
+  GPU the caching allocator's cumulative counters over the step, read at the close anyway
+  (bytes and number of allocations made): exact. On a CPU glibc's in-use heap (`malloc_info`,
+  about 40 us) at the first backward, less that at the step's start: what the forward allocated
+  and still holds, activations first; it moves by a few hundred bytes between equal steps, so
+  it is compared within a tolerance.
 
 A step's `Signature` is compared with its measured twin's; any difference means "not known".
+Graphs kept past the close are seen exactly elsewhere (`held_graphs`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
+
+from memtui_protocol.schema import Allocator
 
 MEMORY_TOLERANCE = 16 * 1024
 """On a CPU, in-use heap bytes that differ by less than this (or 1% of the activations' high,
@@ -36,45 +43,64 @@ def _sequence_reader() -> Callable[[], int] | None:
 
         reader = torch._C._autograd._get_sequence_nr
         reader()
-        return reader  # type: ignore[no-any-return]
+        return reader
     except Exception:
         return None
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+_MAIN_HEAP = re.compile(
+    rb'<heap nr="0">.*?<total type="fast" count="\d+" size="(\d+)"/>\s*'
+    rb'<total type="rest" count="\d+" size="(\d+)"/>.*?'
+    rb'<system type="current" size="(\d+)"/>',
+    re.DOTALL,
+)
+_MMAPPED = re.compile(rb'</heap>.*<total type="mmap" count="\d+" size="(\d+)"/>', re.DOTALL)
 
 
 def heap_reader() -> Callable[[], int | None] | None:
-    """glibc's bytes in use (small chunks plus mmapped ones), or None off glibc or where
-    another allocator (jemalloc, tcmalloc) answers instead and reports nothing."""
+    """glibc's bytes in use by the main thread's arena, plus those mapped on their own (large
+    blocks), from `malloc_info` (about 40 us); None off glibc.
+
+    The main arena, not all of them: other threads (a logger, a second model's forward) allocate
+    from arenas of their own, and would otherwise move the counter between equal steps.
+    """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallinfo2 = libc.mallinfo2
+        malloc_info = libc.malloc_info
+        open_memstream = libc.open_memstream
+        fclose, free = libc.fclose, libc.free
     except (OSError, AttributeError):
         return None
-    mallinfo2.restype = _MallInfo2
-    mallinfo2.argtypes = []
+    malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    open_memstream.restype = ctypes.c_void_p
+    open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_size_t)]
+    fclose.argtypes = [ctypes.c_void_p]
+    free.argtypes = [ctypes.c_void_p]
 
     def read() -> int | None:
-        info = mallinfo2()
-        return int(info.uordblks + info.hblkhd)
+        buffer, size = ctypes.c_char_p(), ctypes.c_size_t()
+        stream = open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+        if not stream:
+            return None
+        try:
+            malloc_info(0, stream)
+        finally:
+            fclose(stream)
+        try:
+            text = ctypes.string_at(buffer, size.value)
+        finally:
+            free(buffer)
+        heap = _MAIN_HEAP.search(text)
+        if heap is None:
+            return None
+        fast, rest, system = (int(group) for group in heap.groups())
+        mapped = _MMAPPED.search(text)
+        return system - fast - rest + (int(mapped.group(1)) if mapped else 0)
 
-    first = read()
+    try:
+        first = read()
+    except Exception:
+        return None
     return read if first else None
 
 
@@ -85,35 +111,76 @@ class Signature:
     nodes: tuple[int, ...]
     """Autograd nodes recorded before each top-level backward, then after the last."""
     memory: tuple[int, ...] | None
-    """Memory in use at each backward's start, then at the close, less that at the step's
-    start; None where nothing can be read."""
+    """On a GPU: bytes and number of allocations the step made. On a CPU: heap bytes in use
+    at the first backward less those at the step's start. None where nothing can be read."""
     exact_memory: bool
+
+
+class Difference(Enum):
+    """What in a step's counters can differ from its twin's."""
+
+    NODES = "autograd nodes"
+    BACKWARDS = "backward passes"
+    HEAP = "heap bytes"
+    DEVICE = "allocations"
+    HELD = "held activations"
+    READERS = "memory readers"
+    COUNTER = "node counter"
+
+    @property
+    def structural(self) -> bool:
+        """The step ran other ops: something its inputs do not show changed."""
+        return self in (Difference.NODES, Difference.BACKWARDS)
 
 
 @dataclass(frozen=True)
 class Mismatch:
     """Why a step is not a repeat of its twin, in numbers."""
 
-    what: str
+    what: Difference
     now: tuple[int, ...]
     then: tuple[int, ...]
 
-    def describe(self) -> str:
-        """One clause for a message."""
-        return f"{self.what}: {_series(self.now)} here, {_series(self.then)} in the step measured"
+    def describe(self, twin_step: int) -> str:
+        """One clause for a message: what was counted here and in the twin, step `twin_step`."""
+        now, then, step = self.now, self.then, twin_step
+        if self.what is Difference.NODES:
+            return (
+                f"autograd recorded {sum(now):,} nodes here ({_series(now)} before and after each "
+                f"backward) and {sum(then):,} in step {step} ({_series(then)})"
+            )
+        if self.what is Difference.BACKWARDS:
+            return f"it ran {len(now) - 1} backward passes where step {step} ran {len(then) - 1}"
+        if self.what is Difference.HEAP:
+            return (
+                f"the heap in use at its first backward moved by {now[0]:+,} B from its start, "
+                f"{then[0]:+,} B in step {step} (more than {MEMORY_TOLERANCE // 1024} KiB apart)"
+            )
+        if self.what is Difference.DEVICE:
+            return (
+                f"the allocator made {now[1]:,} allocations of {now[0]:,} B in all where step "
+                f"{step} made {then[1]:,} of {then[0]:,} B"
+            )
+        if self.what is Difference.HELD:
+            return (
+                f"it started with {now[0]:,} B of activations held and closed with {now[1]:,} B, "
+                f"step {step} with {then[0]:,} B and {then[1]:,} B"
+            )
+        if self.what is Difference.READERS:
+            return f"its memory was read from another counter than step {step}'s"
+        return "this torch has no autograd node counter to confirm it by"
 
 
 class SignatureRecorder:
-    """Reads the counters at the step's start, its top-level backward passes and its close."""
+    """Reads the counters as a step starts, at its top-level backward passes and its close."""
 
-    def __init__(self, memory: Callable[[], int | None] | None, exact_memory: bool) -> None:
+    def __init__(self, heap: Callable[[], int | None] | None) -> None:
         self._nodes = _sequence_reader()
-        self._memory = memory
-        self._exact = exact_memory
+        self._heap = heap
         self._node_mark = self._read_nodes()
-        self._memory_start = self._read_memory()
+        self._heap_start = self._read_heap()
+        self._heap_at_backward: int | None = None
         self._node_counts: list[int] = []
-        self._memory_deltas: list[int] = []
 
     @property
     def available(self) -> bool:
@@ -122,35 +189,43 @@ class SignatureRecorder:
 
     def backward(self) -> None:
         """A top-level backward is starting."""
-        self._sample()
+        self._count_nodes()
+        if len(self._node_counts) == 1 and self._heap_start is not None:
+            used = self._read_heap()
+            self._heap_at_backward = used - self._heap_start if used is not None else None
 
-    def close(self) -> Signature:
-        """The step's signature; the next step starts from here."""
-        self._sample()
-        signature = Signature(
-            nodes=tuple(self._node_counts),
-            memory=tuple(self._memory_deltas) if self._memory_start is not None else None,
-            exact_memory=self._exact,
-        )
+    def close(self, allocator: Allocator) -> Signature:
+        """The closing step's signature (`allocator`: the close's reading); the next step
+        starts from here."""
+        self._count_nodes()
+        memory: tuple[int, ...] | None
+        if allocator.alloc_bytes is not None and allocator.allocations is not None:
+            memory, exact = (allocator.alloc_bytes, allocator.allocations), True
+        else:
+            forward = self._heap_at_backward
+            memory, exact = ((forward,) if forward is not None else None), False
+        signature = Signature(tuple(self._node_counts), memory, exact)
         self._node_counts = []
-        self._memory_deltas = []
-        self._memory_start = self._read_memory()
+        self._heap_at_backward = None
+        self._heap_start = self._read_heap() if not exact else None
         return signature
 
-    def _sample(self) -> None:
+    @property
+    def heap_at_close(self) -> int | None:
+        """glibc's bytes in use at the last close (CPU jobs; None on a GPU or off glibc)."""
+        return self._heap_start
+
+    def _count_nodes(self) -> None:
         now = self._read_nodes()
         self._node_counts.append(now - self._node_mark)
         self._node_mark = now
-        if self._memory_start is not None:
-            used = self._read_memory()
-            self._memory_deltas.append(used - self._memory_start if used is not None else 0)
 
     def _read_nodes(self) -> int:
         return self._nodes() if self._nodes is not None else 0
 
-    def _read_memory(self) -> int | None:
+    def _read_heap(self) -> int | None:
         try:
-            return self._memory() if self._memory is not None else None
+            return self._heap() if self._heap is not None else None
         except Exception:
             return None
 
@@ -158,13 +233,21 @@ class SignatureRecorder:
 def compare(now: Signature, twin: Signature, activations_high: int = 0) -> Mismatch | None:
     """None when `now` repeats `twin`; else what differs."""
     if now.nodes != twin.nodes:
-        what = "backward passes" if len(now.nodes) != len(twin.nodes) else "autograd nodes"
+        what = Difference.BACKWARDS if len(now.nodes) != len(twin.nodes) else Difference.NODES
         return Mismatch(what, now.nodes, twin.nodes)
+    if now.exact_memory != twin.exact_memory:
+        return Mismatch(Difference.READERS, (int(now.exact_memory),), (int(twin.exact_memory),))
     if now.memory is None or twin.memory is None:
         return None
-    tolerance = 0 if now.exact_memory else max(MEMORY_TOLERANCE, activations_high // 100)
+    if now.exact_memory:
+        return (
+            None
+            if now.memory == twin.memory
+            else Mismatch(Difference.DEVICE, now.memory, twin.memory)
+        )
+    tolerance = max(MEMORY_TOLERANCE, activations_high // 100)
     if any(abs(a - b) > tolerance for a, b in zip(now.memory, twin.memory, strict=True)):
-        return Mismatch("memory in use from the step's start", now.memory, twin.memory)
+        return Mismatch(Difference.HEAP, now.memory, twin.memory)
     return None
 
 
