@@ -15,6 +15,7 @@ import pytest
 
 from memtui.model.recording import read_recording
 from memtui_agent.steps.activation_policy import ActivationPolicy, Figures
+from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
 
 VARYING_BATCH = """
@@ -111,9 +112,14 @@ def test_off_counts_no_activations_and_says_so(tmp_path: Path, shared_python: An
     assert all(step.end.weights == weights and step.end.gradients == weights for step in steps)
 
 
+SAME_OPS = Signature(nodes=(5, 0), memory=None, exact_memory=False)
+"""Every step here runs the same autograd ops: a repeat measured differently then depends on
+the data (with other ops it simply did something else)."""
+
+
 def _figures(step: int, activations: int) -> Figures:
     piles = schema.Piles(activations=activations)
-    return Figures(step, 0, piles, piles, {}, ())
+    return Figures(step, 0, piles, piles, {}, (), signature=SAME_OPS)
 
 
 def test_policy_carries_a_repeat_and_measures_what_is_new() -> None:
