@@ -32,6 +32,9 @@ ALLOC_EVENTS = "MEMTUI_ALLOC_EVENTS"
 ACTIVATIONS = "MEMTUI_ACTIVATIONS"
 SESSION = "MEMTUI_SESSION"
 STOP_FILE = "MEMTUI_STOP_FILE"
+METRICS_PORT = "MEMTUI_METRICS_PORT"
+METRICS_ADDR = "MEMTUI_METRICS_ADDR"
+METRICS_JOB = "MEMTUI_METRICS_JOB"
 VARIABLES = (
     RECORD,
     SOCKET,
@@ -44,10 +47,15 @@ VARIABLES = (
     ACTIVATIONS,
     SESSION,
     STOP_FILE,
+    METRICS_PORT,
+    METRICS_ADDR,
+    METRICS_JOB,
 )
 """Every variable `to_env` writes (a child that must not inherit a config drops these)."""
 
 _E = TypeVar("_E", bound=Enum)
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+"""Metrics are served on the loopback interface unless `--metrics-addr` says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,11 @@ class AgentConfig:
         session: the `memtui run` that started the job (groups ranks; finds the socket).
         stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
             the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
+        metrics_port: serve Prometheus metrics on this port plus the process's `LOCAL_RANK`
+            (None: no endpoint, nothing imported; 0: a free port per process).
+        metrics_addr: the address the metrics endpoint binds to.
+        metrics_job: the `job` label of the metrics (None: the session folder's name, else
+            the recording's or the script's).
     """
 
     record: str | None = None
@@ -80,6 +93,9 @@ class AgentConfig:
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
     stop_file: str | None = None
+    metrics_port: int | None = None
+    metrics_addr: str = DEFAULT_METRICS_ADDR
+    metrics_job: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -104,6 +120,11 @@ class AgentConfig:
             env[SESSION] = self.session
         if self.stop_file is not None:
             env[STOP_FILE] = self.stop_file
+        if self.metrics_port is not None:
+            env[METRICS_PORT] = str(self.metrics_port)
+            env[METRICS_ADDR] = self.metrics_addr
+        if self.metrics_job is not None:
+            env[METRICS_JOB] = self.metrics_job
         return env
 
     @classmethod
@@ -133,6 +154,9 @@ class AgentConfig:
             activations=_member(ActivationMode, environ.get(ACTIVATIONS), ActivationMode.AUTO),
             session=environ.get(SESSION) or None,
             stop_file=environ.get(STOP_FILE) or None,
+            metrics_port=_port(environ.get(METRICS_PORT)),
+            metrics_addr=environ.get(METRICS_ADDR) or DEFAULT_METRICS_ADDR,
+            metrics_job=environ.get(METRICS_JOB) or None,
         )
 
     def oom_snapshot_path(self) -> str | None:
@@ -140,6 +164,14 @@ class AgentConfig:
         if not self.snapshot_on_oom or self.record is None:
             return None
         return self.record + ".oom-snapshot.pickle"
+
+
+def _port(text: str | None) -> int | None:
+    """A TCP port from the environment (None: absent or not one)."""
+    if not text or not text.strip().isdigit():
+        return None
+    port = int(text)
+    return port if port <= 65535 else None
 
 
 def _flag(value: bool) -> str:

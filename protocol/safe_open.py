@@ -49,8 +49,8 @@ def refusal(path: Path) -> str | None:
     return None
 
 
-def create_private(path: Path | str) -> int:
-    """A new, empty file at `path`, mode 0600, opened for writing: its descriptor.
+def create_private(path: Path | str, mode: int = MODE) -> int:
+    """A new, empty file at `path`, mode 0600 (or `mode`), opened for writing: its descriptor.
 
     Raises:
         RefusedPath: the name holds a link, a non-regular file or another user's file.
@@ -59,7 +59,7 @@ def create_private(path: Path | str) -> int:
     path = Path(path)
     for _attempt in range(2):
         try:
-            return os.open(path, FLAGS, MODE)
+            return os.open(path, FLAGS, mode)
         except FileExistsError:
             reason = refusal(path)
             if reason is not None:

@@ -72,6 +72,9 @@ class Emitter:
         self.frames_written = 0
         self.bytes_written = 0
         self._server = server
+        self.export: Callable[[schema.Message], None] | None = None
+        """Handed every message once it is recorded (`--metrics-port`: the exporter keeps a
+        reference, `output.metrics`); None costs the step one attribute read."""
         self._fd: int | None = None
         opening = wire.preamble() + wire.encode(hello)
         if recording is not None:
@@ -95,6 +98,13 @@ class Emitter:
             self._on_error("frame", exc)
             return
         self._send(frames, isinstance(message, schema.Names))
+        export = self.export
+        if export is not None:
+            try:
+                export(message)
+            except Exception as exc:
+                self.export = None
+                self._on_error("metrics", exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """Serve what is queued (bounded by `timeout`), then close the socket and the file."""

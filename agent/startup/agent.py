@@ -35,6 +35,7 @@ from memtui_protocol.units import format_bytes
 if TYPE_CHECKING:  # the agent imports torch only in `start()`
     from memtui_agent.hooks.tracker import Tracker
     from memtui_agent.output.emitter import Emitter, Item
+    from memtui_agent.output.metrics import MetricsEndpoint
 
 
 class Agent:
@@ -59,6 +60,8 @@ class Agent:
         self.sidecar: Path | None = None
         self.tracker: Tracker | None = None
         self.emitter: Emitter | None = None
+        self.metrics: MetricsEndpoint | None = None
+        """`--metrics-port`: the Prometheus endpoint (output/metrics.py)."""
 
     def start(self) -> None:
         """Import torch, install hooks, open the recording and the socket."""
@@ -137,6 +140,19 @@ class Agent:
                 )
             except OSError as exc:
                 self.report_failure("sidecar", exc)
+        if self.config.metrics_port is not None:
+            try:
+                self._serve_metrics(hello)
+            except Exception as exc:  # the job and its recording go on without metrics
+                self.report_failure("metrics", exc)
+
+    def _serve_metrics(self, hello: schema.Hello) -> None:
+        """`--metrics-port`: the emitter hands each recorded message to the exporter."""
+        from memtui_agent.output.metrics import start_metrics
+
+        self.metrics = start_metrics(self.config, hello, self.note)
+        if self.metrics is not None and self.emitter is not None:
+            self.emitter.export = self.metrics.offer
 
     def _arm_alloc_events(self) -> None:
         """`--alloc-events`: the recorder drains the allocator's history at every close."""
@@ -271,6 +287,8 @@ class Agent:
             self.report_failure("remove-hooks", exc)
         if self.emitter is not None:
             self.emitter.close()
+        if self.metrics is not None:
+            self.metrics.close()
         close_readers()  # the agent leaves no file of its own open in the job
         if self.sidecar is not None:
             try:
@@ -358,6 +376,8 @@ class Agent:
     def disable_in_fork_child(self) -> None:
         """Called in a forked child: hooks become no-ops, nothing is written or sent."""
         self._forked_child = True
+        if self.metrics is not None:
+            self.metrics.forget_in_child()
         if self.tracker is not None:
             for component in self.tracker.enabled:
                 self.tracker.enabled[component] = False

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from memtui_protocol.config import AgentConfig
+from memtui_protocol.config import DEFAULT_METRICS_ADDR, AgentConfig
 from memtui_protocol.schema import ActivationMode, NanCheck
 
 _lock = threading.Lock()
@@ -43,6 +43,9 @@ def start(
     snapshot_on_oom: bool = False,
     alloc_events: bool = False,
     activations: ActivationMode | str = ActivationMode.AUTO,
+    metrics_port: int | None = None,
+    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_job: str | None = None,
     config: AgentConfig | None = None,
 ) -> Any:
     """Start monitoring this process (idempotent: a second call returns the running agent).
@@ -67,6 +70,10 @@ def start(
             event into its frame. A CPU job gets one note that this has no effect.
         activations: "auto" (measure steps that can differ, carry the figures of a measured
             step to the steps that repeat it), "every" (every step) or "off".
+        metrics_port: serve Prometheus metrics at `/metrics` on this port plus `LOCAL_RANK`
+            (needs `pip install 'memtui[metrics]'`; 0: a free port). None: no endpoint.
+        metrics_addr: the address it binds to (default 127.0.0.1: this machine only).
+        metrics_job: the `job` label (default: the session folder's or recording's name).
 
     Returns:
         The running `Agent`, or None if it could not start (the reason is printed once).
@@ -89,6 +96,9 @@ def start(
                     snapshot_on_oom=snapshot_on_oom,
                     alloc_events=alloc_events,
                     activations=ActivationMode(activations),
+                    metrics_port=metrics_port,
+                    metrics_addr=metrics_addr,
+                    metrics_job=metrics_job,
                 )
             agent = Agent(config)
             agent.start()
@@ -161,10 +171,22 @@ def monitor(
     budget: int | None = None,
     nan_check: NanCheck | str = NanCheck.DEFAULT,
     activations: ActivationMode | str = ActivationMode.AUTO,
+    metrics_port: int | None = None,
+    metrics_addr: str = DEFAULT_METRICS_ADDR,
+    metrics_job: str | None = None,
 ) -> Iterator[Any]:
-    """Monitor the enclosed block; an exception escaping it is recorded with its phase."""
+    """Monitor the enclosed block; an exception escaping it is recorded with its phase.
+
+    The keywords are `start()`'s."""
     agent = start(
-        record, socket=socket, budget=budget, nan_check=nan_check, activations=activations
+        record,
+        socket=socket,
+        budget=budget,
+        nan_check=nan_check,
+        activations=activations,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+        metrics_job=metrics_job,
     )
     try:
         yield agent

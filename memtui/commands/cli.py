@@ -15,7 +15,7 @@ from typing import NoReturn
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL, EXIT_USAGE
 from memtui.terminal_text import terminal_safe
-from memtui_protocol.config import AgentConfig
+from memtui_protocol.config import DEFAULT_METRICS_ADDR, AgentConfig
 from memtui_protocol.estimate import Autocast, OptimizerKind
 from memtui_protocol.schema import ActivationMode, NanCheck
 
@@ -26,6 +26,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"memtui: error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    return int(text)
 
 
 def _size(text: str) -> int:
@@ -78,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
         "lists its largest allocations with the source line, segment growth and any OOM",
     )
     _activations_flag(run)
+    run.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics at /metrics, each rank on PORT + LOCAL_RANK (0: a free "
+        "port each), and write each rank's file_sd target into the session folder's "
+        "prometheus/ (needs pip install 'memtui[metrics]')",
+    )
+    run.add_argument(
+        "--metrics-addr",
+        default=DEFAULT_METRICS_ADDR,
+        metavar="ADDR",
+        help="address the metrics endpoint binds to (default 127.0.0.1: this machine only; "
+        "0.0.0.0 for a Prometheus on another machine)",
+    )
+    run.add_argument(
+        "--metrics-job",
+        metavar="NAME",
+        help="the metrics' job label (default: the session folder's name, else the "
+        "recording's or the script's)",
+    )
     run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
@@ -212,10 +239,22 @@ def agent_config(args: argparse.Namespace) -> AgentConfig:
         snapshot_on_oom=getattr(args, "snapshot_on_oom", False),
         alloc_events=getattr(args, "alloc_events", False),
         activations=ActivationMode(args.activations),
+        metrics_port=getattr(args, "metrics_port", None),
+        metrics_addr=getattr(args, "metrics_addr", DEFAULT_METRICS_ADDR),
+        metrics_job=getattr(args, "metrics_job", None),
     )
 
 
-RUN_VALUE_FLAGS = {"-o", "--output", "--budget", "--nan-check", "--activations"}
+RUN_VALUE_FLAGS = {
+    "-o",
+    "--output",
+    "--budget",
+    "--nan-check",
+    "--activations",
+    "--metrics-port",
+    "--metrics-addr",
+    "--metrics-job",
+}
 """Flags of `memtui run` that take a value (the splitter must skip that value too)."""
 
 
