@@ -256,7 +256,7 @@ def start_metrics(
         labels, {"pid": str(hello.pid), "version": hello.agent_version, "device": hello.device}
     )
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(exporter)  # type: ignore[arg-type]  # a collector by protocol
+    registry.register(exporter)  # a collector by protocol (`collect`, `describe`)
     try:
         server, _thread = start_http_server(port, addr=config.metrics_addr, registry=registry)
     except OSError as exc:

@@ -157,10 +157,48 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print the JSON report")
     report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
 
-    export = commands.add_parser("export", help="convert a recording for other tools")
-    export.add_argument("path", help="a .memtui recording")
-    export.add_argument("--format", required=True, choices=["chrome-trace", "csv"])
-    export.add_argument("-o", "--output", metavar="OUT", help="output file, '-' for stdout")
+    export = commands.add_parser(
+        "export",
+        help="convert a recording for other tools",
+        description="chrome-trace and csv write one file (default: beside the recording; "
+        "'-o -': stdout). tensorboard writes TensorBoard event files into the folder -o DIR "
+        "(default: RECORDING.tensorboard beside it), one run per rank (DIR/rank-N) for a "
+        "session folder; open it with `tensorboard --logdir DIR` (needs pip install "
+        "'memtui[tensorboard]').",
+    )
+    export.add_argument("path", help="a .memtui recording, or a session folder (tensorboard)")
+    export.add_argument("--format", required=True, choices=["chrome-trace", "csv", "tensorboard"])
+    export.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="output file, '-' for stdout; with tensorboard the folder the runs go into",
+    )
+
+    cluster = commands.add_parser(
+        "cluster",
+        help="every rank of a job, from Prometheus",
+        description="Read Prometheus' HTTP API for the metrics the ranks serve (memtui run "
+        "--metrics-port): every rank worst first (least headroom, then highest peak), the "
+        "imbalance between ranks, alerts per rank, ranks that stopped reporting. The TUI by "
+        "default; --once prints a table, --json the JSON document.",
+    )
+    cluster.add_argument(
+        "--prometheus", required=True, metavar="URL", help="e.g. http://127.0.0.1:9090"
+    )
+    cluster.add_argument(
+        "--job", metavar="NAME", help="the job label (default: the one memtui job reporting)"
+    )
+    shown = cluster.add_mutually_exclusive_group()
+    shown.add_argument("--once", action="store_true", help="print a table once and exit")
+    shown.add_argument("--json", action="store_true", help="print the JSON document and exit")
+    cluster.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds each request to Prometheus may take (default 5)",
+    )
 
     estimate = commands.add_parser(
         "estimate",
@@ -441,10 +479,21 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """`memtui export PATH --format chrome-trace|csv [-o OUT]`."""
+    """`memtui export PATH --format chrome-trace|csv|tensorboard [-o OUT]`."""
+    if args.format == "tensorboard":
+        from memtui.reports.tensorboard_export import run_tensorboard_export
+
+        return run_tensorboard_export(args.path, args.output)
     from memtui.reports.export import run_export
 
     return run_export(args.path, args.format, args.output)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """`memtui cluster --prometheus URL [--job NAME] [--once|--json]`."""
+    from memtui.commands.cluster_command import run_cluster
+
+    return run_cluster(args.prometheus, args.job, args.once, args.json, args.timeout)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -554,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "detach": cmd_detach,
         "replay": cmd_replay,
         "export": cmd_export,
+        "cluster": cmd_cluster,
     }
     if args.command is None:
         parser.print_help()

@@ -1,0 +1,221 @@
+"""Every rank of a job as Prometheus last saw it (`memtui cluster`): one query per metric.
+
+Each rank's figures come from `last_over_time(NAME{job=...}[WINDOW])`, so a rank that stopped
+reporting is still listed with what it last said; whether it still reports is read from the
+plain selector (Prometheus drops a series five minutes after its last sample, or at once when
+its target goes away) and from the target list (`up`, with the scrape's last error). A rank is
+keyed by `(job, rank)`, the labels every memtui series carries.
+
+This is a source like a recording or a socket: the figures become a `schema.Step` per rank
+(`RankFigures.step`), so the per-job screen and the ranks table show them unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from memtui.input.prometheus_api import PrometheusClient, PrometheusError, Sample
+from memtui_protocol import metrics, schema
+from memtui_protocol.schema import PILES
+
+WINDOW = "1h"
+"""How far back a rank that stopped reporting is still listed."""
+JOB_LABEL = "job"
+
+_PER_METRIC = (
+    metrics.STEP,
+    metrics.PILE_BYTES,
+    metrics.DEVICE_BYTES,
+    metrics.HOST_RSS,
+    metrics.ALERTS_TOTAL,
+    metrics.STEP_END_TIME,
+    metrics.STEP_DURATION,
+    metrics.AGENT_INFO_SERIES,
+)
+
+
+@dataclass
+class RankFigures:
+    """One rank's latest figures as Prometheus holds them."""
+
+    job: str
+    rank: int
+    host: str = ""
+    local_rank: int | None = None
+    world_size: int | None = None
+    step: int | None = None
+    piles: dict[str, dict[str, int]] = field(default_factory=dict)
+    """`{stat: {pile: bytes}}` for stat in end, max, peak."""
+    device: dict[str, int] = field(default_factory=dict)
+    host_rss: int | None = None
+    alerts: dict[str, int] = field(default_factory=dict)
+    step_end: float | None = None
+    duration: float | None = None
+    pid: int | None = None
+    fresh: bool = False
+    """Its series are current (Prometheus has not marked them stale)."""
+    health: str | None = None
+    """Its scrape target's health ("up", "down", "unknown"); None: no target any more."""
+    last_error: str = ""
+    last_scrape: str = ""
+    sampled_at: float | None = None
+    """When Prometheus took the sample these figures come from."""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job, self.rank)
+
+    def step_message(self) -> schema.Step | None:
+        """The figures as the frame a rank's recording holds for that step (None before one)."""
+        if self.step is None or not self.piles:
+            return None
+
+        def piles(stat: str) -> schema.Piles:
+            values = self.piles.get(stat, {})
+            return schema.Piles(*(values.get(pile, 0) for pile in PILES))
+
+        end = self.step_end if self.step_end is not None else 0.0
+        allocator = schema.Allocator(
+            allocated=self.device.get("allocated"),
+            reserved=self.device.get("reserved"),
+            process_gpu=self.device.get("process"),
+            device_used=self.device.get("device_used"),
+            device_total=self.device.get("device_total"),
+        )
+        return schema.Step(
+            step=self.step,
+            t_start=end - (self.duration or 0.0),
+            t_end=end,
+            end=piles("end"),
+            max=piles("max"),
+            peak=piles("peak"),
+            allocator=allocator,
+            host=schema.Host(rss=self.host_rss or 0),
+        )
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """What one round of queries found."""
+
+    url: str
+    job: str
+    ranks: tuple[RankFigures, ...]
+    taken: float
+    other_jobs: tuple[str, ...] = ()
+
+
+def label_selector(job: str) -> str:
+    """`{job="NAME"}` with the PromQL string escapes."""
+    escaped = job.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'{{{JOB_LABEL}="{escaped}"}}'
+
+
+def choose_job(client: PrometheusClient, job: str | None) -> tuple[str, tuple[str, ...]]:
+    """The job to show and the other memtui jobs seen: `--job`, else the one job reporting now,
+    else the one job seen in the window.
+
+    Raises:
+        PrometheusError: no memtui job, or several and no `--job`.
+    """
+    seen = _jobs(client.query(f"last_over_time({metrics.STEP}[{WINDOW}])"))
+    if job is not None:
+        if job not in seen:
+            known = ", ".join(sorted(seen)) or "none"
+            raise PrometheusError(
+                f"no memtui job {job!r} in Prometheus at {client.url} over the last {WINDOW} "
+                f"(jobs seen: {known})"
+            )
+        return job, tuple(sorted(seen - {job}))
+    if not seen:
+        raise PrometheusError(
+            f"Prometheus at {client.url} holds no memtui metrics over the last {WINDOW} "
+            "(is it scraping the ranks' file_sd targets? see README, Cluster view)"
+        )
+    reporting = _jobs(client.query(metrics.STEP))
+    candidates = reporting if reporting else seen
+    if len(candidates) > 1:
+        names = ", ".join(sorted(candidates))
+        raise PrometheusError(f"several memtui jobs ({names}): choose one with --job NAME")
+    chosen = next(iter(candidates))
+    return chosen, tuple(sorted(seen - {chosen}))
+
+
+def _jobs(samples: list[Sample]) -> set[str]:
+    return {sample.labels[JOB_LABEL] for sample in samples if JOB_LABEL in sample.labels}
+
+
+def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
+    """Every rank of the job (one round of queries).
+
+    Raises:
+        PrometheusError: Prometheus cannot be asked, or holds no such job.
+    """
+    chosen, others = choose_job(client, job)
+    selector = label_selector(chosen)
+    ranks: dict[int, RankFigures] = {}
+
+    def rank_of(sample: Sample) -> RankFigures | None:
+        text = sample.labels.get("rank", "")
+        if not text.isdigit():
+            return None
+        number = int(text)
+        figures = ranks.get(number)
+        if figures is None:
+            figures = ranks[number] = RankFigures(job=chosen, rank=number)
+        figures.host = sample.labels.get("host", figures.host)
+        figures.local_rank = _int(sample.labels.get("local_rank"), figures.local_rank)
+        figures.world_size = _int(sample.labels.get("world_size"), figures.world_size)
+        return figures
+
+    for name in _PER_METRIC:
+        for sample in client.query(f"last_over_time({name}{selector}[{WINDOW}])"):
+            figures = rank_of(sample)
+            if figures is not None:
+                _take(figures, name, sample)
+    for sample in client.query(f"{metrics.STEP}{selector}"):
+        figures = rank_of(sample)
+        if figures is not None:
+            figures.fresh = True
+            figures.sampled_at = sample.time
+    for target in client.targets():
+        labels = target.get("labels")
+        if not isinstance(labels, dict) or labels.get(JOB_LABEL) != chosen:
+            continue
+        figures = ranks.get(int(labels["rank"])) if str(labels.get("rank")).isdigit() else None
+        if figures is None:
+            continue  # a target that never served a step: nothing to show for it yet
+        figures.health = str(target.get("health", "unknown"))
+        figures.last_error = str(target.get("lastError", ""))[:300]
+        figures.last_scrape = str(target.get("lastScrape", ""))
+    ordered = tuple(ranks[number] for number in sorted(ranks))
+    return ClusterSnapshot(client.url, chosen, ordered, time.time(), others)
+
+
+def _take(figures: RankFigures, name: str, sample: Sample) -> None:
+    """One sample into the rank's figures."""
+    value, labels = sample.value, sample.labels
+    if name == metrics.STEP:
+        figures.step = int(value)
+    elif name == metrics.PILE_BYTES:
+        stat, pile = labels.get("stat", ""), labels.get("pile", "")
+        if stat in metrics.STATS and pile in PILES:
+            figures.piles.setdefault(stat, {})[pile] = int(value)
+    elif name == metrics.DEVICE_BYTES:
+        if labels.get("kind") in metrics.DEVICE_KINDS:
+            figures.device[labels["kind"]] = int(value)
+    elif name == metrics.HOST_RSS:
+        figures.host_rss = int(value)
+    elif name == metrics.ALERTS_TOTAL:
+        figures.alerts[labels.get("kind", metrics.OTHER_ALERT_KIND)] = int(value)
+    elif name == metrics.STEP_END_TIME:
+        figures.step_end = value
+    elif name == metrics.STEP_DURATION:
+        figures.duration = value
+    elif name == metrics.AGENT_INFO_SERIES:
+        figures.pid = _int(labels.get("pid"), None)
+
+
+def _int(text: str | None, default: int | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else default
