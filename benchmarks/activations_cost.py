@@ -10,7 +10,8 @@ rest, as a user's run would have them). The ratio is the median over rounds of c
 median / baseline median, printed with its spread (lowest and highest round).
 
 Configurations: none (baseline), floor (the agent's hook set with empty bodies), default
-(`auto`), every, full (`--nan-check full`).
+(`auto`), every, full (`--nan-check full`), and on request metrics (the defaults plus the
+Prometheus endpoint, scraped once a second: `--configs none,default,metrics`).
 """
 
 from __future__ import annotations

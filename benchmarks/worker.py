@@ -41,8 +41,12 @@ MEMTUI_CONFIGS = {
     "every": ("default", "every"),
     "full": ("full", "auto"),
     "off": ("off", "auto"),
+    "metrics": ("default", "auto"),
 }
-"""memtui configurations: (nan_check, activations)."""
+"""memtui configurations: (nan_check, activations). `metrics` is the defaults plus the
+Prometheus endpoint (`metrics_port=0`), scraped once a second by another process (Prometheus
+scrapes every 5-15 s as usually configured: this is the busier case)."""
+SCRAPE_SECONDS = 1.0
 CONFIGS = ["none", "floor", *MEMTUI_CONFIGS, "profiler", "memtracker", "traceml"]
 
 
@@ -177,10 +181,19 @@ def main() -> int:
         # Started before the model exists, as `memtui run` does when the job imports torch.
         nan_check, activations = MEMTUI_CONFIGS[args.config]
         agent = memtui_agent.start(
-            record=args.record, socket=False, nan_check=nan_check, activations=activations
+            record=args.record,
+            socket=False,
+            nan_check=nan_check,
+            activations=activations,
+            metrics_port=0 if args.config == "metrics" else None,
         )
         if agent is None:
             raise SystemExit("memtui agent did not start")
+    scraper = None
+    if args.config == "metrics":
+        if agent.metrics is None:
+            raise SystemExit("the metrics endpoint did not start")
+        scraper = _scraper(agent.metrics.port)
     if args.config == "traceml":
         import traceml_ai
 
@@ -202,12 +215,28 @@ def main() -> int:
             # and it would stretch the whole benchmark, so the process reports and ends here.
             _report(args, times, rss_start, rss_end, samples)
             os._exit(0)
+    if scraper is not None:
+        scraper.kill()
+        scraper.wait()
     if agent is not None:
         import memtui_agent
 
         memtui_agent.stop()
     _report(args, times, rss_start, rss_end, samples)
     return 0
+
+
+def _scraper(port: int) -> Any:
+    """Another process that fetches /metrics every `SCRAPE_SECONDS`, as Prometheus would."""
+    import subprocess
+
+    code = (
+        "import time, urllib.request\n"
+        "while True:\n"
+        f"    urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=5).read()\n"
+        f"    time.sleep({SCRAPE_SECONDS})\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
 def _report(

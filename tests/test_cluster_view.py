@@ -66,7 +66,7 @@ class FakePrometheus:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 (the http.server API)
+            def do_GET(self) -> None:
                 time.sleep(fake.delay)
                 status, body = fake.raw or (200, fake.answer(self.path))
                 self.send_response(status)

@@ -62,7 +62,7 @@ def report(record: Path) -> dict:
 
 
 def test_without_a_port_nothing_is_imported_or_started(tmp_path: Path) -> None:
-    found, stderr, record = run_job(tmp_path, None)
+    found, stderr, _ = run_job(tmp_path, None)
     assert found == {"imported": False, "threads": [], "port": None, "after": ["rank-0.memtui"]}
     assert not stderr
 

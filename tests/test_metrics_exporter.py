@@ -125,7 +125,7 @@ def test_the_job_label() -> None:
     assert job_label(AgentConfig(), ["torchrun", "--nnodes", "2", "train.py"]) == "train"
 
 
-def test_the_target_file_is_file_sd_json_and_replaces_a_planted_link(tmp_path: Path) -> None:
+def test_the_target_file_is_file_sd_json_and_refuses_a_planted_link(tmp_path: Path) -> None:
     folder = tmp_path / "prometheus"
     folder.mkdir()
     victim = tmp_path / "victim"
