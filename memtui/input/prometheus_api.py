@@ -22,6 +22,9 @@ from memtui.errors import UserError
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 TIMEOUT_SECONDS = 5.0
 _CHUNK = 64 * 1024
+_API_ERROR = "error"
+"""The key of the API's error text in a failed answer (a field name of Prometheus', not an
+`ExitStatus`)."""
 
 
 class PrometheusError(UserError):
@@ -172,6 +175,6 @@ def _api_error(body: bytes) -> str:
         document = json.loads(body)
     except ValueError:
         return ""
-    if isinstance(document, dict) and isinstance(document.get("error"), str):
-        return f": {document['error'][:300]}"
+    if isinstance(document, dict) and isinstance(document.get(_API_ERROR), str):
+        return f": {document[_API_ERROR][:300]}"
     return ""
