@@ -32,17 +32,10 @@ from typing import Any
 from memtui.errors import UserError
 from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, read_recording
+from memtui.reports.report import ALLOCATOR_KEYS
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.schema import PILES, Step
 
-ALLOCATOR_COUNTERS = (
-    "allocated",
-    "reserved",
-    "peak_allocated",
-    "process_gpu",
-    "device_used",
-    "device_total",
-)
 MISSING = (
     "memtui export --format tensorboard needs TensorBoard's event writer: "
     "pip install 'memtui[tensorboard]'"
@@ -56,7 +49,7 @@ def step_scalars(step: Step) -> dict[str, float]:
         for pile in PILES:
             scalars[f"piles/{stat}/{pile}"] = getattr(piles, pile)
     scalars["piles/peak_total"] = step.peak.total
-    for counter in ALLOCATOR_COUNTERS:
+    for counter in ALLOCATOR_KEYS:
         value = getattr(step.allocator, counter)
         if value is not None:
             scalars[f"allocator/{counter}"] = value
