@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -253,3 +257,28 @@ def test_the_tui_shows_every_rank_from_prometheus(prometheus: FakePrometheus) ->
             app.exit(0)
 
     asyncio.run(scenario())
+
+
+def test_cluster_and_the_tensorboard_export_never_import_torch(
+    tmp_path: Path, builder: ModuleType
+) -> None:
+    """In a fresh interpreter: the viewer's new commands leave torch (and the agent) alone."""
+    recording = tmp_path / "demo.memtui"
+    recording.write_bytes(builder.encode_recording(builder.demo_messages()))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    code = (
+        "import sys\n"
+        "from memtui.commands.cli import main\n"
+        f"main(['cluster', '--prometheus', 'http://127.0.0.1:{closed}', '--once'])\n"
+        f"main(['export', {str(recording)!r}, '--format', 'tensorboard'])\n"
+        "loaded = [m for m in sys.modules if m == 'torch' or m.startswith(('torch.', "
+        "'memtui_agent'))]\n"
+        "print('LOADED', loaded)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert "LOADED []" in result.stdout, result.stdout + result.stderr
+    assert (tmp_path / "demo.tensorboard" / "demo").is_dir()
