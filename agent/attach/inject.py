@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from memtui_agent.startup import api
 from memtui_protocol import schema
 from memtui_protocol.attach import Action, Answer, AttachRequest, write_reply
+from memtui_protocol.config import DEFAULT_METRICS_ADDR
 
 _pending: Any = None
 """The attach or detach waiting for its moment (one at a time)."""
@@ -238,6 +239,8 @@ class Arming:
             argv=None,
             budget=options.get("budget"),
             nan_check=options.get("nan_check", schema.NanCheck.DEFAULT),
+            metrics_port=_port(options.get("metrics_port")),
+            metrics_addr=str(options.get("metrics_addr") or DEFAULT_METRICS_ADDR),
         )
         if agent is None:
             write_reply(
@@ -341,3 +344,8 @@ class Detaching:
             write_reply(self.reply, Answer.DETACHED, f"detached after {step} recorded steps")
         except Exception as exc:
             write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")
+
+
+def _port(value: Any) -> int | None:
+    """`memtui attach --metrics-port`: a TCP port, or None (no endpoint)."""
+    return value if isinstance(value, int) and 0 <= value <= 65535 else None

@@ -73,6 +73,8 @@ def inject_agent(
     budget: int | None = None,
     nan_check: NanCheck = NanCheck.DEFAULT,
     seconds: float = STARTED_SECONDS,
+    metrics_port: int | None = None,
+    metrics_addr: str | None = None,
 ) -> dict[str, Any]:
     """Inject the agent into `pid` and wait until it records (or, after `seconds`, is armed).
 
@@ -83,8 +85,15 @@ def inject_agent(
     method = check_delivery(target)
     record = recording_path(target, output)
     write_bytecode()  # the job imports the agent while it trains: no compiling in its step
+    metrics = {"metrics_port": metrics_port, "metrics_addr": metrics_addr}
     injection = Injection(
-        target, method, Action.ATTACH, record=str(record), budget=budget, nan_check=nan_check
+        target,
+        method,
+        Action.ATTACH,
+        record=str(record),
+        budget=budget,
+        nan_check=nan_check,
+        **{key: value for key, value in metrics.items() if value is not None},
     )
     try:
         injection.deliver()

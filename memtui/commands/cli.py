@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait for the job's next step, where an injected agent starts",
     )
+    attach.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="an injected agent serves Prometheus metrics on PORT + LOCAL_RANK (as memtui run)",
+    )
+    attach.add_argument(
+        "--metrics-addr", metavar="ADDR", help="the address it binds to (default 127.0.0.1)"
+    )
 
     detach = commands.add_parser(
         "detach", help="stop the agent in a running job and remove its hooks; the job carries on"
@@ -402,10 +411,11 @@ def cmd_attach(args: argparse.Namespace) -> int:
     if (args.headless or args.output) and args.pid is None:
         print("memtui: error: --headless and -o need a PID", file=sys.stderr)
         return EXIT_USAGE
+    metrics = {"metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr}
     if args.headless:
         from memtui.commands.attach_command import attach_headless
 
-        return attach_headless(args.pid, args.output, args.timeout)
+        return attach_headless(args.pid, args.output, args.timeout, **metrics)
     if args.pid is not None and args.socket is None:
         from memtui.commands.attach_command import attach_for_viewer, running_agent
 
@@ -417,7 +427,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return EXIT_USAGE
-            injected = attach_for_viewer(args.pid, args.output, args.timeout)
+            injected = attach_for_viewer(args.pid, args.output, args.timeout, **metrics)
             if isinstance(injected, int):
                 return injected
             return attach(None, injected)
