@@ -18,7 +18,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
-from memtui.model.step_rows import describe_rate
+from memtui.model.step_rows import NOT_KNOWN, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
     AlertsView,
@@ -39,8 +39,8 @@ Row = tuple[str, tuple[Text, ...]]
 """A table row: its key (a real identity, unique in the table) and its cells."""
 
 
-def _size(value: int | None, binary: bool) -> str:
-    return format_bytes(value, binary)
+def _size(value: int | None, binary: bool, missing: str = "n/a") -> str:
+    return format_bytes(value, binary, missing)
 
 
 class FlowPanel(Static, Generic[ViewT]):
@@ -124,7 +124,7 @@ class PilesPanel(FlowPanel[PilesView]):
             extra.append("SKIPPED by GradScaler")
         lines = [plain(line, style="dim") for line in view.distributed_lines]
         if not view.activations_measured:  # its own line: it must not wrap into the others
-            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
+            lines.insert(0, Text(_activations_label(view.activations_from), style="dim"))
         return [Text(" · ".join(extra), style="dim"), *lines]
 
     def render(self) -> Text | Group:
@@ -156,8 +156,11 @@ class PilesPanel(FlowPanel[PilesView]):
         for row in view.rows:
             name = Text("■ ", style=PART_COLOURS[row.name])
             name.append(PART_LABELS[row.name])
-            if row.name is Pile.ACTIVATIONS and not view.activations_measured:
+            if row.name is Pile.ACTIVATIONS and not view.activations_measured and row.known:
                 name.append(" ≈", style="bold")
+            if not row.known:
+                table.add_row(name, Text(NOT_KNOWN, style="bold"), Text(""), Text(""))
+                continue
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
                 continue
@@ -167,15 +170,21 @@ class PilesPanel(FlowPanel[PilesView]):
                 f"{row.share * 100:.1f}%",
                 _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total = sum(row.at_peak or 0 for row in view.rows)
-        table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
+        total: Text | str = _size(sum(row.at_peak or 0 for row in view.rows), view.binary)
+        if not all(row.known for row in view.rows):  # a sum without them is not the total
+            total = Text(NOT_KNOWN, style="bold")
+        table.add_row(Text("total at peak", style="bold"), total, "", "")
         return Group(bar, table, *self.lines)
 
 
-def _carried_label(source: int | None) -> str:
-    """Why the activations row (marked ≈) is not this step's own measurement."""
+def _activations_label(source: int | None) -> str:
+    """Why the activations row is not this step's own measurement: carried (marked ≈), or not
+    known (no figure shown)."""
     if source is None:
-        return "≈ activations not measured"
+        return (
+            f"activations {NOT_KNOWN}: this step was not measured, nor confirmed as a repeat "
+            "of a measured step"
+        )
     return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
@@ -202,6 +211,11 @@ class GapPanel(FlowPanel[GapView]):
         for row in view.rows:
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
+                continue
+            if not row.known:
+                table.add_row(
+                    row.label, Text(NOT_KNOWN, style="bold"), "", Text(row.meaning, style="dim")
+                )
                 continue
             delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
             if row.delta is not None and row.delta < 0:
@@ -296,8 +310,8 @@ class DtypeTable(PanelTable[DtypesView]):
                 (
                     Text("■ ", style=PILE_COLOURS[row.pile]) + Text(PART_LABELS[row.pile]),
                     plain(row.dtype),
-                    Text(_size(row.bytes, view.binary), justify="right"),
-                    Text(str(row.storages), justify="right"),
+                    Text(_size(row.bytes, view.binary, NOT_KNOWN), justify="right"),
+                    Text(str(row.storages) if row.storages is not None else "", justify="right"),
                 ),
             )
 
@@ -309,6 +323,8 @@ class TopActivations(PanelTable[ActivationsView]):
     COLUMNS = ("module", "saved")
 
     def rows_of(self, view: ActivationsView) -> Iterable[Row]:
+        if not view.known:
+            yield "not-known", (Text(f"{NOT_KNOWN} at this step", style="bold"), Text(""))
         for row in view.rows:
             yield row.key, (plain(row.label), Text(_size(row.bytes, view.binary), justify="right"))
 
