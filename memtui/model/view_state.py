@@ -19,6 +19,7 @@ import msgspec
 
 from memtui.model.alloc_rows import AllocRow
 from memtui.model.job_state import Ending, JobState
+from memtui.model.leaks import LeakRow
 from memtui.model.rank_rows import RankRow
 from memtui.model.step_rows import (
     AlertRow,
@@ -93,6 +94,12 @@ class GapView:
     rows: tuple[GapRow, ...]
     binary: bool
     allocator_lines: tuple[str, ...] = ()
+    leaks: tuple[LeakRow, ...] = ()
+    """What each growing holder keeps alive, as of the cursor step: the latest census at or
+    before it, largest first (`LeakBook.as_of`)."""
+    leaks_final: bool = False
+    """The leaks are the job's last count (`End.leaks`): the cursor is on the last step of a
+    job that ended."""
 
 
 @dataclass(frozen=True)
@@ -205,10 +212,21 @@ def piles_view(
     )
 
 
-def gap_view(step: schema.Step | None, live: schema.Piles | None, binary: bool) -> GapView:
-    """The gap panel for the cursor step (or the live piles before the first step closes)."""
+def gap_view(
+    step: schema.Step | None,
+    live: schema.Piles | None,
+    binary: bool,
+    leaks: tuple[LeakRow, ...] = (),
+    leaks_final: bool = False,
+) -> GapView:
+    """The gap panel for the cursor step (or the live piles before the first step closes),
+    with the leaks as of that step."""
     return GapView(
-        gap_rows(step, live if step is None else None), binary, allocator_lines(step, binary)
+        gap_rows(step, live if step is None else None),
+        binary,
+        allocator_lines(step, binary),
+        leaks,
+        leaks_final and bool(leaks),
     )
 
 

@@ -20,6 +20,14 @@ from memtui.model.step_rows import (
     pile_figure,
     pile_of,
 )
+from memtui.reports.leak_report import (
+    census_line,
+    censuses,
+    leak_entries,
+    leak_lines,
+    step_census,
+    step_leaks,
+)
 from memtui.reports.report_format import (
     AgentErrorEntry,
     AlertEntry,
@@ -103,6 +111,8 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
         else msgspec.UNSET,
+        leaks=step_leaks(step),
+        census=step_census(step),
     )
 
 
@@ -192,6 +202,8 @@ def report_of(recording: Recording) -> Report:
         optimizers=optimizer_steps(recording.steps),
         step_rule=step_rule(recording.steps),
         alerts=all_alerts(recording),
+        leaks=leak_entries(recording),
+        censuses=censuses(recording),
         exit=exit_report(recording),
         peaks=peak_phases(recording),
         agent_errors=[
@@ -310,6 +322,8 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     for alert in fatal:
         lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")
     lines.append(headline)
+    leaks = leak_lines(recording, binary)
+    lines.extend(leaks)
     hello = recording.hello
     lines.append(
         f"command: {' '.join(hello.argv)}  (pid {hello.pid}, torch {hello.torch}, "
@@ -323,6 +337,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     measured = activation_line(steps)
     if measured is not None:
         lines.append(measured)
+    census = census_line(recording) if not leaks else None  # with leaks: in their section
+    if census is not None:
+        lines.append(census)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))

@@ -18,6 +18,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
+from memtui.model.leaks import leak_holding
 from memtui.model.step_rows import NOT_KNOWN, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
@@ -192,12 +193,17 @@ class GapPanel(FlowPanel[GapView]):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
     def rows(self, view: GapView | None) -> int:
-        return len(view.rows) if view is not None and view.rows else 1
+        if view is None or not view.rows:
+            return 1
+        return len(view.rows) + (1 + len(view.leaks) if view.leaks else 0)
 
     def free_lines(self, view: GapView | None) -> list[Text]:
         if view is None or not view.rows:
             return []
-        return [plain(line, style="dim") for line in view.allocator_lines]
+        lines = [plain(line, style="dim") for line in view.allocator_lines]
+        if view.leaks:
+            lines.append(Text(_leaks_heading(view), style="bold"))
+        return lines
 
     def render(self) -> Text | Table | Group:
         view = self.view
@@ -226,9 +232,44 @@ class GapPanel(FlowPanel[GapView]):
                 delta,
                 Text(row.meaning, style="dim"),
             )
-        if not view.allocator_lines:
-            return table
-        return Group(table, *self.lines)
+        if not view.leaks:
+            return Group(table, *self.lines) if self.lines else table
+        *allocator, heading = self.lines
+        return Group(table, *allocator, heading, _leaks_table(view))
+
+
+def _leaks_heading(view: GapView) -> str:
+    """Which count the leak rows are: the job's last, or the censuses of the cursor step and
+    those before it."""
+    what = "memory no pile holds, by holder"
+    if view.leaks_final:
+        return f"Leaks at the job's end: {what}"
+    counted = {row.counted_at for row in view.leaks}
+    if len(counted) == 1:
+        return f"Leaks as the census at step {counted.pop()} counted them: {what}"
+    return f"Leaks, each holder's latest census up to this step: {what}"
+
+
+def _leaks_table(view: GapView) -> Table:
+    """One row per growing holder: what it keeps alive, its growth per step, since when."""
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column("holder", ratio=1, min_width=12, no_wrap=True, overflow="ellipsis")
+    table.add_column("held", justify="right", width=11, no_wrap=True)
+    table.add_column("per step", justify="right", width=12, no_wrap=True)
+    table.add_column("since", justify="right", width=10, no_wrap=True)
+    table.add_column("holds", width=16, no_wrap=True, overflow="ellipsis")
+    table.add_row(
+        *(Text(cell, style="dim") for cell in ("holder", "held", "per step", "since", "holds"))
+    )
+    for row in view.leaks:
+        table.add_row(
+            plain(row.holder, style="cyan"),
+            _size(row.bytes, view.binary),
+            "+" + _size(row.per_step, view.binary),
+            f"step {row.first_step}",
+            Text(leak_holding(row), style="dim"),
+        )
+    return table
 
 
 def sync_rows(table: DataTable[Text], rows: Iterable[Row]) -> None:
