@@ -1,5 +1,5 @@
 """The screen, driven by keys through Textual's pilot: leaks in "Where the bytes are" as of the
-cursor step, and a step whose activations are not known.
+cursor step, the leak alert on the alerts panel, and a step whose activations are not known.
 
 The recording is `make_fixture.leaking_messages` (censuses at steps 8, 12 and 20, the End's
 final count) with step 10 made "not known".
@@ -16,6 +16,8 @@ from textual.pilot import Pilot
 from memtui.reports.report import build_report
 from memtui.tui.app import MemtuiApp
 from memtui.tui.widgets import (
+    AlertDetail,
+    AlertsTable,
     DtypeTable,
     GapPanel,
     PilesPanel,
@@ -89,6 +91,40 @@ def test_the_gap_panel_lists_the_leaks_as_of_the_cursor_step(tui: Any, builder: 
         await pilot.pause()
         assert not any("Leaks" in line or "history" in line for line in _lines(tui, gap))
         assert gap.size.height == with_leaks - 4  # the heading, the columns and two holders
+
+    tui.drive(app, body)
+
+
+def test_the_leak_alert_reads_at_both_sizes(tui: Any, builder: ModuleType) -> None:
+    """At 160x48 and 80x24 the leak alerts' step, kind and holder are in the table, and the one
+    under the cursor is under it whole: its figures and its fix."""
+    app = MemtuiApp(tui.source(_messages(builder), live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        for size in ((160, 48), (80, 24)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+            table = app.query_one(AlertsTable)
+            widths = [column.get_render_width(table) for column in table.columns.values()]
+            assert sum(widths[:3]) <= table.size.width, (size, widths, table.size.width)
+            rows = [[str(cell).strip() for cell in table.get_row_at(i)][:3] for i in range(5)]
+            at = rows.index(["12", "leak", builder.GRAPH_HOLDER])
+            assert rows[at + 1] == ["12", "leak", "history"]
+            table.move_cursor(row=at)
+            await pilot.pause()
+            detail = app.query_one(AlertDetail)
+            text = " ".join(tui.plain(detail).split())
+            assert text == (
+                f"step 12 leak: {builder.GRAPH_HOLDER} keeps 256.00 KiB alive in 1 tensor and "
+                f"grows 32.00 KiB per step since step 5: {builder.GRAPH_FIX}"
+            )
+            assert detail.size.height == len(tui.plain(detail).splitlines())  # none cut off
+        table.focus()
+        await pilot.press("down")
+        await pilot.pause()
+        assert "history keeps 40.00 KiB alive in 10 tensors" in " ".join(
+            tui.plain(app.query_one(AlertDetail)).split()
+        )
 
     tui.drive(app, body)
 

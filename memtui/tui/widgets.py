@@ -19,7 +19,7 @@ from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
 from memtui.model.leaks import leak_holding
-from memtui.model.step_rows import NOT_KNOWN, describe_rate
+from memtui.model.step_rows import NOT_KNOWN, AlertRow, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
     AlertsView,
@@ -402,6 +402,32 @@ class AlertsTable(PanelTable[AlertsView]):
     def step_of_row(self, row_key: str) -> int | None:
         """The step of the alert shown in a row, from the view state (never from a cell's text)."""
         return self.view.step_of(row_key) if self.view is not None else None
+
+    def alert_at_cursor(self) -> AlertRow | None:
+        """The alert the row cursor is on: the newest until the user moves it (the cursor stays
+        on its alert as newer ones arrive above it)."""
+        if self.view is None or not 0 <= self.cursor_row < self.row_count:
+            return None
+        key = self.ordered_rows[self.cursor_row].key.value
+        return next((row for row in self.view.rows if row.key == key), None)
+
+
+class AlertDetail(FlowPanel[AlertRow]):
+    """The alert under the alerts table's cursor, whole: the table's last column cuts a long
+    message (a leak's figures and fix, the numbers of an `activations_vary`), here it wraps."""
+
+    def free_lines(self, view: AlertRow | None) -> list[Text]:
+        if view is None:
+            return []
+        line = Text(f"step {view.step} ", style="bold")
+        line.append_text(plain(view.kind, style=alert_style(view.kind)))
+        if view.where and not view.message.startswith(view.where):  # a leak names its holder
+            line.append_text(plain(f" [{view.where}]", style="cyan"))
+        line.append_text(plain(f": {view.message}"))
+        return [line]
+
+    def render(self) -> Text:
+        return self.lines[0] if self.lines else Text("")
 
 
 class NotesLine(FlowPanel[NotesView]):
