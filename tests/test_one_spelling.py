@@ -1,6 +1,6 @@
 """One spelling per concept, enforced: the viewer names piles, alert kinds, NaN checks,
-activation modes and exit statuses by their `memtui_protocol.schema` enums, never by a string
-spelt again by hand.
+activation modes, exit statuses and leak kinds by their `memtui_protocol.schema` enums, never by
+a string spelt again by hand.
 
 Words on screen are free to say "weights" or "killed"; what this forbids is a concept's value
 used where code decides something by it: compared (`kind == "oom"`), used as a key (a colour
@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from memtui.commands.cli import build_parser
-from memtui_protocol.schema import ActivationMode, AlertKind, ExitStatus, NanCheck, Pile
+from memtui_protocol.schema import ActivationMode, AlertKind, ExitStatus, LeakKind, NanCheck, Pile
 
 VIEWER = Path(__file__).resolve().parents[1] / "memtui"
-CONCEPTS = (Pile, AlertKind, NanCheck, ActivationMode, ExitStatus)
+CONCEPTS = (Pile, AlertKind, NanCheck, ActivationMode, ExitStatus, LeakKind)
 SPELLINGS = {member.value: enum.__name__ for enum in CONCEPTS for member in enum}
 KEYWORDS = {"kind", "status", "nan_check", "activations", "pile", "choices", "default"}
 NOT_THE_CONCEPT = {

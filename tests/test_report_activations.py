@@ -33,5 +33,5 @@ def test_the_report_counts_measured_and_carried_steps(builder: ModuleType) -> No
     text = _report([carried(m) for m in messages])
     assert (
         "activations: measured on 4 steps, carried on 19 (each repeats a measured step's "
-        "figures), not measured on 1"
+        "figures), not known on 1 (no activation figures are shown for them)"
     ) in text

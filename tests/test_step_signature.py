@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -18,15 +20,23 @@ CPU = Allocator()
 
 
 def _steps(model: nn.Module, recorder: SignatureRecorder, count: int) -> list[Signature]:
+    """`count` steps, with Python's cyclic collector held off: earlier tests' garbage freed in
+    the middle of one would move the heap (in a job that makes a step "not known", the safe
+    side; here it would test the collector, not the recorder)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     found = []
-    for _ in range(count):
-        optimizer.zero_grad()
-        loss = model(torch.randn(16, 32)).pow(2).mean()
-        recorder.backward()
-        loss.backward()
-        optimizer.step()
-        found.append(recorder.close(CPU))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(count):
+            optimizer.zero_grad()
+            loss = model(torch.randn(16, 32)).pow(2).mean()
+            recorder.backward()
+            loss.backward()
+            optimizer.step()
+            found.append(recorder.close(CPU))
+    finally:
+        gc.enable()
     return found
 
 

@@ -578,7 +578,8 @@ def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
 
 def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> None:
     """A step that carries a measured step's activations says so by the activations row and
-    is drawn lighter in the timeline; a measured step is not marked."""
+    is drawn lighter in the timeline; a step whose activations are not known shows no figure
+    for them; a measured step is not marked."""
 
     def carried(message: schema.Message) -> schema.Message:
         if isinstance(message, schema.Step) and message.step > 12:
@@ -592,7 +593,9 @@ def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> No
 
     async def body(pilot: Pilot[Any]) -> None:
         piles = app.query_one(PilesPanel)
-        assert "≈ activations not measured" in tui.plain(piles)
+        text = tui.plain(piles)
+        assert "activations not known: this step was not measured" in text, text
+        assert "≈" not in text
         await pilot.press("left")
         await pilot.pause()
         text = tui.plain(piles)
@@ -600,12 +603,13 @@ def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> No
         # The panel's height follows its lines (the layout runs only when their count changes).
         carried_height = piles.size.height
         data = app.query_one(PileTimeline).view
-        assert data is not None and data.carried == frozenset(range(13, 25))
+        assert data is not None and data.carried == frozenset(range(13, 24))
+        assert data.unknown == frozenset({24})
         app.session.jump_to_step(13)  # the steps between are alike: skip their redraws
         await pilot.press("left")
         assert cursor_step(app) == 12
         text = tui.plain(piles)
-        assert "≈" not in text and "not measured" not in text
+        assert "≈" not in text and "not measured" not in text and "not known" not in text
         await pilot.pause()
         assert piles.size.height == carried_height - 1
         await pilot.press("right")

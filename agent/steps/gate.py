@@ -281,12 +281,17 @@ class ActivationGate:
         happens again: graphs crossing steps are only counted whole when built armed)."""
         self._crossings += 1
         self.policy.measure_next(FIRST_STEPS)
-        oldest = f", the oldest from step {held.oldest_step}" if held.oldest_step else ""
+        if held.graphs == 1:
+            which = f"a graph built by the model in step {held.oldest_step} still holds its"
+        else:
+            which = (
+                f"{held.graphs} graphs built by the model since step {held.oldest_step} still "
+                "hold their"
+            )
         message = (
-            f"at the close of step {step}, {held.graphs} graph{'s' if held.graphs != 1 else ''} "
-            f"built by the model{oldest} still hold their saved tensors (a loss accumulated "
-            "without torch.no_grad(), an output kept for a later backward): they are counted "
-            "from the live graphs from now on; this step's activations are not known"
+            f"at the close of step {step}, {which} saved tensors (a loss accumulated without "
+            "torch.no_grad(), an output kept for a later backward): they are counted from the "
+            "live graphs from now on; this step's activations are not known"
         )
         cause = "held"
         if self._crossings >= CROSSINGS_FOR_EVERY and self.policy.mode is ActivationMode.AUTO:

@@ -341,11 +341,14 @@ def _outcome(path: Path, code: int | None, stopped: bool = False) -> tuple[str, 
         RecordingError: the recording cannot be read.
     """
     from memtui.model.recording import read_recording
+    from memtui.model.step_rows import NOT_KNOWN
     from memtui.reports.report import pile_peaks
 
     recording = read_recording(path)
     peaks = pile_peaks(recording)
-    piles = ", ".join(f"{pile} {format_bytes(value)}" for pile, value in peaks.items())
+    piles = ", ".join(
+        f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
+    )
     return ending_words(recording.how_it_ended(stopped), path, code), len(recording.steps), piles
 
 

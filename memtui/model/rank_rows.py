@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memtui.model.step_rows import pile_of
+from memtui.model.step_rows import NOT_KNOWN, pile_figure
 from memtui_protocol import schema
 from memtui_protocol.schema import Pile
 
@@ -22,7 +22,8 @@ class RankRow:
     label: str
     step: int | None
     piles: tuple[tuple[Pile, int | None], ...]
-    """Each pile with its high in the rank's latest step (None before the rank's first step)."""
+    """Each pile with its high in the rank's latest step (None before the rank's first step, or
+    where that step does not know it: activations neither measured nor carried)."""
     heaviest: frozenset[Pile]
     state: str
 
@@ -52,9 +53,16 @@ def spread(values: dict[str, int]) -> Spread:
     return Spread(values[heaviest], min(values.values()), heaviest)
 
 
+def _high(step: schema.Step | None, pile: Pile) -> int | None:
+    """`pile`'s high in a rank's latest step; None before its first step or where the step
+    does not know it."""
+    return pile_figure(step, step.max, pile) if step is not None else None
+
+
 def _latest(latest: dict[str, schema.Step | None], pile: Pile) -> dict[str, int]:
-    """Each reporting rank's high of `pile` in its latest step."""
-    return {label: pile_of(step.max, pile) for label, step in latest.items() if step}
+    """Each reporting rank's high of `pile` in its latest step, where that step knows it."""
+    highs = {label: _high(step, pile) for label, step in latest.items()}
+    return {label: high for label, high in highs.items() if high is not None}
 
 
 def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> tuple[RankRow, ...]:
@@ -67,7 +75,7 @@ def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> 
             leaders[pile] = pile_spread.heaviest
     rows = []
     for label, step in latest.items():
-        piles = tuple((pile, pile_of(step.max, pile) if step else None) for pile in Pile)
+        piles = tuple((pile, _high(step, pile)) for pile in Pile)
         leads = frozenset(pile for pile, leader in leaders.items() if leader == label)
         rows.append(
             RankRow(label, step.step if step else None, piles, leads, states.get(label, ""))
@@ -78,11 +86,14 @@ def rank_rows(latest: dict[str, schema.Step | None], states: dict[str, str]) -> 
 def imbalance_line(latest: dict[str, schema.Step | None]) -> str | None:
     """`weights 1.05x (heaviest rank 0), gradients equal, ...`: max/min of each pile across
     ranks (None before two ranks report)."""
+    if sum(step is not None for step in latest.values()) < 2:
+        return None
     parts = []
     for pile in Pile:
         values = _latest(latest, pile)
-        if len(values) < 2:
-            return None
+        if len(values) < 2:  # a pile the latest steps do not know (activations)
+            parts.append(f"{pile} {NOT_KNOWN}")
+            continue
         pile_spread = spread(values)
         if not pile_spread.differs:
             parts.append(f"{pile} equal")

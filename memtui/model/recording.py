@@ -17,6 +17,7 @@ from memtui.input.input_files import InputFileError, open_input
 from memtui.input.recording_file import RecordingError
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
 from memtui.model.job_state import Ending, how_it_ended
+from memtui.model.leaks import MAX_HOLDERS, LeakBook
 from memtui.model.step_rows import module_label
 from memtui_protocol import schema, wire
 from memtui_protocol.runtime_dir import pid_alive
@@ -58,6 +59,8 @@ class Recording:
     warning: str | None = None
     names_dropped: int = 0
     """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
+    leaks: LeakBook = field(default_factory=LeakBook)
+    """The holders the job's censuses named, census by census, and the job's last count."""
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
@@ -82,12 +85,15 @@ def apply(recording: Recording, message: schema.Message) -> None:
 
     Every alert lands in `recording.alerts` as it arrives, wherever the stream carried it (an
     early `AlertNow`, a step, a late device value of an earlier step, the `End`), so the report
-    and the screen cannot disagree about which alerts a job raised.
+    and the screen cannot disagree about which alerts a job raised. Leaks land in
+    `recording.leaks` the same way: each census's, then the `End`'s final count.
     """
     if isinstance(message, schema.Step):
         if message.late:
             _add_late(recording, message.late, message.t_end)
         recording.steps.append(message)
+        if message.leaks or message.census is not None:  # only the steps that took a census
+            recording.leaks.stepped(message)
         if message.alerts:  # most steps have none: the TUI folds thousands a second
             recording.alerts.extend(
                 StepAlert.of(message.step, alert, message.t_end) for alert in message.alerts
@@ -107,6 +113,7 @@ def apply(recording: Recording, message: schema.Message) -> None:
     elif isinstance(message, schema.End):
         _add_late(recording, message.late, message.time)
         recording.end = message
+        recording.leaks.ended(message)
         recording.alerts.extend(
             StepAlert.of(message.step, alert, message.time, final=True) for alert in message.alerts
         )
@@ -159,8 +166,13 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
             raise RecordingError(f"{path}: empty file, not a recording")
         raise RecordingError(f"{path}: truncated before its header was complete")
     recording = folded[0]
-    recording.warning = warning
-    if recording.names_dropped:
-        dropped = f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
-        recording.warning = f"{recording.warning}; {dropped}" if recording.warning else dropped
+    dropped = [
+        f"{recording.names_dropped} module names beyond {schema.MAX_NAMES} not kept"
+        if recording.names_dropped
+        else None,
+        f"{recording.leaks.holders_dropped} leak entries beyond {MAX_HOLDERS} holders not kept"
+        if recording.leaks.holders_dropped
+        else None,
+    ]
+    recording.warning = "; ".join(text for text in (warning, *dropped) if text) or None
     return recording

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
+from memtui.model.leaks import LeakRow
 from memtui.model.recording import Recording, apply
 from memtui.model.step_rows import AlertRow, folded_alerts
 from memtui.model.view_state import (
@@ -271,7 +272,7 @@ class Session:
             header=self._header(step),
             notes=NotesView(self._notes(extra_notes)),
             piles=piles_view(step, live, self.binary, self._step_owner(step)),
-            gap=gap_view(step, live, self.binary),
+            gap=gap_view(step, live, self.binary, *self._leaks(step)),
             timeline=timeline_view(
                 self._timeline_window(timeline_width),
                 frozenset(alert.step for alert in self.alerts),
@@ -318,6 +319,15 @@ class Session:
         if len(self.optimizer_names) > 1 and step.optimizer is not None:
             return f"{step.optimizer} step {step.optimizer_step}"
         return None
+
+    def _leaks(self, step: schema.Step | None) -> tuple[tuple[LeakRow, ...], bool]:
+        """The leaks as of the cursor step (the latest census at or before it) and whether they
+        are the job's last count: on the last step of a job that ended, the `End`'s."""
+        if self.recording is None:
+            return (), False
+        final = self.end is not None and (step is None or self.cursor == len(self.steps) - 1)
+        number = step.step if step is not None else 0
+        return self.recording.leaks.as_of(number, final), final
 
     def _alloc_rows(self, step: schema.Step | None) -> tuple[AllocRow, ...]:
         """The cursor step's allocator events; on the newest step also the step that never

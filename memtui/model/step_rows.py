@@ -42,6 +42,10 @@ BarPart = Pile | Untracked
 """One segment of the piles bar (and one row under it)."""
 
 
+NOT_KNOWN = "not known"
+"""What the screen and the reports say in place of a figure the step does not know."""
+
+
 @dataclass(frozen=True)
 class PileRow:
     """One part of the bar: bytes at the step's peak, share of the bar, highest in the step."""
@@ -50,6 +54,9 @@ class PileRow:
     at_peak: int | None
     share: float
     step_max: int | None
+    known: bool = True
+    """False: the step cannot state this part (its activations are not known, so neither is
+    the allocator's rest); `at_peak` and `step_max` are None, and no share is drawn."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,9 @@ class GapRow:
     delta: int | None
     meaning: str
     applicable: bool = True
+    known: bool = True
+    """False: the level exists but this step cannot state it (the tracked piles of a step whose
+    activations are not known)."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +89,13 @@ class AlertRow:
 
 @dataclass(frozen=True)
 class DtypeRow:
-    """Bytes and unique storages of one dtype within one pile, at the cursor step."""
+    """Bytes and unique storages of one dtype within one pile, at the cursor step; a pile the
+    step does not know is one row with neither (and no dtype)."""
 
     pile: Pile
     dtype: str
-    bytes: int
-    storages: int
+    bytes: int | None
+    storages: int | None
 
     @property
     def key(self) -> str:
@@ -104,13 +115,36 @@ class ModuleRow:
     """`module-<id>`: the row's identity in the table, whatever the label says."""
 
 
+def activations_known(step: schema.Step) -> bool:
+    """Whether the step states its activations: measured, or carried from a measured step it
+    provably repeats. Otherwise (`activations_measured` false, `activations_from` null) they
+    are not known: the frame holds what was seen, part of them, never the step's figure, so
+    no reader shows it as one (the bar, the chart, the tables, the reports, the CSV)."""
+    return step.activations_measured or step.activations_from is not None
+
+
+def pile_figure(step: schema.Step, piles: schema.Piles, pile: Pile) -> int | None:
+    """One pile of one of the step's compositions (`end`, `max`, `peak`); None for the
+    activations of a step that does not know them."""
+    if pile is Pile.ACTIVATIONS and not activations_known(step):
+        return None
+    return pile_of(piles, pile)
+
+
+def known_total(step: schema.Step, piles: schema.Piles) -> int | None:
+    """The piles' total in one of the step's compositions; None when its activations are not
+    known (a total without them is not the step's total)."""
+    return piles.total if activations_known(step) else None
+
+
 def module_rows(step: schema.Step | None, names: dict[int, str]) -> tuple[ModuleRow, ...]:
-    """The cursor step's top activations, each keyed by its module id.
+    """The cursor step's top activations, each keyed by its module id (none for a step whose
+    activations are not known: its list is partial).
 
     The agent lists a module once per step; should a damaged or hostile recording list one
     twice, the repeat gets a key of its own (`module-7-2`) rather than taking the table down.
     """
-    if step is None:
+    if step is None or not activations_known(step):
         return ()
     seen: Counter[int] = Counter()
     rows = []
@@ -173,7 +207,8 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
         return ()
     other = None
     wrapped = step.distributed if step is not None else None
-    if step is not None and step.allocator.peak_allocated is not None:
+    known = step is None or activations_known(step)
+    if step is not None and step.allocator.peak_allocated is not None and known:
         untracked = wrapped.untracked() if wrapped is not None else 0
         other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
     values: dict[BarPart, int | None] = dict(pile_values(piles))
@@ -185,9 +220,22 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     for part, value in wrapper_parts(wrapped):
         values[part] = step_max[part] = value
     values[Untracked.OTHER] = other
+    unknown: set[BarPart] = set()
+    if not known:  # the activations, and on a GPU the allocator's rest beside them
+        unknown = {Pile.ACTIVATIONS}
+        if step is not None and step.allocator.peak_allocated is not None:
+            unknown.add(Untracked.OTHER)
+        for unknown_part in unknown:
+            values[unknown_part] = step_max[unknown_part] = None
     total = sum(value for value in values.values() if value)
     return tuple(
-        PileRow(name, value, (value / total) if value and total else 0.0, step_max.get(name))
+        PileRow(
+            name,
+            value,
+            (value / total) if value and total else 0.0,
+            step_max.get(name),
+            known=name not in unknown,
+        )
         for name, value in values.items()
     )
 
@@ -248,10 +296,17 @@ def distributed_notes(step: schema.Step | None, binary: bool = True) -> tuple[st
 def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[GapRow, ...]:
     """Tracked -> allocated -> reserved -> process -> device used -> device total (GPU), or
     tracked -> process RSS -> system used -> system total (CPU), each difference named."""
-    tracked = step.end.total if step is not None else (live.total if live is not None else None)
-    if tracked is None:
+    if step is not None:
+        tracked = known_total(step, step.end)
+    elif live is not None:
+        tracked = live.total
+    else:
         return ()
-    rows = [GapRow("tracked at step end", tracked, None, "the four piles when the step closed")]
+    if step is None or tracked is not None:
+        rows = [GapRow("tracked at step end", tracked, None, "the four piles when the step closed")]
+    else:
+        meaning = f"this step's activations are {NOT_KNOWN}"
+        rows = [GapRow("tracked at step end", None, None, meaning, known=False)]
     allocator = step.allocator if step is not None else schema.Allocator()
     gpu = allocator.allocated is not None
     levels: list[tuple[str, str, int | None]] = [
@@ -317,6 +372,9 @@ def dtype_rows(step: schema.Step | None) -> tuple[DtypeRow, ...]:
         return ()
     rows = []
     for pile in Pile:
+        if pile_figure(step, step.max, pile) is None:
+            rows.append(DtypeRow(pile, "", None, None))
+            continue
         stats = step.dtypes.get(pile.value, {})
         for dtype, stat in sorted(stats.items(), key=lambda item: -item[1].bytes):
             rows.append(DtypeRow(pile, dtype, stat.bytes, stat.count))

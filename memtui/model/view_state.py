@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from memtui.model.alloc_rows import AllocRow
 from memtui.model.job_state import Ending, JobState
+from memtui.model.leaks import LeakRow
 from memtui.model.rank_rows import RankRow
 from memtui.model.step_rows import (
     AlertRow,
@@ -24,6 +27,7 @@ from memtui.model.step_rows import (
     GapRow,
     ModuleRow,
     PileRow,
+    activations_known,
     allocator_lines,
     distributed_notes,
     dtype_rows,
@@ -77,6 +81,9 @@ class PilesView:
     """The step's activations were measured (hooks armed); else carried or not known."""
     activations_from: int | None = None
     """The measured step whose activation figures this step carries."""
+    activations_known: bool = True
+    """Measured or carried: False, the rows say "not known" instead of the frame's partial
+    figures."""
     distributed_lines: tuple[str, ...] = ()
 
 
@@ -87,6 +94,12 @@ class GapView:
     rows: tuple[GapRow, ...]
     binary: bool
     allocator_lines: tuple[str, ...] = ()
+    leaks: tuple[LeakRow, ...] = ()
+    """What each growing holder keeps alive, as of the cursor step: the latest census at or
+    before it, largest first (`LeakBook.as_of`)."""
+    leaks_final: bool = False
+    """The leaks are the job's last count (`End.leaks`): the cursor is on the last step of a
+    job that ended."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,9 @@ class TimelineView:
     """Allocator levels per step (GPU jobs); empty or None where there is no allocator."""
     carried: frozenset[int] = frozenset()
     """Steps in the window whose activations were carried from a measured step."""
+    unknown: frozenset[int] = frozenset()
+    """Steps in the window whose activations are not known: `piles` holds them at zero (the
+    frame's figure is partial) and the chart marks them instead."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +135,8 @@ class AlertsView:
 
 @dataclass(frozen=True)
 class DtypesView:
-    """Pile x dtype at the cursor step."""
+    """Pile x dtype at the cursor step (one "not known" row for activations the step does not
+    know)."""
 
     rows: tuple[DtypeRow, ...]
     binary: bool
@@ -131,6 +148,8 @@ class ActivationsView:
 
     rows: tuple[ModuleRow, ...]
     binary: bool
+    known: bool = True
+    """False: the step's activations are not known, so no module's share of them is (no rows)."""
 
 
 @dataclass(frozen=True)
@@ -188,14 +207,26 @@ def piles_view(
         microbatches=step.microbatches,
         activations_measured=step.activations_measured,
         activations_from=step.activations_from,
+        activations_known=activations_known(step),
         distributed_lines=distributed_notes(step, binary),
     )
 
 
-def gap_view(step: schema.Step | None, live: schema.Piles | None, binary: bool) -> GapView:
-    """The gap panel for the cursor step (or the live piles before the first step closes)."""
+def gap_view(
+    step: schema.Step | None,
+    live: schema.Piles | None,
+    binary: bool,
+    leaks: tuple[LeakRow, ...] = (),
+    leaks_final: bool = False,
+) -> GapView:
+    """The gap panel for the cursor step (or the live piles before the first step closes),
+    with the leaks as of that step."""
     return GapView(
-        gap_rows(step, live if step is None else None), binary, allocator_lines(step, binary)
+        gap_rows(step, live if step is None else None),
+        binary,
+        allocator_lines(step, binary),
+        leaks,
+        leaks_final and bool(leaks),
     )
 
 
@@ -205,14 +236,27 @@ def timeline_view(
     """The chart's slice of a window of steps (the Session cuts it around the cursor)."""
     return TimelineView(
         steps=tuple(step.step for step in window),
-        piles=tuple(step.peak for step in window),
+        piles=tuple(_chart_piles(step) for step in window),
         alerts=alert_steps,
         cursor_step=cursor,
         binary=binary,
         allocated=tuple(step.allocator.allocated for step in window),
         reserved=tuple(step.allocator.reserved for step in window),
-        carried=frozenset(step.step for step in window if not step.activations_measured),
+        carried=frozenset(
+            step.step
+            for step in window
+            if not step.activations_measured and step.activations_from is not None
+        ),
+        unknown=frozenset(step.step for step in window if not activations_known(step)),
     )
+
+
+def _chart_piles(step: schema.Step) -> schema.Piles:
+    """The step's peak composition as the chart stacks it: without the activations of a step
+    that does not know them."""
+    if activations_known(step):
+        return step.peak
+    return msgspec.structs.replace(step.peak, activations=0)
 
 
 def dtypes_view(step: schema.Step | None, binary: bool) -> DtypesView:
@@ -224,4 +268,5 @@ def activations_view(
     step: schema.Step | None, names: dict[int, str], binary: bool
 ) -> ActivationsView:
     """The top-activations table for the cursor step, each row keyed by its module id."""
-    return ActivationsView(module_rows(step, names), binary)
+    known = step is None or activations_known(step)
+    return ActivationsView(module_rows(step, names), binary, known)

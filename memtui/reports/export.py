@@ -19,9 +19,9 @@ from typing import Any
 from memtui.errors import UserError
 from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, StepAlert, read_recording
-from memtui.model.step_rows import pile_of
+from memtui.model.step_rows import activations_known, known_total, pile_figure
 from memtui.terminal_text import terminal_safe
-from memtui_protocol.schema import Pile, Step
+from memtui_protocol.schema import Pile, Piles, Step
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
 """Each format and the suffix of its default output file."""
@@ -44,7 +44,12 @@ CSV_COLUMNS = (
     "reserved",
     "peak_allocated",
     "rss",
+    "activations_measured",
+    "activations_from",
 )
+"""A step whose activations are not known (neither measured nor carried: `activations_measured`
+0 and `activations_from` empty) leaves its activation cells and `peak_total` empty: its frame's
+figures for them are partial."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -74,6 +79,14 @@ def _counter(recording: Recording, step: Step, name: str, args: dict[str, Any]) 
     return {"name": name, "ph": "C", "ts": ts, "pid": recording.hello.pid, "args": args}
 
 
+def _known_piles(step: Step, piles: Piles) -> dict[str, int]:
+    """A counter's args: the piles the step states (no activations where they are not known,
+    so the trace draws no partial figure for them)."""
+    return {
+        pile.value: value for pile in Pile if (value := pile_figure(step, piles, pile)) is not None
+    }
+
+
 def chrome_trace(recording: Recording) -> dict[str, Any]:
     """The Trace Event Format document.
 
@@ -100,11 +113,12 @@ def chrome_trace(recording: Recording) -> dict[str, Any]:
                     "skipped": step.skipped,
                     "microbatches": step.microbatches,
                     "loss": _finite(step.loss),
+                    "activations_known": activations_known(step),
                 },
             }
         )
-        events.append(_counter(recording, step, "piles", step.end.as_dict()))
-        events.append(_counter(recording, step, "peak piles", step.peak.as_dict()))
+        events.append(_counter(recording, step, "piles", _known_piles(step, step.end)))
+        events.append(_counter(recording, step, "peak piles", _known_piles(step, step.peak)))
         for key in ("allocated", "reserved"):
             value = getattr(step.allocator, key)
             if value is not None:
@@ -138,14 +152,16 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "skipped": int(step.skipped),
             "microbatches": step.microbatches,
             "loss": step.loss,
-            "peak_total": step.peak.total,
+            "peak_total": known_total(step, step.peak),
             "allocated": step.allocator.allocated,
             "reserved": step.allocator.reserved,
             "peak_allocated": step.allocator.peak_allocated,
             "rss": step.host.rss,
+            "activations_measured": int(step.activations_measured),
+            "activations_from": step.activations_from,
         }
         for prefix, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
-            row.update({f"{prefix}_{pile}": pile_of(piles, pile) for pile in Pile})
+            row.update({f"{prefix}_{pile}": pile_figure(step, piles, pile) for pile in Pile})
         rows.append(row)
     return rows
 

@@ -15,7 +15,7 @@ from typing import Any
 from memtui.input.recording_file import RecordingError
 from memtui.model.rank_rows import spread
 from memtui.model.recording import Recording, read_recording
-from memtui.model.step_rows import distributed_notes
+from memtui.model.step_rows import NOT_KNOWN, distributed_notes
 from memtui.reports.report import build_report, pile_peaks
 from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
@@ -66,18 +66,21 @@ def read_session(folder: Path) -> tuple[dict[str, Recording], list[str]]:
 
 
 def imbalance(recordings: dict[str, Recording]) -> dict[Pile, dict[str, Any]]:
-    """Per pile: the highest value on each rank, max/min across ranks, and the heaviest rank."""
+    """Per pile: the highest value on each rank (null where the rank does not know it), max/min
+    across the ranks that do, and the heaviest rank."""
     peaks = {label: pile_peaks(recording) for label, recording in recordings.items()}
-    result = {}
+    result: dict[Pile, dict[str, Any]] = {}
     for pile in Pile:
-        values = {label: peaks[label][pile] for label in peaks}
-        pile_spread = spread(values)
+        per_rank = {label: peaks[label][pile] for label in peaks}
+        known = {label: value for label, value in per_rank.items() if value is not None}
+        # A pile no rank knows (activations under `--activations off`) has no spread: nulls.
+        pile_spread = spread(known) if known else None
         result[pile] = {
-            "per_rank": values,
-            "max": pile_spread.high,
-            "min": pile_spread.low,
-            "ratio": pile_spread.ratio,
-            "heaviest_rank": pile_spread.heaviest,
+            "per_rank": per_rank,
+            "max": pile_spread.high if pile_spread else None,
+            "min": pile_spread.low if pile_spread else None,
+            "ratio": pile_spread.ratio if pile_spread else None,
+            "heaviest_rank": pile_spread.heaviest if pile_spread else None,
         }
     return result
 
@@ -101,11 +104,14 @@ def render_session_text(recordings: dict[str, Recording], binary: bool = True) -
         ending = recording.how_it_ended()
         lines.append(
             f"{label:<8}{len(recording.steps):>7}  "
-            + "".join(f"{size(peaks[p]):>17}" for p in Pile)
+            + "".join(f"{size(peaks[p], missing=NOT_KNOWN):>17}" for p in Pile)
             + f"  {ending}"
         )
     lines.append("imbalance (max/min across ranks):")
     for pile, entry in imbalance(recordings).items():
+        if entry["max"] is None:
+            lines.append(f"  {pile:<16} {NOT_KNOWN} on every rank")
+            continue
         ratio = f"{entry['ratio']:.2f}x" if entry["ratio"] is not None else "n/a"
         if entry["max"] == entry["min"]:
             lines.append(f"  {pile:<16} {ratio:>8}  equal ({size(entry['max'])})")

@@ -12,7 +12,22 @@ import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.recording import Recording, StepAlert
-from memtui.model.step_rows import distributed_notes, pile_of
+from memtui.model.step_rows import (
+    NOT_KNOWN,
+    activations_known,
+    distributed_notes,
+    known_total,
+    pile_figure,
+    pile_of,
+)
+from memtui.reports.leak_report import (
+    census_line,
+    censuses,
+    leak_entries,
+    leak_lines,
+    step_census,
+    step_leaks,
+)
 from memtui.reports.report_format import (
     AgentErrorEntry,
     AlertEntry,
@@ -96,6 +111,8 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
         else msgspec.UNSET,
+        leaks=step_leaks(step),
+        census=step_census(step),
     )
 
 
@@ -185,6 +202,8 @@ def report_of(recording: Recording) -> Report:
         optimizers=optimizer_steps(recording.steps),
         step_rule=step_rule(recording.steps),
         alerts=all_alerts(recording),
+        leaks=leak_entries(recording),
+        censuses=censuses(recording),
         exit=exit_report(recording),
         peaks=peak_phases(recording),
         agent_errors=[
@@ -228,14 +247,22 @@ def step_rule(steps: list[Step]) -> str | None:
 
 def peak_phases(recording: Recording) -> PeakPhases:
     """The first update's peak kept apart from the steady state's (warm-up hides one-time
-    allocations such as the optimizer's moments, the seeds warn)."""
+    allocations such as the optimizer's moments, the seeds warn). Steps whose activations are
+    not known have no total to compare: a phase of only those has no peak (None)."""
     steps = recording.steps
     if not steps:
         return PeakPhases(first_step=None, steady=None)
     if attached_late(recording):  # `memtui attach` into a running job: its first update is past
-        return PeakPhases(first_step=None, steady=max(step.peak.total for step in steps))
-    later = [step.peak.total for step in steps[1:]]
-    return PeakPhases(first_step=steps[0].peak.total, steady=max(later) if later else None)
+        return PeakPhases(first_step=None, steady=_highest_total(steps))
+    return PeakPhases(
+        first_step=known_total(steps[0], steps[0].peak), steady=_highest_total(steps[1:])
+    )
+
+
+def _highest_total(steps: list[Step]) -> int | None:
+    """The highest peak total among the steps that know theirs."""
+    totals = [total for step in steps if (total := known_total(step, step.peak)) is not None]
+    return max(totals, default=None)
 
 
 def attached_late(recording: Recording) -> bool:
@@ -247,25 +274,33 @@ def attached_late(recording: Recording) -> bool:
     return AlertKind.ATTACHED in kinds and AlertKind.FIRST_STEP_FORECAST not in kinds
 
 
-def pile_peaks(recording: Recording) -> dict[Pile, int]:
-    """Each pile's highest value over the whole run."""
-    return {
-        pile: max((pile_of(step.max, pile) for step in recording.steps), default=0) for pile in Pile
-    }
+def pile_peaks(recording: Recording) -> dict[Pile, int | None]:
+    """Each pile's highest value over the whole run, over the steps that know it: the
+    activations of a step that does not know them are left out, and are None when no step
+    knows them (`--activations off`)."""
+    peaks: dict[Pile, int | None] = {}
+    for pile in Pile:
+        highs = [
+            high
+            for step in recording.steps
+            if (high := pile_figure(step, step.max, pile)) is not None
+        ]
+        peaks[pile] = max(highs, default=0 if not recording.steps else None)
+    return peaks
 
 
 def activation_line(steps: list[Step]) -> str | None:
     """How many steps' activations were measured, carried from a measured step, or not known
     (`--activations auto` measures the steps that can differ); None when every step was."""
     carried = sum(1 for s in steps if not s.activations_measured and s.activations_from is not None)
-    unknown = sum(1 for s in steps if not s.activations_measured and s.activations_from is None)
+    unknown = sum(1 for s in steps if not activations_known(s))
     if not carried and not unknown:
         return None
     line = f"activations: measured on {len(steps) - carried - unknown} steps"
     if carried:
         line += f", carried on {carried} (each repeats a measured step's figures)"
     if unknown:
-        line += f", not measured on {unknown}"
+        line += f", {NOT_KNOWN} on {unknown} (no activation figures are shown for them)"
     return line
 
 
@@ -287,6 +322,8 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     for alert in fatal:
         lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")
     lines.append(headline)
+    leaks = leak_lines(recording, binary)
+    lines.extend(leaks)
     hello = recording.hello
     lines.append(
         f"command: {' '.join(hello.argv)}  (pid {hello.pid}, torch {hello.torch}, "
@@ -300,6 +337,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     measured = activation_line(steps)
     if measured is not None:
         lines.append(measured)
+    census = census_line(recording) if not leaks else None  # with leaks: in their section
+    if census is not None:
+        lines.append(census)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))
@@ -308,20 +348,39 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append(f"  ({rule})")
     if steps:
         peaks = pile_peaks(recording)
-        top = max(steps, key=lambda step: step.peak.total)
-        lines.append(f"peak tracked total: {size(top.peak.total)} at step {top.step}")
-        phases = peak_phases(recording)
-        steady = phases.steady
-        if phases.first_step is None:
-            lines.append(f"peak after the attach: {size(steady)} (the first update was earlier)")
+        known = [step for step in steps if activations_known(step)]
+        top = max(known, key=lambda step: step.peak.total) if known else None
+        if top is None:
+            lines.append(f"peak tracked total: {NOT_KNOWN} (no step's activations are known)")
         else:
             lines.append(
-                f"first update peak: {size(phases.first_step)}; steady-state peak (steps 2+): "
-                + (size(steady) if steady is not None else "n/a (one step)")
+                f"peak tracked total: {size(top.peak.total)} at step {top.step}"
+                + (" (of the steps whose activations are known)" if len(known) < len(steps) else "")
+            )
+        phases = peak_phases(recording)
+        steady = phases.steady
+        if attached_late(recording):
+            lines.append(
+                f"peak after the attach: {size(steady, missing=NOT_KNOWN)} "
+                "(the first update was earlier)"
+            )
+        else:
+            lines.append(
+                f"first update peak: {size(phases.first_step, missing=NOT_KNOWN)}; "
+                "steady-state peak (steps 2+): "
+                + (
+                    size(steady)
+                    if steady is not None
+                    else "n/a (one step)"
+                    if len(steps) < 2
+                    else NOT_KNOWN
+                )
             )
         lines.append("pile              highest in run   at peak")
         for pile in Pile:
-            lines.append(f"  {pile:<16}{size(peaks[pile]):>14}{size(pile_of(top.peak, pile)):>12}")
+            at_peak = size(pile_of(top.peak, pile)) if top is not None else NOT_KNOWN
+            highest = size(peaks[pile], missing=NOT_KNOWN)
+            lines.append(f"  {pile:<16}{highest:>14}{at_peak:>12}")
         last = steps[-1]
         lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")

@@ -14,6 +14,8 @@ from typing import Any
 
 import msgspec
 
+from memtui.model.leaks import CensusTally
+
 REPORT_FORMAT = "memtui-report"
 REPORT_VERSION = 1
 """Bumped only when a key of the contract changes meaning or goes away; new keys do not."""
@@ -79,6 +81,26 @@ class ModuleEntry(msgspec.Struct):
     bytes: int
 
 
+class LeakEntry(msgspec.Struct):
+    """What one holder keeps alive (DESIGN.md, "Leaks"). `kind` is a `LeakKind` value (or a
+    newer agent's kind, kept as written)."""
+
+    holder: str
+    kind: str
+    bytes: int
+    tensors: int
+    per_step: int
+    first_step: int
+
+
+class CensusEntry(msgspec.Struct):
+    """The census of live tensors a step's close ran: its cost (part of the step's time)."""
+
+    seconds: float
+    objects: int
+    complete: bool
+
+
 class StepEntry(msgspec.Struct):
     """One closed step (see "What a step is" in the document)."""
 
@@ -104,6 +126,10 @@ class StepEntry(msgspec.Struct):
     distributed: dict[str, Any] | None
     alerts: list[AlertEntry]
     alloc_events: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
+    leaks: list[LeakEntry] | msgspec.UnsetType = msgspec.UNSET
+    """Only on a step whose close took a census that named growing holders."""
+    census: CensusEntry | msgspec.UnsetType = msgspec.UNSET
+    """Only on a step whose close took a census."""
 
 
 class JobEntry(msgspec.Struct):
@@ -155,6 +181,10 @@ class Report(msgspec.Struct, kw_only=True):
     optimizers: dict[str, int]
     step_rule: str | None
     alerts: list[RunAlert]
+    leaks: list[LeakEntry]
+    censuses: CensusTally | None
+    """Every census of the run (how many, their time in all and the longest, the most objects
+    one visited, how many their bound stopped); None when none ran."""
     exit: ExitEntry
     peaks: PeakPhases
     agent_errors: list[AgentErrorEntry]

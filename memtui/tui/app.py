@@ -28,6 +28,7 @@ from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline
 from memtui.tui.widgets import (
+    AlertDetail,
     AlertsTable,
     DtypeTable,
     GapPanel,
@@ -137,6 +138,7 @@ class MemtuiApp(App[int]):
             with Horizontal(id="bottom-row"):
                 with Vertical(id="alerts-box", classes="box"):
                     yield AlertsTable(id="alerts")
+                    yield AlertDetail(id="alert-detail")
                 with Vertical(id="dtypes-box", classes="box"):
                     yield DtypeTable(id="dtypes")
                 with Vertical(id="activations-box", classes="box"):
@@ -246,6 +248,7 @@ class MemtuiApp(App[int]):
         self.query_one(GapPanel).view = view.gap
         self.query_one(PileTimeline).view = view.timeline
         self.query_one(AlertsTable).view = view.alerts
+        self._show_alert_detail()
         self.query_one(DtypeTable).view = view.dtypes
         self.query_one(TopActivations).view = view.activations
         if view.ranks.rows:
@@ -298,6 +301,13 @@ class MemtuiApp(App[int]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
+
+    @on(DataTable.RowHighlighted, "#alerts")
+    def _show_alert_detail(self) -> None:
+        """The alert under the table's cursor, whole, under the table (none: no line)."""
+        detail = self.query_one(AlertDetail)
+        detail.view = self.query_one(AlertsTable).alert_at_cursor()
+        detail.display = detail.view is not None
 
     @on(DataTable.RowSelected, "#alerts")
     def _alert_selected(self, event: DataTable.RowSelected) -> None:

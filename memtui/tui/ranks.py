@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from rich.text import Text
 
+from memtui.model.step_rows import NOT_KNOWN
 from memtui.model.view_state import RanksView
 from memtui.terminal_text import plain, terminal_safe
 from memtui.tui.palette import COLUMN_LABELS
@@ -35,7 +36,7 @@ class RanksTable(PanelTable[RanksView]):
                 Text(str(row.step or "-"), justify="right"),
             ]
             for pile, value in row.piles:
-                shown = format_bytes(value, view.binary) if value is not None else "-"
+                shown = format_bytes(value, view.binary, "-" if row.step is None else NOT_KNOWN)
                 style = HEAVIEST_STYLE if pile in row.heaviest else ""
                 cells.append(Text(shown, style=style, justify="right"))
             cells.append(plain(row.state, style="dim"))

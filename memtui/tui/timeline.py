@@ -33,6 +33,8 @@ LEVEL_COLOUR = "#e6edf3"
 MIN_WIDTH = 15
 MAX_REPEAT = 8
 MIN_HEIGHT = 3
+UNKNOWN_MARK = "?"
+"""Drawn above a step whose activations are not known, where they would stack."""
 _NICE = (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)
 
 Cell = tuple[str, str | None, str | None]
@@ -60,7 +62,7 @@ def nice_scale(value: float, binary: bool = True) -> float:
 
 
 def column_cells(
-    piles: schema.Piles, scale: float, height: int, carried: bool = False
+    piles: schema.Piles, scale: float, height: int, carried: bool = False, unknown: bool = False
 ) -> list[Cell]:
     """The cells of one column, top to bottom, as (character, fg colour, bg colour).
 
@@ -70,6 +72,8 @@ def column_cells(
     background, so each pile stays visible at 1/8 resolution. A third pile inside the same cell
     cannot be drawn and is skipped. Empty space has no colours (widget background).
     `carried`: the step's activations were carried, not measured: drawn in a lighter green.
+    `unknown`: the step's activations are not known: `piles` holds none, and a `?` in their
+    colour sits on top of the other piles instead of a partial figure.
     """
     eighths = height * 8
     stack = pile_values(piles)
@@ -100,6 +104,14 @@ def column_cells(
             cells.append((BLOCKS[8], colour(lower), None))
         else:
             cells.append((BLOCKS[filled], colour(lower), colour(owners[filled])))
+    if unknown:
+        top = next((row for row, cell in enumerate(cells) if cell[0] != " "), height)
+        mark = max(0, top - 1)
+        cells[mark] = (
+            UNKNOWN_MARK,
+            PILE_COLOURS[Pile.ACTIVATIONS],
+            cells[mark][2] if top == 0 else None,
+        )
     return cells
 
 
@@ -192,7 +204,10 @@ def render_lines(
     repeat = max(1, min(max_repeat, (width - AXIS_WIDTH) // len(piles)))
     columns = [
         _with_levels(
-            column_cells(p, scale, plot_height, step in data.carried), lv, scale, plot_height
+            column_cells(p, scale, plot_height, step in data.carried, step in data.unknown),
+            lv,
+            scale,
+            plot_height,
         )
         for p, lv, step in zip(piles, levels, steps, strict=True)
         for _ in range(repeat)

@@ -18,7 +18,8 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
-from memtui.model.step_rows import describe_rate
+from memtui.model.leaks import leak_holding
+from memtui.model.step_rows import NOT_KNOWN, AlertRow, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
     AlertsView,
@@ -39,8 +40,8 @@ Row = tuple[str, tuple[Text, ...]]
 """A table row: its key (a real identity, unique in the table) and its cells."""
 
 
-def _size(value: int | None, binary: bool) -> str:
-    return format_bytes(value, binary)
+def _size(value: int | None, binary: bool, missing: str = "n/a") -> str:
+    return format_bytes(value, binary, missing)
 
 
 class FlowPanel(Static, Generic[ViewT]):
@@ -124,7 +125,7 @@ class PilesPanel(FlowPanel[PilesView]):
             extra.append("SKIPPED by GradScaler")
         lines = [plain(line, style="dim") for line in view.distributed_lines]
         if not view.activations_measured:  # its own line: it must not wrap into the others
-            lines.insert(0, Text(_carried_label(view.activations_from), style="dim"))
+            lines.insert(0, Text(_activations_label(view.activations_from), style="dim"))
         return [Text(" · ".join(extra), style="dim"), *lines]
 
     def render(self) -> Text | Group:
@@ -156,8 +157,11 @@ class PilesPanel(FlowPanel[PilesView]):
         for row in view.rows:
             name = Text("■ ", style=PART_COLOURS[row.name])
             name.append(PART_LABELS[row.name])
-            if row.name is Pile.ACTIVATIONS and not view.activations_measured:
+            if row.name is Pile.ACTIVATIONS and not view.activations_measured and row.known:
                 name.append(" ≈", style="bold")
+            if not row.known:
+                table.add_row(name, Text(NOT_KNOWN, style="bold"), Text(""), Text(""))
+                continue
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))
                 continue
@@ -167,15 +171,21 @@ class PilesPanel(FlowPanel[PilesView]):
                 f"{row.share * 100:.1f}%",
                 _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total = sum(row.at_peak or 0 for row in view.rows)
-        table.add_row(Text("total at peak", style="bold"), _size(total, view.binary), "", "")
+        total: Text | str = _size(sum(row.at_peak or 0 for row in view.rows), view.binary)
+        if not all(row.known for row in view.rows):  # a sum without them is not the total
+            total = Text(NOT_KNOWN, style="bold")
+        table.add_row(Text("total at peak", style="bold"), total, "", "")
         return Group(bar, table, *self.lines)
 
 
-def _carried_label(source: int | None) -> str:
-    """Why the activations row (marked ≈) is not this step's own measurement."""
+def _activations_label(source: int | None) -> str:
+    """Why the activations row is not this step's own measurement: carried (marked ≈), or not
+    known (no figure shown)."""
     if source is None:
-        return "≈ activations not measured"
+        return (
+            f"activations {NOT_KNOWN}: this step was not measured, nor confirmed as a repeat "
+            "of a measured step"
+        )
     return f"≈ activations from step {source} (a repeat of its shapes)"
 
 
@@ -183,12 +193,17 @@ class GapPanel(FlowPanel[GapView]):
     """Where the bytes are: each level of memory and what the difference to the last means."""
 
     def rows(self, view: GapView | None) -> int:
-        return len(view.rows) if view is not None and view.rows else 1
+        if view is None or not view.rows:
+            return 1
+        return len(view.rows) + (1 + len(view.leaks) if view.leaks else 0)
 
     def free_lines(self, view: GapView | None) -> list[Text]:
         if view is None or not view.rows:
             return []
-        return [plain(line, style="dim") for line in view.allocator_lines]
+        lines = [plain(line, style="dim") for line in view.allocator_lines]
+        if view.leaks:
+            lines.append(Text(_leaks_heading(view), style="bold"))
+        return lines
 
     def render(self) -> Text | Table | Group:
         view = self.view
@@ -203,6 +218,11 @@ class GapPanel(FlowPanel[GapView]):
             if not row.applicable:
                 table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
                 continue
+            if not row.known:
+                table.add_row(
+                    row.label, Text(NOT_KNOWN, style="bold"), "", Text(row.meaning, style="dim")
+                )
+                continue
             delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
             if row.delta is not None and row.delta < 0:
                 delta = _size(row.delta, view.binary)
@@ -212,9 +232,44 @@ class GapPanel(FlowPanel[GapView]):
                 delta,
                 Text(row.meaning, style="dim"),
             )
-        if not view.allocator_lines:
-            return table
-        return Group(table, *self.lines)
+        if not view.leaks:
+            return Group(table, *self.lines) if self.lines else table
+        *allocator, heading = self.lines
+        return Group(table, *allocator, heading, _leaks_table(view))
+
+
+def _leaks_heading(view: GapView) -> str:
+    """Which count the leak rows are: the job's last, or the censuses of the cursor step and
+    those before it."""
+    what = "memory no pile holds, by holder"
+    if view.leaks_final:
+        return f"Leaks at the job's end: {what}"
+    counted = {row.counted_at for row in view.leaks}
+    if len(counted) == 1:
+        return f"Leaks as the census at step {counted.pop()} counted them: {what}"
+    return f"Leaks, each holder's latest census up to this step: {what}"
+
+
+def _leaks_table(view: GapView) -> Table:
+    """One row per growing holder: what it keeps alive, its growth per step, since when."""
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column("holder", ratio=1, min_width=12, no_wrap=True, overflow="ellipsis")
+    table.add_column("held", justify="right", width=11, no_wrap=True)
+    table.add_column("per step", justify="right", width=12, no_wrap=True)
+    table.add_column("since", justify="right", width=10, no_wrap=True)
+    table.add_column("holds", width=16, no_wrap=True, overflow="ellipsis")
+    table.add_row(
+        *(Text(cell, style="dim") for cell in ("holder", "held", "per step", "since", "holds"))
+    )
+    for row in view.leaks:
+        table.add_row(
+            plain(row.holder, style="cyan"),
+            _size(row.bytes, view.binary),
+            "+" + _size(row.per_step, view.binary),
+            f"step {row.first_step}",
+            Text(leak_holding(row), style="dim"),
+        )
+    return table
 
 
 def sync_rows(table: DataTable[Text], rows: Iterable[Row]) -> None:
@@ -296,8 +351,8 @@ class DtypeTable(PanelTable[DtypesView]):
                 (
                     Text("■ ", style=PILE_COLOURS[row.pile]) + Text(PART_LABELS[row.pile]),
                     plain(row.dtype),
-                    Text(_size(row.bytes, view.binary), justify="right"),
-                    Text(str(row.storages), justify="right"),
+                    Text(_size(row.bytes, view.binary, NOT_KNOWN), justify="right"),
+                    Text(str(row.storages) if row.storages is not None else "", justify="right"),
                 ),
             )
 
@@ -309,6 +364,8 @@ class TopActivations(PanelTable[ActivationsView]):
     COLUMNS = ("module", "saved")
 
     def rows_of(self, view: ActivationsView) -> Iterable[Row]:
+        if not view.known:
+            yield "not-known", (Text(f"{NOT_KNOWN} at this step", style="bold"), Text(""))
         for row in view.rows:
             yield row.key, (plain(row.label), Text(_size(row.bytes, view.binary), justify="right"))
 
@@ -345,6 +402,32 @@ class AlertsTable(PanelTable[AlertsView]):
     def step_of_row(self, row_key: str) -> int | None:
         """The step of the alert shown in a row, from the view state (never from a cell's text)."""
         return self.view.step_of(row_key) if self.view is not None else None
+
+    def alert_at_cursor(self) -> AlertRow | None:
+        """The alert the row cursor is on: the newest until the user moves it (the cursor stays
+        on its alert as newer ones arrive above it)."""
+        if self.view is None or not 0 <= self.cursor_row < self.row_count:
+            return None
+        key = self.ordered_rows[self.cursor_row].key.value
+        return next((row for row in self.view.rows if row.key == key), None)
+
+
+class AlertDetail(FlowPanel[AlertRow]):
+    """The alert under the alerts table's cursor, whole: the table's last column cuts a long
+    message (a leak's figures and fix, the numbers of an `activations_vary`), here it wraps."""
+
+    def free_lines(self, view: AlertRow | None) -> list[Text]:
+        if view is None:
+            return []
+        line = Text(f"step {view.step} ", style="bold")
+        line.append_text(plain(view.kind, style=alert_style(view.kind)))
+        if view.where and not view.message.startswith(view.where):  # a leak names its holder
+            line.append_text(plain(f" [{view.where}]", style="cyan"))
+        line.append_text(plain(f": {view.message}"))
+        return [line]
+
+    def render(self) -> Text:
+        return self.lines[0] if self.lines else Text("")
 
 
 class NotesLine(FlowPanel[NotesView]):

@@ -1,0 +1,135 @@
+"""The leaks in the report: the JSON's `leaks` (and a step's own), the text report's section.
+
+Everything comes from the fold's `LeakBook` (`recording.leaks`): one row per holder, the job's
+last count (`End.leaks`) where it has one, else the latest census's. The fix the agent proposed
+is the tail of the holder's `leak` alert, which is where the agent words it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import msgspec
+
+from memtui.model.leaks import CensusTally, LeakRow
+from memtui.model.recording import Recording
+from memtui.reports.report_format import CensusEntry, LeakEntry
+from memtui_protocol.schema import AlertKind, LeakKind, Step
+from memtui_protocol.units import format_bytes
+
+NOTABLE_SHARE = 0.01
+"""Censuses are worth a line in the text report when they took at least this share of the
+steps' time in all (or when one stopped at its bound)."""
+KIND_WORDS: dict[LeakKind, str] = {
+    LeakKind.RETAINED_GRAPH: "autograd graphs kept alive",
+    LeakKind.TENSORS: "tensors kept",
+}
+
+
+def leak_entry(row: LeakRow) -> LeakEntry:
+    """One holder as the report's `leaks` lists it."""
+    return LeakEntry(
+        holder=row.holder,
+        kind=str(row.kind),
+        bytes=row.bytes,
+        tensors=row.tensors,
+        per_step=row.per_step,
+        first_step=row.first_step,
+    )
+
+
+def leak_entries(recording: Recording) -> list[LeakEntry]:
+    """The report's top-level `leaks`: one per holder, largest first."""
+    return [leak_entry(row) for row in recording.leaks.latest()]
+
+
+def step_leaks(step: Step) -> list[LeakEntry] | msgspec.UnsetType:
+    """A step's own `leaks`: what its census named (absent on the steps that took none or
+    named nothing)."""
+    if not step.leaks:
+        return msgspec.UNSET
+    return [leak_entry(LeakRow.of(leak, step.step)) for leak in step.leaks]
+
+
+def step_census(step: Step) -> CensusEntry | msgspec.UnsetType:
+    """A step's own `census`: what its close's census cost (absent where none ran)."""
+    cost = step.census
+    if cost is None:
+        return msgspec.UNSET
+    return CensusEntry(seconds=cost.seconds, objects=cost.objects, complete=cost.complete)
+
+
+def censuses(recording: Recording) -> CensusTally | None:
+    """The report's `censuses`: every census of the run, in all (None when none ran)."""
+    tally = recording.leaks.censuses
+    return tally if tally.count else None
+
+
+def leak_fix(message: str, holder: str) -> str | None:
+    """The fix a `leak` alert proposes: what follows its figures (`<holder> keeps ... since
+    step N[; at this rate ...]: <fix>`). None for a message worded otherwise (a newer agent)."""
+    if not message.startswith(holder):
+        return None
+    _, colon, fix = message[len(holder) :].partition(": ")
+    return (fix or None) if colon else None
+
+
+def leak_fixes(recording: Recording) -> dict[str, str]:
+    """Each holder's fix, from the first `leak` alert that names it."""
+    fixes: dict[str, str] = {}
+    for item in recording.alerts:
+        where = item.alert.where
+        if item.kind is AlertKind.LEAK and where is not None and where not in fixes:
+            fix = leak_fix(item.alert.message, where)
+            if fix is not None:
+                fixes[where] = fix
+    return fixes
+
+
+def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
+    """The text report's "Leaks" section (empty without leaks): each holder with what it keeps,
+    its growth per step and since when, the fix, then the censuses' cost if notable (without
+    leaks the report says that cost on a line of its own, `census_line`)."""
+    rows = recording.leaks.latest()
+    if not rows:
+        return []
+    size = partial(format_bytes, binary=binary)
+    counted = "as the job ended" if recording.leaks.final else "at the last census"
+    lines = [f"Leaks ({counted}): memory no pile holds, growing step after step"]
+    fixes = leak_fixes(recording)
+    for row in rows:
+        kind = KIND_WORDS[row.kind] if isinstance(row.kind, LeakKind) else row.kind
+        plural = "s" if row.tensors != 1 else ""
+        lines.append(
+            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}, "
+            f"growing {size(row.per_step)} per step since step {row.first_step}"
+        )
+        if row.holder in fixes:
+            lines.append(f"    fix: {fixes[row.holder]}")
+    cost = census_line(recording)
+    if cost is not None:
+        lines.append(f"  {cost}")
+    return lines
+
+
+def census_line(recording: Recording) -> str | None:
+    """What the censuses cost, when it is worth saying: a noticeable share of the steps' time,
+    or a census stopped at its bound."""
+    tally = recording.leaks.censuses
+    if not tally.count:
+        return None
+    stepping = sum(step.t_end - step.t_start for step in recording.steps)
+    share = tally.seconds / stepping if stepping > 0 else None
+    if not tally.incomplete and (share is None or share < NOTABLE_SHARE):
+        return None
+    line = (
+        f"censuses of live tensors: {tally.count}, {tally.seconds:.3f} s in all"
+        + (f" ({share:.1%} of the steps' time)" if share is not None else "")
+        + f", the longest {tally.longest:.3f} s; up to {tally.objects:,} objects visited"
+    )
+    if tally.incomplete:
+        line += (
+            f"; {tally.incomplete} stopped at their bound (the holders named are real, "
+            "more may exist)"
+        )
+    return line

@@ -1,0 +1,161 @@
+"""The screen, driven by keys through Textual's pilot: leaks in "Where the bytes are" as of the
+cursor step, the leak alert on the alerts panel, and a step whose activations are not known.
+
+The recording is `make_fixture.leaking_messages` (censuses at steps 8, 12 and 20, the End's
+final count) with step 10 made "not known".
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import msgspec
+from textual.pilot import Pilot
+
+from memtui.reports.report import build_report
+from memtui.tui.app import MemtuiApp
+from memtui.tui.widgets import (
+    AlertDetail,
+    AlertsTable,
+    DtypeTable,
+    GapPanel,
+    PilesPanel,
+    TopActivations,
+)
+from memtui_protocol import schema
+
+NOT_KNOWN_STEP = 10
+
+
+def _messages(builder: ModuleType) -> list[schema.Message]:
+    return [
+        msgspec.structs.replace(m, activations_measured=False, activations_from=None)
+        if isinstance(m, schema.Step) and m.step == NOT_KNOWN_STEP
+        else m
+        for m in builder.leaking_messages()
+    ]
+
+
+def _cursor(app: MemtuiApp, step: int) -> None:
+    app.session.jump_to_step(step)
+    app.refresh_view()
+
+
+def _lines(tui: Any, widget: Any) -> list[str]:
+    return [" ".join(line.split()) for line in tui.plain(widget).splitlines()]
+
+
+def test_the_gap_panel_lists_the_leaks_as_of_the_cursor_step(tui: Any, builder: ModuleType) -> None:
+    """On the last step: the job's final count, the very figures of `report --json`; back at
+    step 12, its census; before it, no leak rows. The panel grows and shrinks with them."""
+    app = MemtuiApp(tui.source(_messages(builder), live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        gap = app.query_one(GapPanel)
+        lines = _lines(tui, gap)
+        start = lines.index("Leaks at the job's end: memory no pile holds, by holder")
+        assert lines[start + 1 : start + 4] == [
+            "holder held per step since holds",
+            f"{builder.GRAPH_HOLDER} 288.00 KiB +32.00 KiB step 5 1 tensor + graph",
+            "history 88.00 KiB +4.00 KiB step 3 22 tensors",
+        ]
+        assert app.session.recording is not None
+        report = build_report(app.session.recording)["leaks"]
+        assert [
+            (row.holder, row.bytes, row.per_step, row.first_step) for row in gap.view.leaks
+        ] == [
+            (leak["holder"], leak["bytes"], leak["per_step"], leak["first_step"]) for leak in report
+        ]
+        with_leaks = gap.size.height
+
+        _cursor(app, 12)
+        await pilot.pause()
+        lines = _lines(tui, gap)
+        start = lines.index(
+            "Leaks as the census at step 12 counted them: memory no pile holds, by holder"
+        )
+        assert lines[start + 2 : start + 4] == [
+            f"{builder.GRAPH_HOLDER} 256.00 KiB +32.00 KiB step 5 1 tensor + graph",
+            "history 40.00 KiB +4.00 KiB step 3 10 tensors",
+        ]
+
+        _cursor(app, 20)
+        await pilot.pause()
+        assert (
+            "Leaks, each holder's latest census up to this step: memory no pile holds, by holder"
+            in _lines(tui, gap)
+        )
+
+        _cursor(app, 11)
+        await pilot.pause()
+        assert not any("Leaks" in line or "history" in line for line in _lines(tui, gap))
+        assert gap.size.height == with_leaks - 4  # the heading, the columns and two holders
+
+    tui.drive(app, body)
+
+
+def test_the_leak_alert_reads_at_both_sizes(tui: Any, builder: ModuleType) -> None:
+    """At 160x48 and 80x24 the leak alerts' step, kind and holder are in the table, and the one
+    under the cursor is under it whole: its figures and its fix."""
+    app = MemtuiApp(tui.source(_messages(builder), live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        for size in ((160, 48), (80, 24)):
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+            table = app.query_one(AlertsTable)
+            widths = [column.get_render_width(table) for column in table.columns.values()]
+            assert sum(widths[:3]) <= table.size.width, (size, widths, table.size.width)
+            rows = [[str(cell).strip() for cell in table.get_row_at(i)][:3] for i in range(5)]
+            at = rows.index(["12", "leak", builder.GRAPH_HOLDER])
+            assert rows[at + 1] == ["12", "leak", "history"]
+            table.move_cursor(row=at)
+            await pilot.pause()
+            detail = app.query_one(AlertDetail)
+            text = " ".join(tui.plain(detail).split())
+            assert text == (
+                f"step 12 leak: {builder.GRAPH_HOLDER} keeps 256.00 KiB alive in 1 tensor and "
+                f"grows 32.00 KiB per step since step 5: {builder.GRAPH_FIX}"
+            )
+            assert detail.size.height == len(tui.plain(detail).splitlines())  # none cut off
+        table.focus()
+        await pilot.press("down")
+        await pilot.pause()
+        assert "history keeps 40.00 KiB alive in 10 tensors" in " ".join(
+            tui.plain(app.query_one(AlertDetail)).split()
+        )
+
+    tui.drive(app, body)
+
+
+def test_a_step_whose_activations_are_not_known_shows_no_figure_for_them(
+    tui: Any, builder: ModuleType
+) -> None:
+    """The piles panel, the gap panel, the dtypes and the top modules say "not known"; the step
+    before shows its figures again."""
+    app = MemtuiApp(tui.source(_messages(builder), live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        _cursor(app, NOT_KNOWN_STEP)
+        await pilot.pause()
+        piles = _lines(tui, app.query_one(PilesPanel))
+        assert "■ activations not known" in piles
+        assert "total at peak not known" in piles
+        assert any(
+            line.startswith("activations not known: this step was not measured") for line in piles
+        )
+        gap = _lines(tui, app.query_one(GapPanel))
+        assert "tracked at step end not known this step's activations are not known" in gap
+        dtypes = app.query_one(DtypeTable)
+        cells = [[str(cell) for cell in dtypes.get_row_at(i)] for i in range(dtypes.row_count)]
+        assert ["■ activations", "", "not known", ""] in cells
+        top = app.query_one(TopActivations)
+        assert top.row_count == 1 and str(top.get_row_at(0)[0]) == "not known at this step"
+
+        _cursor(app, NOT_KNOWN_STEP - 1)
+        await pilot.pause()
+        assert not any("not known" in line for line in _lines(tui, app.query_one(PilesPanel)))
+        assert top.row_count == 5
+
+    tui.drive(app, body)
