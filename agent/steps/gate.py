@@ -246,13 +246,23 @@ class ActivationGate:
             unconfirmed >= UNCONFIRMED_FOR_EVERY and self.policy.mode is ActivationMode.AUTO
         ):
             self.policy.mode = ActivationMode.EVERY
-            why = (
-                "no carry can be confirmed in this job"
-                if reason.what is Difference.COUNTER
-                else f"{unconfirmed} of the last {len(self._recent)} steps that repeated a "
-                "measured step's calls did something else: this job's activations change with "
-                "what its inputs do not show (LayerDrop, sampling, data-dependent branches)"
+            repeats = (
+                f"{unconfirmed} of the last {len(self._recent)} steps that repeated a measured "
+                "step's calls"
             )
+            if reason.what is Difference.COUNTER:
+                why = "no carry can be confirmed in this job"
+            elif reason.what is Difference.HEAP:
+                why = (
+                    f"{repeats} could not be confirmed by the heap, which also moves with what "
+                    "memtui allocates while it measures (by more than the tolerance in this "
+                    "job)"
+                )
+            else:
+                why = (
+                    f"{repeats} did something else: this job's activations change with what "
+                    "its inputs do not show (LayerDrop, sampling, data-dependent branches)"
+                )
             message = (
                 f"step {step} called the model as step {carried.step} did, but "
                 f"{reason.describe(carried.step)}; {why}, so every step is measured from now on"
@@ -265,6 +275,11 @@ class ActivationGate:
             )
         elif reason.what is Difference.HELD:
             cause = "graphs kept from earlier steps changed"
+        elif reason.what is Difference.HEAP:
+            cause = (
+                "the same calls made tensors of other sizes, or memtui's own allocations while "
+                "it measured moved the heap: the heap cannot tell which"
+            )
         else:
             cause = "the same calls made tensors of other sizes"
         message = (
