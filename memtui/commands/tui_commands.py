@@ -19,7 +19,7 @@ from memtui.commands.run_command import (
 )
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL
-from memtui.input.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.input.sources import LiveSource, SourceError, TailSource, replay_source
 from memtui.model.step_rows import format_age
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
@@ -174,9 +174,9 @@ def session_sources(folder: Path) -> dict[str, Any]:
         raise SourceError(f"{folder}: {NO_RECORDINGS}")
     sources = {}
     for label, file in files:
-        source = ReplaySource(file)
+        source = replay_source(file)  # a rank still writing its recording is followed
         source.check()
-        source.label = f"{folder}/{file.name}"
+        source.label = source.label.replace(str(file), f"{folder}/{file.name}", 1)
         sources[label] = source
     return sources
 

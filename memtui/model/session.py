@@ -30,6 +30,7 @@ from memtui.model.view_state import (
     timeline_view,
 )
 from memtui_protocol import schema
+from memtui_protocol.schema import ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
@@ -48,6 +49,9 @@ class Session:
 
     source_label: str = ""
     live: bool = True
+    following: bool = False
+    """A recording read back while its job still writes it (`memtui replay` of a running job):
+    live in every way, and the header says the job is running, as `memtui report` does."""
     recording: Recording | None = None
     """None until the job's hello arrives (every stream starts with it)."""
     cursor: int | None = None
@@ -240,6 +244,8 @@ class Session:
     def status_text(self) -> str:
         """live / paused / waiting, or how the job ended with its exit status."""
         state = self.job_state()
+        if state is JobState.LIVE and self.following:
+            return str(ExitStatus.RUNNING)  # `memtui report` on the same file: "job running"
         if state is not JobState.ENDED:
             return str(state)
         return ending_text(
@@ -296,11 +302,19 @@ class Session:
             status=self.job_state(),
             ending=self.ending(),
             replay=not self.live,
-            source=self.source_label,
+            source=self._source_words(),
             step=step.step if step is not None else None,
             steps_total=self.steps[-1].step if self.steps else 0,
             steps_per_second=self.steps_per_second(),
         )
+
+    def _source_words(self) -> str:
+        """Where the frames come from; a recording its job is still writing says so until the
+        job's End (or its death) ends it."""
+        hello = self.hello
+        if self.following and hello is not None and self.job_state() is not JobState.ENDED:
+            return f"{self.source_label} (pid {hello.pid} is still writing it)"
+        return self.source_label
 
     def _notes(self, extra_notes: tuple[str, ...]) -> tuple[str, ...]:
         notes = list(extra_notes)

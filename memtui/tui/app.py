@@ -94,7 +94,11 @@ class MemtuiApp(App[int]):
         # One Session per rank of a session folder (or a single one); `r` switches between them.
         self.ranks: dict[str, Source] = ranks or {"": source}
         self.model = ViewModel(
-            {label: (rank.label, rank.live) for label, rank in self.ranks.items()}, warning
+            {label: (rank.label, rank.live) for label, rank in self.ranks.items()},
+            warning,
+            frozenset(
+                label for label, rank in self.ranks.items() if getattr(rank, "following", False)
+            ),
         )
         self.inboxes: dict[str, deque[list[schema.Message]]] = {
             label: deque() for label in self.ranks
@@ -305,8 +309,11 @@ class MemtuiApp(App[int]):
     @on(DataTable.RowHighlighted, "#alerts")
     def _show_alert_detail(self) -> None:
         """The alert under the table's cursor, whole, under the table (none: no line)."""
-        detail = self.query_one(AlertDetail)
-        detail.view = self.query_one(AlertsTable).alert_at_cursor()
+        details, tables = self.query(AlertDetail), self.query(AlertsTable)
+        if not details or not tables:
+            return  # a highlight that lands while the app shuts down (its widgets are gone)
+        detail = details.first()
+        detail.view = tables.first().alert_at_cursor()
         detail.display = detail.view is not None
 
     @on(DataTable.RowSelected, "#alerts")
