@@ -68,7 +68,7 @@ def test_replay_opens_on_the_last_step(tui: Any, demo_messages: Messages) -> Non
         assert app.session.cursor == 23
         assert shown_step(app) == 24
         header = tui.plain(app.query_one(JobHeader))
-        assert "replay step 24 of 24 · ended: ok (exit 0)" in header
+        assert "replay · ended: ok (exit 0)   step 24 of 24 · 4.0 steps/s" in header
         assert "4.0 steps/s · pid 4242 · cpu · torch 2.13.0+cpu" in header
         assert "python train.py" in header
 
@@ -92,7 +92,7 @@ def test_step_keys_move_every_view(tui: Any, demo_messages: Messages) -> None:
         assert piles is not None
         at_peak = {row.name: row.at_peak for row in piles.rows}
         assert at_peak[Pile.ACTIVATIONS] == peak.activations
-        assert "replay step 22 of 24" in tui.plain(app.query_one(JobHeader))
+        assert "step 22 of 24" in tui.plain(app.query_one(JobHeader))
         await pilot.press("home")
         assert shown_step(app) == 1
         await pilot.press("right")

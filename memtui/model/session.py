@@ -68,6 +68,8 @@ class Session:
     alerts_trimmed: int = 0
     """Oldest alerts dropped past MAX_ALERTS (keeps every alert's key stable)."""
     alloc_recorded: bool = False
+    first_step: int | None = None
+    """The first recorded step's number (kept when old steps are dropped from the view)."""
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -150,6 +152,8 @@ class Session:
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
         self.alloc_recorded |= step.alloc_events is not None
+        if self.first_step is None:
+            self.first_step = step.step
         self._step_times.append(step.t_end)
         if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
@@ -253,11 +257,11 @@ class Session:
         )
 
     def state_text(self) -> str:
-        """The header's words: the status, after "replay step i of n" in a replay."""
+        """The header's words: the status, after "replay" in a replay (which step is the
+        header's `step` and `steps_total`, the job's own numbers, live or not)."""
         if self.live:
             return self.status_text()
-        position = (self.cursor or 0) + 1 if self.steps else 0
-        return f"replay step {position} of {len(self.steps)} · {self.status_text()}"
+        return f"replay · {self.status_text()}"
 
     def steps_per_second(self) -> float | None:
         """Closed steps per second over the last few seconds of the job's own clock."""
@@ -306,6 +310,7 @@ class Session:
             step=step.step if step is not None else None,
             steps_total=self.steps[-1].step if self.steps else 0,
             steps_per_second=self.steps_per_second(),
+            first_step=self.first_step if self.first_step != 1 else None,
         )
 
     def _source_words(self) -> str:

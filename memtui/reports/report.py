@@ -304,6 +304,15 @@ def activation_line(steps: list[Step]) -> str | None:
     return line
 
 
+def steps_counted(steps: list[Step]) -> str:
+    """How many steps were recorded and, when they are not the job's steps 1 to N (an agent
+    attached to a running job), which of the job's steps they are: every reader numbers steps
+    as the frames do, by the job's own count."""
+    if not steps or (steps[0].step == 1 and steps[-1].step == len(steps)):
+        return str(len(steps))
+    return f"{len(steps)} recorded, the job's steps {steps[0].step}-{steps[-1].step}"
+
+
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
@@ -331,7 +340,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     )
     steps = recording.steps
     lines.append(
-        f"steps: {len(steps)}"
+        f"steps: {steps_counted(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
     measured = activation_line(steps)

@@ -95,10 +95,12 @@ class JobHeader(Static):
         width = max(self.size.width - 2, 10)
         ended = view.status is JobState.ENDED
         first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
-        parts = [describe_rate(view.steps_per_second), view.title]
-        if not view.replay:  # replay's state already says which step
-            step = f"step {view.step} of {view.steps_total}" if view.step is not None else None
-            parts.insert(0, step or "no steps yet")
+        step = "no steps yet"
+        if view.step is not None:
+            step = f"step {view.step} of {view.steps_total}"
+            if view.first_step is not None:
+                step += f" (recorded from step {view.first_step})"
+        parts = [step, describe_rate(view.steps_per_second), view.title]
         first.append("  " + terminal_safe(" · ".join(parts)))
         second = plain(view.job or "(waiting for the job)", style="bold")
         second.append(f"  {terminal_safe(view.source)}", style="dim")
