@@ -25,7 +25,7 @@ from memtui.model.view_model import ViewModel
 from memtui.model.view_state import ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
-from memtui.tui.screens import ConfirmQuit, HelpScreen
+from memtui.tui.screens import AlertScreen, ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline
 from memtui.tui.widgets import (
     AlertDetail,
@@ -43,7 +43,7 @@ TICK_SECONDS = 0.5
 """How often a live view drains new frames and redraws (keys redraw at once). Each redraw of a
 160x48 screen costs about 35 ms of the viewer's CPU, which a job sharing a small machine feels:
 2 Hz keeps the viewer under a tenth of a core."""
-STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank"}
+STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank", "show_alert"}
 NARROW_WIDTH = 140
 
 
@@ -64,7 +64,9 @@ class MemtuiApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "memtui"
     BINDINGS = [
+        # Footer order: the footer cuts from the right on a narrow terminal, and help must stay.
         Binding("q", "quit_app", "Quit"),
+        Binding("question_mark", "help", "Help"),
         Binding("space", "toggle_pause", "Pause"),
         # Priority: the step keys must work whichever panel (a table, the scrolling body) has
         # focus; tables keep up/down/Enter for their own rows.
@@ -74,10 +76,10 @@ class MemtuiApp(App[int]):
         Binding("end", "end", "Last", show=False, priority=True),
         Binding("n", "next_alert(1)", "Next alert", priority=True),
         Binding("N", "next_alert(-1)", "Prev alert", priority=True),
+        Binding("a", "show_alert", "Alert", priority=True),
         Binding("u", "toggle_units", "GiB/GB", priority=True),
         Binding("r", "next_rank", "Rank", priority=True),
         Binding("tab", "focus_next", "Focus", show=False),
-        Binding("question_mark", "help", "Help"),
     ]
 
     def __init__(
@@ -143,10 +145,12 @@ class MemtuiApp(App[int]):
                 with Vertical(id="alerts-box", classes="box"):
                     yield AlertsTable(id="alerts")
                     yield AlertDetail(id="alert-detail")
-                with Vertical(id="dtypes-box", classes="box"):
-                    yield DtypeTable(id="dtypes")
-                with Vertical(id="activations-box", classes="box"):
-                    yield TopActivations(id="activations")
+                # One column beside the alerts: their messages get the rest of the width.
+                with Vertical(id="side-column"):
+                    with Vertical(id="dtypes-box", classes="box"):
+                        yield DtypeTable(id="dtypes")
+                    with Vertical(id="activations-box", classes="box"):
+                        yield TopActivations(id="activations")
             # Hidden until the job sends allocator events (`--alloc-events`).
             with Vertical(id="allocations-box", classes="box"):
                 yield AllocationsTable(id="allocations")
@@ -269,6 +273,8 @@ class MemtuiApp(App[int]):
         """Step keys are priority bindings; on a dialog they step aside so it gets its keys."""
         if action == "next_rank" and len(self.ranks) < 2:
             return False  # a single job: no rank key in the footer
+        if action == "move" and isinstance(self.focused, AlertsTable):
+            return False  # ←/→ belong to the table the user is reading, not the step cursor
         return not (action in STEP_ACTIONS and isinstance(self.screen, ModalScreen))
 
     def _changed(self) -> None:
@@ -317,11 +323,20 @@ class MemtuiApp(App[int]):
         detail.display = detail.view is not None
 
     @on(DataTable.RowSelected, "#alerts")
-    def _alert_selected(self, event: DataTable.RowSelected) -> None:
-        step = self.query_one(AlertsTable).step_of_row(event.row_key.value or "")
-        if step is not None:
-            self.session.jump_to_step(step)
-            self._changed()
+    def _alert_selected(self) -> None:
+        """Enter on an alert: the same as `a`."""
+        self.action_show_alert()
+
+    def action_show_alert(self) -> None:
+        """The alert under the alerts table's cursor (the newest until the user moves it):
+        the step cursor goes to its step, and a dialog shows all of it."""
+        alert = self.query_one(AlertsTable).alert_at_cursor()
+        if alert is None:
+            self.notify("no alerts", timeout=3)
+            return
+        self.session.jump_to_step(alert.step)
+        self._changed()
+        self.push_screen(AlertScreen(alert))
 
     async def action_quit(self) -> None:
         """Textual's own quit key (ctrl+q) goes through the same checks as `q`."""

@@ -10,12 +10,13 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
-from memtui.model.step_rows import format_age
+from memtui.model.step_rows import AlertRow, format_age
 from memtui.terminal_text import plain
+from memtui.tui.palette import alert_style
 
 HELP_KEYS = (
     ("q", "quit (asks first while the job still runs)"),
@@ -25,7 +26,8 @@ HELP_KEYS = (
     ("n / N", "next / previous step with an alert"),
     ("u", "binary units (GiB) / decimal units (GB)"),
     ("r", "next rank (a job with several ranks)"),
-    ("Tab", "move focus between panels; Enter on an alert jumps to its step"),
+    ("Tab", "move focus between panels (the alerts table: ↑/↓ choose an alert)"),
+    ("Enter / a", "the chosen alert whole, and the step cursor on its step"),
     ("?", "this help; Esc closes it"),
 )
 HELP_NOTES = (
@@ -59,6 +61,38 @@ class HelpScreen(ModalScreen[None]):
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss(None)
+
+
+class AlertScreen(ModalScreen[None]):
+    """One alert whole: its step and kind, the whole message, and every name in `where` (a
+    list of parameters can be longer than any panel). It scrolls where the screen is short."""
+
+    BINDINGS = [Binding("escape,enter,q,a", "dismiss", "Close")]
+
+    def __init__(self, alert: AlertRow) -> None:
+        super().__init__()
+        self.alert = alert
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="alert-dialog", classes="dialog"):
+            yield Static(alert_renderable(self.alert), id="alert-text")
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss(None)
+
+
+def alert_renderable(alert: AlertRow) -> Group:
+    """The alert as the dialog shows it: a title line, the message, then `where`."""
+    title = Text(f"Alert at step {alert.step}: ", style="bold")
+    title.append_text(plain(alert.kind, style=alert_style(alert.kind)))
+    parts: list[Text] = [title, Text(""), plain(alert.message)]
+    if alert.where:
+        parts += [Text(""), Text("where: ", style="bold") + plain(alert.where, style="cyan")]
+    parts += [
+        Text(""),
+        Text(f"The step cursor is on step {alert.step}. Esc or Enter closes.", style="dim"),
+    ]
+    return Group(*parts)
 
 
 class ConfirmQuit(ModalScreen[bool]):
