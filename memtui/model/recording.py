@@ -18,7 +18,7 @@ from memtui.input.recording_file import RecordingError, writer_alive
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
 from memtui.model.job_state import Ending, how_it_ended
 from memtui.model.leaks import MAX_HOLDERS, LeakBook
-from memtui.model.step_rows import module_label
+from memtui.model.step_rows import AlertRow, module_label
 from memtui_protocol import schema, wire
 
 
@@ -41,6 +41,23 @@ class StepAlert:
     ) -> StepAlert:
         """The alert as the fold takes it in, its kind converted once."""
         return cls(step, alert, time, alert_kind(alert.kind), final)
+
+
+def alert_rows(alerts: list[StepAlert], first: int = 0) -> list[AlertRow]:
+    """The alerts as rows the screen and the text report list (and fold, `folded_alerts`),
+    in stream order; an alert without a step (an `End`'s) is step 0. `first`: the stream
+    index of `alerts[0]` (the screen drops its oldest), which keys each row."""
+    return [
+        AlertRow(
+            item.step or 0,
+            item.kind,
+            item.alert.message,
+            item.alert.where,
+            item.alert.group,
+            key=f"alert-{first + index}",
+        )
+        for index, item in enumerate(alerts)
+    ]
 
 
 @dataclass

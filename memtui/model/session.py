@@ -15,7 +15,7 @@ from pathlib import Path
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
 from memtui.model.leaks import LeakRow
-from memtui.model.recording import Recording, apply
+from memtui.model.recording import Recording, alert_rows, apply
 from memtui.model.step_rows import AlertRow, folded_alerts
 from memtui.model.view_state import (
     AlertsView,
@@ -111,18 +111,7 @@ class Session:
         first, alerts = self.alerts_trimmed, self.recording.alerts
         # Alerts are only appended (and trimmed at the front): rebuild the rows only then.
         if self._alert_rows[0] != (first, len(alerts)):
-            rows = [
-                AlertRow(
-                    item.step or 0,
-                    item.kind,
-                    item.alert.message,
-                    item.alert.where,
-                    item.alert.group,
-                    key=f"alert-{first + index}",
-                )
-                for index, item in enumerate(alerts)
-            ]
-            self._alert_rows = ((first, len(alerts)), rows)
+            self._alert_rows = ((first, len(alerts)), alert_rows(alerts, first))
         return self._alert_rows[1]
 
     # ----- input --------------------------------------------------------------------------
