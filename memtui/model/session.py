@@ -30,7 +30,7 @@ from memtui.model.view_state import (
     timeline_view,
 )
 from memtui_protocol import schema
-from memtui_protocol.schema import ExitStatus
+from memtui_protocol.schema import AlertKind, ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
@@ -70,6 +70,9 @@ class Session:
     alloc_recorded: bool = False
     first_step: int | None = None
     """The first recorded step's number (kept when old steps are dropped from the view)."""
+    agent_attached: bool = False
+    """The job's agent was put into it by `memtui attach` (its first frame's `attached`
+    alert): quitting the viewer leaves an agent recording that nobody started with the job."""
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -143,6 +146,8 @@ class Session:
         self.alloc_recorded |= step.alloc_events is not None
         if self.first_step is None:
             self.first_step = step.step
+        if step.alerts and any(alert.kind == AlertKind.ATTACHED for alert in step.alerts):
+            self.agent_attached = True
         self._step_times.append(step.t_end)
         if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
@@ -252,6 +257,10 @@ class Session:
             return self.status_text()
         return f"replay · {self.status_text()}"
 
+    def still_recording(self) -> bool:
+        """Whether the job's agent still runs: the stream is live and has not ended."""
+        return self.live and self.job_state() in (JobState.LIVE, JobState.PAUSED)
+
     def steps_per_second(self) -> float | None:
         """Closed steps per second over the last few seconds of the job's own clock."""
         if len(self._step_times) < 2:
@@ -304,10 +313,12 @@ class Session:
 
     def _source_words(self) -> str:
         """Where the frames come from; a recording its job is still writing says so until the
-        job's End (or its death) ends it."""
+        job's End (or its death) ends it; a socket names the recording the agent writes."""
         hello = self.hello
         if self.following and hello is not None and self.job_state() is not JobState.ENDED:
             return f"{self.source_label} (pid {hello.pid} is still writing it)"
+        if hello is not None and hello.recording and hello.recording not in self.source_label:
+            return f"recording to {hello.recording} · {self.source_label}"  # the file first
         return self.source_label
 
     def _notes(self, extra_notes: tuple[str, ...]) -> tuple[str, ...]:

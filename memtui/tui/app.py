@@ -20,12 +20,13 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.input.job_process import JobProcess
+from memtui.model.job_state import QuitChoice
 from memtui.model.session import Session
 from memtui.model.view_model import ViewModel
 from memtui.model.view_state import ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
-from memtui.tui.screens import AlertScreen, ConfirmQuit, HelpScreen
+from memtui.tui.screens import AlertScreen, ConfirmDetach, ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline
 from memtui.tui.widgets import (
     AlertDetail,
@@ -66,6 +67,8 @@ class MemtuiApp(App[int]):
     BINDINGS = [
         # Footer order: the footer cuts from the right on a narrow terminal, and help must stay.
         Binding("q", "quit_app", "Quit"),
+        # Textual's own ctrl+c only says "press ctrl+q"; here it is q, dialogs and all.
+        Binding("ctrl+c", "quit_app", "Quit", show=False, priority=True),
         Binding("question_mark", "help", "Help"),
         Binding("space", "toggle_pause", "Pause"),
         # Priority: the step keys must work whichever panel (a table, the scrolling body) has
@@ -89,10 +92,18 @@ class MemtuiApp(App[int]):
         job: JobProcess | None = None,
         warning: str | None = None,
         ranks: dict[str, Source] | None = None,
+        attached: bool = False,
+        injected: bool = False,
     ) -> None:
+        """`attached`: opened by `memtui attach`; `injected`: that attach put the agent into a
+        job started without memtui (quitting then asks what to do with the agent)."""
         super().__init__()
         self.source = source
         self.job = job
+        self.attached = attached
+        self.injected = injected
+        self.quit_choice: QuitChoice | None = None
+        """What the user chose for an attached agent when quitting (None: nothing asked)."""
         # One Session per rank of a session folder (or a single one); `r` switches between them.
         self.ranks: dict[str, Source] = ranks or {"": source}
         self.model = ViewModel(
@@ -343,6 +354,24 @@ class MemtuiApp(App[int]):
         self.action_quit_app()
 
     def action_quit_app(self) -> None:
+        if isinstance(self.screen, (ConfirmQuit, ConfirmDetach)):
+            return  # the question is on screen already (a second Ctrl+C)
+        session = self.session
+        hello = session.hello
+        if (
+            self.attached
+            and hello is not None
+            and session.still_recording()
+            and (self.injected or session.agent_attached)
+        ):
+
+            def chosen(choice: QuitChoice | None) -> None:
+                if choice is not None:
+                    self.quit_choice = choice
+                    self._finish()
+
+            self.push_screen(ConfirmDetach(hello.pid, hello.recording), chosen)
+            return
         if self.job is not None and self.job.poll() is None:
 
             def decide(kill: bool | None) -> None:

@@ -14,12 +14,13 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
+from memtui.model.job_state import QuitChoice
 from memtui.model.step_rows import AlertRow, format_age
 from memtui.terminal_text import plain
 from memtui.tui.palette import alert_style
 
 HELP_KEYS = (
-    ("q", "quit (asks first while the job still runs)"),
+    ("q / Ctrl+C", "quit (asks first while the job runs, or what to do with an attached agent)"),
     ("space", "pause / resume the live view"),
     ("← / →", "previous / next step"),
     ("Home / End", "first / newest step (End follows live frames again)"),
@@ -115,6 +116,48 @@ class ConfirmQuit(ModalScreen[bool]):
 
     def action_answer(self, value: bool) -> None:
         self.dismiss(value)
+
+
+class ConfirmDetach(ModalScreen[QuitChoice | None]):
+    """Quitting a viewer of a job `memtui attach` put the agent into: the agent would stay and
+    keep recording. Ask whether to detach it or leave it recording (None: keep watching)."""
+
+    BINDINGS = [
+        Binding("d", "answer('detach')", "Detach"),
+        Binding("l", "answer('leave')", "Leave it recording"),
+        Binding("escape,n", "answer(None)", "Keep watching"),
+    ]
+
+    def __init__(self, pid: int, recording: str | None) -> None:
+        super().__init__()
+        self.pid = pid
+        self.recording = recording
+
+    def compose(self) -> ComposeResult:
+        where = plain(self.recording) if self.recording else Text("no file (a socket only)")
+        question = Text.assemble(
+            "Quit: ",
+            ("d", "bold"),
+            f"etach the agent from pid {self.pid} (it writes its last frame and removes its "
+            "hooks; the job carries on), or ",
+            ("l", "bold"),
+            "eave the agent recording to ",
+            where,
+            f"? (memtui detach {self.pid} stops it later.) Esc: keep watching.",
+        )
+        with Vertical(id="detach-dialog", classes="dialog"):
+            yield Static(question, id="detach-question")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Detach and quit", id="detach", variant="primary")
+                yield Button("Leave it recording and quit", id="leave")
+                yield Button("Keep watching", id="stay")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        choices = {"detach": QuitChoice.DETACH, "leave": QuitChoice.LEAVE}
+        self.dismiss(choices.get(event.button.id or ""))
+
+    def action_answer(self, value: str | None) -> None:
+        self.dismiss(QuitChoice(value) if value is not None else None)
 
 
 class AttachScreen(ModalScreen[dict[str, Any] | None]):
