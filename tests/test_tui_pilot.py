@@ -545,8 +545,9 @@ def test_the_alerts_where_is_on_screen_at_normal_widths(tui: Any, demo_messages:
 def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
     tui: Any, demo_messages: Messages
 ) -> None:
-    """At 80x24 the dialog is narrower than the longest key line: a description wraps under
-    itself, never under the keys, and a note's lines are filled, not cut at a hard break."""
+    """At 60 columns the dialog is narrower than the longest key line: a description wraps
+    under itself, never under the keys, and a note's lines are filled, not cut at a hard
+    break. (At 80x24 every key fits on its line: tests/test_tui_small_things.py.)"""
     import io
 
     from rich.console import Console
@@ -576,7 +577,7 @@ def test_the_help_wraps_at_phrase_boundaries_in_a_small_terminal(
             for line in paragraph[:-1]:
                 assert len(line) >= width - 15, (line, width)
 
-    tui.drive(app, body, size=(80, 24))
+    tui.drive(app, body, size=(60, 30))
 
 
 def test_carried_activations_are_marked(tui: Any, demo_messages: Messages) -> None:

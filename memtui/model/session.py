@@ -37,6 +37,21 @@ MAX_ALERTS = 10_000
 RATE_WINDOW_SECONDS = 10.0
 
 
+@dataclass(frozen=True)
+class AlertMiss:
+    """`n`/`N` found no step with an alert of its own that way: what is there instead."""
+
+    step: int
+    """The cursor's step, where it stays."""
+    forward: bool
+    grouped: int = 0
+    """Alerts that way that follow from an earlier one (folded under it: not stops)."""
+    grouped_steps: tuple[int, int] | None = None
+    """The first and last step of those alerts."""
+    group: int | None = None
+    """The step of the alert they follow from."""
+
+
 @dataclass
 class Session:
     """One job's Recording (the one fold of its stream), plus the viewer's cursor, pause and
@@ -200,10 +215,11 @@ class Session:
                 self.version += 1
                 return
 
-    def next_alert(self, direction: int = 1) -> None:
-        """Move to the nearest step after (or before) the cursor that has an alert."""
+    def next_alert(self, direction: int = 1) -> AlertMiss | None:
+        """Move to the nearest step after (or before) the cursor that has an alert; when there
+        is none that way, stay and say why (None: the cursor moved)."""
         if not self.steps or self.cursor is None:
-            return
+            return None
         here = self.steps[self.cursor].step
         # Grouped alerts (every step after the weights went non-finite) are not stops of their
         # own: navigation lands on the first alert of the group instead.
@@ -216,6 +232,22 @@ class Session:
             target = targets[-1] if targets else None
         if target is not None:
             self.jump_to_step(target)
+            return None
+        that_way = [
+            alert
+            for alert in self.alerts
+            if alert.group is not None and (alert.step - here) * direction > 0
+        ]
+        if not that_way:
+            return AlertMiss(here, direction > 0)
+        steps = sorted({alert.step for alert in that_way})
+        return AlertMiss(
+            here,
+            direction > 0,
+            grouped=len(that_way),
+            grouped_steps=(steps[0], steps[-1]),
+            group=that_way[0].group,
+        )
 
     def toggle_units(self) -> None:
         """Binary (KiB/MiB/GiB) <-> decimal (kB/MB/GB)."""

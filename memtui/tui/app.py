@@ -21,7 +21,7 @@ from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.input.job_process import JobProcess
 from memtui.model.job_state import QuitChoice
-from memtui.model.session import Session
+from memtui.model.session import AlertMiss, Session
 from memtui.model.view_model import ViewModel
 from memtui.model.view_state import ViewState
 from memtui.tui.allocations import AllocationsTable
@@ -120,6 +120,7 @@ class MemtuiApp(App[int]):
         self._rendered_version: object = -1
         self._rendered_width = -1
         self._job_code: int | None = None
+        self._pausable: bool | None = None
 
     @property
     def sessions(self) -> dict[str, Session]:
@@ -246,6 +247,10 @@ class MemtuiApp(App[int]):
                 self._job_code = self.job.poll()
                 if self._job_code is not None:
                     self.model.job_exited(self._job_code, self.job.stopped)
+        pausable = self.session.still_recording()
+        if pausable != self._pausable:  # the footer offers Pause only while frames arrive
+            self._pausable = pausable
+            self.refresh_bindings()
         timeline = self.query_one(PileTimeline)
         width = timeline.size.width
         version = self.model.version
@@ -284,6 +289,8 @@ class MemtuiApp(App[int]):
         """Step keys are priority bindings; on a dialog they step aside so it gets its keys."""
         if action == "next_rank" and len(self.ranks) < 2:
             return False  # a single job: no rank key in the footer
+        if action == "toggle_pause" and not self.session.still_recording():
+            return False  # a replay or an ended job: nothing arrives, nothing to pause
         if action == "move" and isinstance(self.focused, AlertsTable):
             return False  # ←/→ belong to the table the user is reading, not the step cursor
         return not (action in STEP_ACTIONS and isinstance(self.screen, ModalScreen))
@@ -304,7 +311,9 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_next_alert(self, direction: int) -> None:
-        self.session.next_alert(direction)
+        miss = self.session.next_alert(direction)
+        if miss is not None:
+            self.notify(alert_miss_text(miss), timeout=6)
         self._changed()
 
     def action_toggle_units(self) -> None:
@@ -316,7 +325,7 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_toggle_pause(self) -> None:
-        if self.session.live:
+        if self.session.still_recording():
             self.session.toggle_pause()
             self._changed()
 
@@ -387,6 +396,20 @@ class MemtuiApp(App[int]):
         self._stop.set()
         code = self.job.wait() if self.job is not None else 0
         self.exit(code)
+
+
+def alert_miss_text(miss: AlertMiss) -> str:
+    """Why `n`/`N` did not move: no alert that way, or only alerts grouped under an earlier
+    one (which are not stops: the first alert of their group is)."""
+    way = "after" if miss.forward else "before"
+    if not miss.grouped or miss.grouped_steps is None:
+        return f"no alert {way} step {miss.step}"
+    first, last = miss.grouped_steps
+    where = f"step {first}" if first == last else f"steps {first}-{last}"
+    return (
+        f"no alert of its own {way} step {miss.step}: the {miss.grouped} alerts on {where} "
+        f"follow from step {miss.group}'s (one folded row in the alerts table)"
+    )
 
 
 def run_app(app: MemtuiApp) -> int:

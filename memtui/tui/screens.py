@@ -20,15 +20,16 @@ from memtui.terminal_text import plain
 from memtui.tui.palette import alert_style
 
 HELP_KEYS = (
-    ("q / Ctrl+C", "quit (asks first while the job runs, or what to do with an attached agent)"),
+    ("q / Ctrl+C", "quit (asks first if the job or an attached agent runs)"),
     ("space", "pause / resume the live view"),
-    ("← / →", "previous / next step"),
+    ("← / →", "previous / next step (not while in the alerts table)"),
     ("Home / End", "first / newest step (End follows live frames again)"),
     ("n / N", "next / previous step with an alert"),
+    ("Enter / a", "the chosen alert whole; the cursor goes to its step"),
     ("u", "binary units (GiB) / decimal units (GB)"),
     ("r", "next rank (a job with several ranks)"),
-    ("Tab", "move focus between panels (the alerts table: ↑/↓ choose an alert)"),
-    ("Enter / a", "the chosen alert whole, and the step cursor on its step"),
+    ("Tab", "focus the next panel (alerts table: ↑/↓ pick an alert)"),
+    ("↑↓ PgUp PgDn", "scroll the screen, or the table with focus"),
     ("?", "this help; Esc closes it"),
 )
 HELP_NOTES = (
@@ -57,7 +58,8 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help-dialog", classes="dialog"):
+        # Scrolls where the terminal is shorter than the help: no line is ever cut off.
+        with VerticalScroll(id="help-dialog", classes="dialog"):
             yield Static(help_renderable(), id="help-text")
 
     def action_dismiss(self) -> None:  # type: ignore[override]

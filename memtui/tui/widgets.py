@@ -227,8 +227,8 @@ class GapPanel(FlowPanel[GapView]):
                 )
                 continue
             delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
-            if row.delta is not None and row.delta < 0:
-                delta = _size(row.delta, view.binary)
+            if row.delta is not None and (row.delta < 0 or row.free):
+                delta = _size(row.delta, view.binary)  # "22.82 GiB free on the machine"
             table.add_row(
                 row.label,
                 _size(row.value, view.binary),
