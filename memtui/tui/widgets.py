@@ -437,7 +437,7 @@ def alert_text(alert: AlertRow) -> Text:
     return line
 
 
-CUT_HINT = "… Enter on the alert: all of it"
+CUT_HINT = "… a (or Enter in the table): all of it"
 """The AlertDetail's last line when the alert is longer than the room under the table."""
 
 
