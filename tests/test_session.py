@@ -187,16 +187,20 @@ def test_state_text_live_and_waiting(live_messages: list[schema.Message]) -> Non
 
 
 def test_state_text_replay(demo_messages: list[schema.Message]) -> None:
+    """Which step is the header's `step`/`steps_total` (the job's numbers, as live shows them),
+    not a position in the state's words."""
     session = ingested(demo_messages)
-    assert session.state_text() == "replay step 24 of 24 · ended: ok (exit 0)"
+    assert session.state_text() == "replay · ended: ok (exit 0)"
+    assert session.view_state().header.step == 24
     session.home()
-    assert session.state_text() == "replay step 1 of 24 · ended: ok (exit 0)"
+    assert session.state_text() == "replay · ended: ok (exit 0)"
+    assert session.view_state().header.step == 1
 
 
 def test_state_text_replay_of_a_recording_without_end(live_messages: list[schema.Message]) -> None:
     """DESIGN: a recording without its final frame reports `killed`."""
     session = ingested(live_messages)
-    assert session.state_text() == "replay step 24 of 24 · killed, no final frame"
+    assert session.state_text() == "replay · killed, no final frame"
 
 
 def test_state_text_ended_ok(demo_messages: list[schema.Message]) -> None:

@@ -294,6 +294,15 @@ def attached_message(steps_before: int | None) -> str:
     return f"attached at step {steps_before + 1}: the job's {earlier} not recorded"
 
 
+def detached_message(step: int, recorded: int) -> str:
+    """What `memtui detach` prints: the job's own number of the last recorded step (as every
+    frame, the TUI and the report number it), then how many steps the agent recorded."""
+    if not recorded:
+        return "detached before any step closed (nothing recorded)"
+    counted = "1 step recorded" if recorded == 1 else f"{recorded} steps recorded"
+    return f"detached after step {step} ({counted})"
+
+
 def detach(request: AttachRequest) -> None:
     """Stop the agent and remove every hook at the next module forward of the training thread."""
     global _pending
@@ -338,10 +347,11 @@ class Detaching:
         try:
             self._pre.remove()
             self.agent.detached = True
-            step = tracker.window.closed
+            window = tracker.window
+            step, recorded = window.closed, window.recorded
             api.stop(exit_code=None)
             tracker.remove()  # `finish()` removes them only on the main thread
-            write_reply(self.reply, Answer.DETACHED, f"detached after {step} recorded steps")
+            write_reply(self.reply, Answer.DETACHED, detached_message(step, recorded))
         except Exception as exc:
             write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")
 

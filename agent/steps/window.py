@@ -109,7 +109,10 @@ class StepWindow:
         self.trigger: StepTrigger | None = None
         """What closes steps: None until the first top-level backward or optimizer step."""
         self.closed = 0
-        """Steps closed so far (an attached agent starts from the job's own count)."""
+        """The last closed step's number (an attached agent starts from the job's own count)."""
+        self.recorded = 0
+        """Steps this agent closed (and recorded): `closed` minus the job's steps before an
+        attach."""
         self._held: HeldSkip | None = None
         self.current = OpenStep(started=time.time())
 
@@ -212,6 +215,7 @@ class StepWindow:
         opened = self.current
         inputs = self._closer.close(opened, self.closed + 1, skipped, record)
         self.closed = inputs.step
+        self.recorded += 1
         self._open(inputs)
         return ClosedStep(inputs, opened.losses, opened.scale)
 

@@ -430,7 +430,7 @@ def cmd_attach(args: argparse.Namespace) -> int:
             injected = attach_for_viewer(args.pid, args.output, args.timeout, **metrics)
             if isinstance(injected, int):
                 return injected
-            return attach(None, injected)
+            return attach(None, injected, injected=True)
     return attach(args.pid, args.socket)
 
 

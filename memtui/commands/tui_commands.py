@@ -19,7 +19,8 @@ from memtui.commands.run_command import (
 )
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL
-from memtui.input.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
+from memtui.input.sources import LiveSource, SourceError, TailSource, replay_source
+from memtui.model.job_state import QuitChoice
 from memtui.model.step_rows import format_age
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
@@ -174,9 +175,9 @@ def session_sources(folder: Path) -> dict[str, Any]:
         raise SourceError(f"{folder}: {NO_RECORDINGS}")
     sources = {}
     for label, file in files:
-        source = ReplaySource(file)
+        source = replay_source(file)  # a rank still writing its recording is followed
         source.check()
-        source.label = f"{folder}/{file.name}"
+        source.label = source.label.replace(str(file), f"{folder}/{file.name}", 1)
         sources[label] = source
     return sources
 
@@ -199,6 +200,7 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
 
     A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
     `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
+    Quitting a viewer of an attached agent does what the user chose for the agent.
     """
     problem = _need_terminal(command)
     if problem:
@@ -207,7 +209,25 @@ def _open_app(command: str, source: Any, **options: Any) -> int:
 
     app = MemtuiApp(source, **options)
     code = run_app(app)
+    hello = app.session.hello
+    if app.quit_choice is not None and hello is not None:
+        return after_attached_quit(app.quit_choice, hello.pid, hello.recording) or code
     return replay_outcome(app.sessions, code)
+
+
+def after_attached_quit(choice: QuitChoice, pid: int, recording: str | None) -> int:
+    """What the user chose for an attached agent when quitting its viewer: detach it now
+    (`memtui detach`, which prints how it went), or leave it recording, said out loud."""
+    if choice is QuitChoice.DETACH:
+        from memtui.commands.attach_command import detach
+
+        return detach(pid)
+    where = terminal_safe(recording) if recording else "its socket only (no recording)"
+    print(
+        f"memtui: the agent in pid {pid} keeps recording to {where}; memtui detach {pid} stops it",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def replay_outcome(sessions: dict[str, Any], code: int) -> int:
@@ -296,9 +316,10 @@ def list_live_jobs() -> int:
     return 0
 
 
-def attach(pid: int | None, socket_path: str | None = None) -> int:
+def attach(pid: int | None, socket_path: str | None = None, injected: bool = False) -> int:
     """`memtui attach [PID]`: one job attaches at once; several are listed to choose from; a
-    distributed job attaches with all its ranks (`r` switches)."""
+    distributed job attaches with all its ranks (`r` switches). `injected`: this attach just
+    put the agent into the job (quitting asks whether to detach it)."""
     ranks = None
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
@@ -336,7 +357,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
             source = next(iter(ranks.values()))
     for member in (ranks or {"": source}).values():
         member.check()  # a SourceError is the user's one line (cli.main)
-    return _open_app("attach", source, ranks=ranks)
+    return _open_app("attach", source, ranks=ranks, attached=True, injected=injected)
 
 
 def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:

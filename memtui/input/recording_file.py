@@ -9,6 +9,7 @@ from memtui.errors import UserError
 from memtui.input.frame_stream import CHUNK
 from memtui.input.input_files import InputFileError, open_input
 from memtui_protocol import schema, wire
+from memtui_protocol.runtime_dir import pid_alive
 
 
 class RecordingError(UserError):
@@ -40,3 +41,14 @@ def read_head(path: str | os.PathLike[str]) -> schema.Hello:
     except wire.WireError as exc:
         raise RecordingError(f"{path}: {exc}") from None
     raise RecordingError(f"{path}: truncated before its header was complete")
+
+
+def writer_alive(hello: schema.Hello) -> bool:
+    """Whether the process that wrote a recording (its hello's pid, on this host, started when
+    the hello says) still runs: then a recording without a final frame is still being written.
+
+    The one rule behind "running" versus "killed": `memtui report` says `job running` by it,
+    and `memtui replay` follows such a recording as it grows, ending where the report would
+    say killed (the process gone, no final frame).
+    """
+    return hello.hostname == os.uname().nodename and pid_alive(hello.pid, hello.process_create_time)

@@ -182,6 +182,29 @@ class TailSource:
                 handle.close()
 
 
+class GrowingRecordingSource(TailSource):
+    """`memtui replay` of a recording its job is still writing (a `memtui run -o` or an
+    `attach -o` recording of a job that runs): followed as it grows, exactly as the job's own
+    TUI follows it, until its `End`, or until the job is gone (then it was killed).
+
+    Whether the job still writes it is `writer_alive`, the rule `memtui report` answers
+    `job running` by, so the two never disagree about the same file.
+    """
+
+    following = True
+    """A recording read back while its job writes it: the header says the job is running."""
+
+    def __init__(self, path: Path, hello: schema.Hello, poll: float = 0.1) -> None:
+        from memtui.input.recording_file import writer_alive
+
+        super().__init__(path, lambda: not writer_alive(hello), poll)
+        self.hello = hello
+        self.warning: str | None = None
+
+    def check(self) -> None:
+        """The head was read when the source was chosen (`replay_source`)."""
+
+
 class SnapshotSource:
     """A PyTorch memory snapshot pickle, shown as a one-step recording per device.
 
@@ -218,8 +241,18 @@ class SnapshotSource:
         return None
 
 
-def replay_source(path: Path) -> ReplaySource | SnapshotSource:
-    """The source for `memtui replay PATH`, chosen by the file's first byte, not its name."""
+def replay_source(path: Path) -> ReplaySource | SnapshotSource | GrowingRecordingSource:
+    """The source for `memtui replay PATH`, chosen by the file's first byte, not its name; a
+    recording whose job still runs is followed as it grows (`GrowingRecordingSource`)."""
+    from memtui.input.recording_file import RecordingError, read_head, writer_alive
     from memtui.input.torch_snapshot import looks_like_snapshot
 
-    return SnapshotSource(path) if looks_like_snapshot(path) else ReplaySource(path)
+    if looks_like_snapshot(path):
+        return SnapshotSource(path)
+    try:
+        hello = read_head(path)
+    except RecordingError:
+        return ReplaySource(path)  # its `check()` says why, in one line
+    if writer_alive(hello):
+        return GrowingRecordingSource(path, hello)
+    return ReplaySource(path)

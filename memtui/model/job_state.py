@@ -25,6 +25,15 @@ class JobState(TextEnum):
     """The stream is over: the header's `ending` says how (None: no agent ever spoke)."""
 
 
+class QuitChoice(TextEnum):
+    """What to do with an agent `memtui attach` put into a job, when its viewer quits."""
+
+    DETACH = "detach"
+    """`memtui detach`: the agent writes its last frame and removes its hooks."""
+    LEAVE = "leave"
+    """The agent stays and keeps recording; `memtui detach PID` stops it later."""
+
+
 Ending = ExitStatus | str
 """How a job ended: an `ExitStatus`, or the string of a status a newer agent wrote that this
 version does not know (shown as written, never an error)."""

@@ -14,13 +14,12 @@ from pathlib import Path
 
 from memtui.input.frame_stream import CHUNK, damage_warning, pump
 from memtui.input.input_files import InputFileError, open_input
-from memtui.input.recording_file import RecordingError
+from memtui.input.recording_file import RecordingError, writer_alive
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
 from memtui.model.job_state import Ending, how_it_ended
 from memtui.model.leaks import MAX_HOLDERS, LeakBook
-from memtui.model.step_rows import module_label
+from memtui.model.step_rows import AlertRow, module_label
 from memtui_protocol import schema, wire
-from memtui_protocol.runtime_dir import pid_alive
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,23 @@ class StepAlert:
     ) -> StepAlert:
         """The alert as the fold takes it in, its kind converted once."""
         return cls(step, alert, time, alert_kind(alert.kind), final)
+
+
+def alert_rows(alerts: list[StepAlert], first: int = 0) -> list[AlertRow]:
+    """The alerts as rows the screen and the text report list (and fold, `folded_alerts`),
+    in stream order; an alert without a step (an `End`'s) is step 0. `first`: the stream
+    index of `alerts[0]` (the screen drops its oldest), which keys each row."""
+    return [
+        AlertRow(
+            item.step or 0,
+            item.kind,
+            item.alert.message,
+            item.alert.where,
+            item.alert.group,
+            key=f"alert-{first + index}",
+        )
+        for index, item in enumerate(alerts)
+    ]
 
 
 @dataclass
@@ -70,14 +86,8 @@ class Recording:
         """`how_it_ended` for this recording: without a final frame, the job is still running
         when its process is alive on this host (a recording still being written), else killed.
         `stopped`: memtui itself stopped the job (the recording cannot say so)."""
-        running = self.end is None and not stopped and self._process_alive()
+        running = self.end is None and not stopped and writer_alive(self.hello)
         return how_it_ended(self.end, stopped=stopped, running=running)
-
-    def _process_alive(self) -> bool:
-        hello = self.hello
-        return hello.hostname == os.uname().nodename and pid_alive(
-            hello.pid, hello.process_create_time
-        )
 
 
 def apply(recording: Recording, message: schema.Message) -> None:

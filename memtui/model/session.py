@@ -15,7 +15,7 @@ from pathlib import Path
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
 from memtui.model.leaks import LeakRow
-from memtui.model.recording import Recording, apply
+from memtui.model.recording import Recording, alert_rows, apply
 from memtui.model.step_rows import AlertRow, folded_alerts
 from memtui.model.view_state import (
     AlertsView,
@@ -30,10 +30,26 @@ from memtui.model.view_state import (
     timeline_view,
 )
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind, ExitStatus
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
 RATE_WINDOW_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class AlertMiss:
+    """`n`/`N` found no step with an alert of its own that way: what is there instead."""
+
+    step: int
+    """The cursor's step, where it stays."""
+    forward: bool
+    grouped: int = 0
+    """Alerts that way that follow from an earlier one (folded under it: not stops)."""
+    grouped_steps: tuple[int, int] | None = None
+    """The first and last step of those alerts."""
+    group: int | None = None
+    """The step of the alert they follow from."""
 
 
 @dataclass
@@ -48,6 +64,9 @@ class Session:
 
     source_label: str = ""
     live: bool = True
+    following: bool = False
+    """A recording read back while its job still writes it (`memtui replay` of a running job):
+    live in every way, and the header says the job is running, as `memtui report` does."""
     recording: Recording | None = None
     """None until the job's hello arrives (every stream starts with it)."""
     cursor: int | None = None
@@ -64,6 +83,11 @@ class Session:
     alerts_trimmed: int = 0
     """Oldest alerts dropped past MAX_ALERTS (keeps every alert's key stable)."""
     alloc_recorded: bool = False
+    first_step: int | None = None
+    """The first recorded step's number (kept when old steps are dropped from the view)."""
+    agent_attached: bool = False
+    """The job's agent was put into it by `memtui attach` (its first frame's `attached`
+    alert): quitting the viewer leaves an agent recording that nobody started with the job."""
     version: int = 0
     """Bumped on every change, so the UI can skip rendering when nothing moved."""
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=256))
@@ -105,18 +129,7 @@ class Session:
         first, alerts = self.alerts_trimmed, self.recording.alerts
         # Alerts are only appended (and trimmed at the front): rebuild the rows only then.
         if self._alert_rows[0] != (first, len(alerts)):
-            rows = [
-                AlertRow(
-                    item.step or 0,
-                    item.kind,
-                    item.alert.message,
-                    item.alert.where,
-                    item.alert.group,
-                    key=f"alert-{first + index}",
-                )
-                for index, item in enumerate(alerts)
-            ]
-            self._alert_rows = ((first, len(alerts)), rows)
+            self._alert_rows = ((first, len(alerts)), alert_rows(alerts, first))
         return self._alert_rows[1]
 
     # ----- input --------------------------------------------------------------------------
@@ -146,6 +159,10 @@ class Session:
         if step.optimizer is not None:
             self.optimizer_names.add(step.optimizer)
         self.alloc_recorded |= step.alloc_events is not None
+        if self.first_step is None:
+            self.first_step = step.step
+        if step.alerts and any(alert.kind == AlertKind.ATTACHED for alert in step.alerts):
+            self.agent_attached = True
         self._step_times.append(step.t_end)
         if len(steps) > MAX_STEPS:
             # Bounded history: drop the oldest tenth at once so trimming stays rare.
@@ -198,10 +215,11 @@ class Session:
                 self.version += 1
                 return
 
-    def next_alert(self, direction: int = 1) -> None:
-        """Move to the nearest step after (or before) the cursor that has an alert."""
+    def next_alert(self, direction: int = 1) -> AlertMiss | None:
+        """Move to the nearest step after (or before) the cursor that has an alert; when there
+        is none that way, stay and say why (None: the cursor moved)."""
         if not self.steps or self.cursor is None:
-            return
+            return None
         here = self.steps[self.cursor].step
         # Grouped alerts (every step after the weights went non-finite) are not stops of their
         # own: navigation lands on the first alert of the group instead.
@@ -214,6 +232,22 @@ class Session:
             target = targets[-1] if targets else None
         if target is not None:
             self.jump_to_step(target)
+            return None
+        that_way = [
+            alert
+            for alert in self.alerts
+            if alert.group is not None and (alert.step - here) * direction > 0
+        ]
+        if not that_way:
+            return AlertMiss(here, direction > 0)
+        steps = sorted({alert.step for alert in that_way})
+        return AlertMiss(
+            here,
+            direction > 0,
+            grouped=len(that_way),
+            grouped_steps=(steps[0], steps[-1]),
+            group=that_way[0].group,
+        )
 
     def toggle_units(self) -> None:
         """Binary (KiB/MiB/GiB) <-> decimal (kB/MB/GB)."""
@@ -240,6 +274,8 @@ class Session:
     def status_text(self) -> str:
         """live / paused / waiting, or how the job ended with its exit status."""
         state = self.job_state()
+        if state is JobState.LIVE and self.following:
+            return str(ExitStatus.RUNNING)  # `memtui report` on the same file: "job running"
         if state is not JobState.ENDED:
             return str(state)
         return ending_text(
@@ -247,11 +283,15 @@ class Session:
         )
 
     def state_text(self) -> str:
-        """The header's words: the status, after "replay step i of n" in a replay."""
+        """The header's words: the status, after "replay" in a replay (which step is the
+        header's `step` and `steps_total`, the job's own numbers, live or not)."""
         if self.live:
             return self.status_text()
-        position = (self.cursor or 0) + 1 if self.steps else 0
-        return f"replay step {position} of {len(self.steps)} · {self.status_text()}"
+        return f"replay · {self.status_text()}"
+
+    def still_recording(self) -> bool:
+        """Whether the job's agent still runs: the stream is live and has not ended."""
+        return self.live and self.job_state() in (JobState.LIVE, JobState.PAUSED)
 
     def steps_per_second(self) -> float | None:
         """Closed steps per second over the last few seconds of the job's own clock."""
@@ -296,11 +336,22 @@ class Session:
             status=self.job_state(),
             ending=self.ending(),
             replay=not self.live,
-            source=self.source_label,
+            source=self._source_words(),
             step=step.step if step is not None else None,
             steps_total=self.steps[-1].step if self.steps else 0,
             steps_per_second=self.steps_per_second(),
+            first_step=self.first_step if self.first_step != 1 else None,
         )
+
+    def _source_words(self) -> str:
+        """Where the frames come from; a recording its job is still writing says so until the
+        job's End (or its death) ends it; a socket names the recording the agent writes."""
+        hello = self.hello
+        if self.following and hello is not None and self.job_state() is not JobState.ENDED:
+            return f"{self.source_label} (pid {hello.pid} is still writing it)"
+        if hello is not None and hello.recording and hello.recording not in self.source_label:
+            return f"recording to {hello.recording} · {self.source_label}"  # the file first
+        return self.source_label
 
     def _notes(self, extra_notes: tuple[str, ...]) -> tuple[str, ...]:
         notes = list(extra_notes)

@@ -26,6 +26,9 @@ GAP_MEANINGS = {
     "system_total": "free on the machine",
 }
 
+FREE_LEVELS = frozenset({"device_total", "system_total"})
+"""The levels whose difference to the one below is free memory, not memory some use holds."""
+
 
 class Untracked(TextEnum):
     """Memory the piles bar shows beside the four piles: what no pile tracks."""
@@ -71,6 +74,9 @@ class GapRow:
     known: bool = True
     """False: the level exists but this step cannot state it (the tracked piles of a step whose
     activations are not known)."""
+    free: bool = False
+    """The difference is memory nobody uses (the device's or the machine's total minus what is
+    used): shown as an amount free, not as growth."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +326,9 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
         previous = tracked
         for label, key, value in levels:
             delta = value - previous if value is not None and previous is not None else None
-            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            rows.append(
+                GapRow(label, value, delta, GAP_MEANINGS[key], True, free=key in FREE_LEVELS)
+            )
             previous = value if value is not None else previous
     else:
         host = step.host if step is not None else schema.Host()
@@ -331,7 +339,9 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
             ("system total", "system_total", host.system_total),
         ):
             delta = value - previous if value is not None and previous is not None else None
-            rows.append(GapRow(label, value, delta, GAP_MEANINGS[key], True))
+            rows.append(
+                GapRow(label, value, delta, GAP_MEANINGS[key], True, free=key in FREE_LEVELS)
+            )
             previous = value if value is not None else previous
         rows.extend(
             GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels

@@ -19,10 +19,18 @@ from memtui_protocol import schema
 class ViewModel:
     """All ranks of the job on screen (a single job is one rank labelled "")."""
 
-    def __init__(self, ranks: dict[str, tuple[str, bool]], warning: str | None = None) -> None:
-        """`ranks`: label -> (source label, live)."""
+    def __init__(
+        self,
+        ranks: dict[str, tuple[str, bool]],
+        warning: str | None = None,
+        following: frozenset[str] = frozenset(),
+    ) -> None:
+        """`ranks`: label -> (source label, live); `following`: the labels whose source is a
+        recording its job is still writing (`memtui replay` while the job runs)."""
         self.sessions = {
-            label: Session(source_label=source, live=live, warning=warning)
+            label: Session(
+                source_label=source, live=live, warning=warning, following=label in following
+            )
             for label, (source, live) in ranks.items()
         }
         self.selected = next(iter(self.sessions))

@@ -51,11 +51,17 @@ class HeaderView:
     """How the job ended (`how_it_ended`), once `status` is ENDED; None: not ended, or no
     agent ever spoke."""
     replay: bool
-    """A recording read back (the state already says which step of how many)."""
+    """A recording read back to its end."""
     source: str
     step: int | None
+    """The cursor step's number: the job's own (an attached agent numbers frames from the
+    job's step count), the same in live, replay, the report and `detach`."""
     steps_total: int
+    """The newest step's number (not how many were recorded)."""
     steps_per_second: float | None
+    first_step: int | None = None
+    """The first recorded step's number when it is not 1 (an agent attached to a running job):
+    the header says the steps before it were not recorded."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from memtui.input.recording_file import RecordingError
 from memtui.model.rank_rows import spread
 from memtui.model.recording import Recording, read_recording
 from memtui.model.step_rows import NOT_KNOWN, distributed_notes
-from memtui.reports.report import build_report, pile_peaks
+from memtui.reports.report import build_report, pile_peaks, render_text
 from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
@@ -94,10 +94,21 @@ def build_session_report(recordings: dict[str, Recording]) -> dict[str, Any]:
 
 
 def render_session_text(recordings: dict[str, Recording], binary: bool = True) -> str:
-    """A table of each rank's highest piles and how it ended, then the imbalance."""
+    """A table of each rank's highest piles and how it ended, then the imbalance.
+
+    A `-- COMMAND` folder holds processes, not ranks (`proc-N`): one process is that
+    recording's own report; several are the table without an imbalance, which compares
+    ranks doing the same work, not a launcher and its workers.
+    """
+    ranks = all(label.isdigit() for label in recordings)
+    if not ranks and len(recordings) == 1:
+        label, only = next(iter(recordings.items()))
+        return f"one process recorded ({label}.memtui)\n" + render_text(only, binary)
     size = partial(format_bytes, binary=binary)
-    lines = [f"session of {len(recordings)} rank(s)"]
-    header = f"{'rank':<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in Pile) + "  ending"
+    what = "rank" if ranks else "process"
+    count = len(recordings)
+    lines = [f"session of {count} rank(s)" if ranks else f"{count} processes of one command"]
+    header = f"{what:<8}{'steps':>7}  " + "".join(f"{p:>17}" for p in Pile) + "  ending"
     lines.append(header)
     for label, recording in recordings.items():
         peaks = pile_peaks(recording)
@@ -107,6 +118,8 @@ def render_session_text(recordings: dict[str, Recording], binary: bool = True) -
             + "".join(f"{size(peaks[p], missing=NOT_KNOWN):>17}" for p in Pile)
             + f"  {ending}"
         )
+    if not ranks:
+        return "\n".join(lines)
     lines.append("imbalance (max/min across ranks):")
     for pile, entry in imbalance(recordings).items():
         if entry["max"] is None:

@@ -5,17 +5,19 @@ Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the
 
 from __future__ import annotations
 
+from collections import Counter
 from functools import partial
 from typing import Any
 
 import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
-from memtui.model.recording import Recording, StepAlert
+from memtui.model.recording import Recording, StepAlert, alert_rows
 from memtui.model.step_rows import (
     NOT_KNOWN,
     activations_known,
     distributed_notes,
+    folded_alerts,
     known_total,
     pile_figure,
     pile_of,
@@ -304,6 +306,47 @@ def activation_line(steps: list[Step]) -> str | None:
     return line
 
 
+MAX_ALERT_LINES = 20
+"""Alert lines the text report lists (after folding); `--json` lists every alert."""
+
+
+def alert_lines(recording: Recording) -> list[str]:
+    """The alerts other than an OOM (which leads the report), folded as the screen folds them:
+    alerts that follow from an earlier one (every step after the weights went non-finite) are
+    one line under it. At most `MAX_ALERT_LINES` lines, then how many alerts were left out."""
+    stepped = [item for item in recording.alerts if not item.final and item.kind != AlertKind.OOM]
+    final = [item for item in recording.alerts if item.final and item.kind != AlertKind.OOM]
+    total = len(stepped) + len(final)
+    if not total:
+        return []
+    members = Counter(item.alert.group for item in stepped if item.alert.group is not None)
+    # The fold lists newest first, as the screen does; the report reads oldest first.
+    rows = sorted(reversed(folded_alerts(alert_rows(stepped))), key=lambda row: row.step)
+    rows += alert_rows(final)
+    lines = [f"alerts: {total}"]
+    shown = 0
+    for row in rows[:MAX_ALERT_LINES]:
+        where = f" [{row.where}]" if row.where else ""
+        lines.append(f"  step {row.step}: {row.kind}{where}: {row.message}")
+        grouped = row.group if row.kind == AlertKind.GROUPED else None
+        shown += members[grouped] if grouped is not None else 1
+    if shown < total:
+        lines.append(
+            f"  and {total - shown} more (memtui report --json lists every alert; "
+            "memtui replay shows them by step)"
+        )
+    return lines
+
+
+def steps_counted(steps: list[Step]) -> str:
+    """How many steps were recorded and, when they are not the job's steps 1 to N (an agent
+    attached to a running job), which of the job's steps they are: every reader numbers steps
+    as the frames do, by the job's own count."""
+    if not steps or (steps[0].step == 1 and steps[-1].step == len(steps)):
+        return str(len(steps))
+    return f"{len(steps)} recorded, the job's steps {steps[0].step}-{steps[-1].step}"
+
+
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
     report = report_of(recording)
@@ -331,7 +374,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     )
     steps = recording.steps
     lines.append(
-        f"steps: {len(steps)}"
+        f"steps: {steps_counted(steps)}"
         + (f", {sum(s.skipped for s in steps)} skipped" if any(s.skipped for s in steps) else "")
     )
     measured = activation_line(steps)
@@ -387,12 +430,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         losses = [step.loss for step in steps if step.loss is not None]
         if losses:
             lines.append(f"loss: {losses[0]:.4g} at first step, {losses[-1]:.4g} at last")
-    other_alerts = [alert for alert in report.alerts if alert.kind != AlertKind.OOM]
-    if other_alerts:
-        lines.append(f"alerts: {len(other_alerts)}")
-        for alert in other_alerts[:20]:
-            where = f" [{alert.where}]" if alert.where else ""
-            lines.append(f"  step {alert.step}: {alert.kind}{where}: {alert.message}")
+    lines.extend(alert_lines(recording))
     lines.extend(events_text(steps, recording.end, binary))
     for error in report.agent_errors:
         lines.append(f"agent: {error.component} turned off: {error.message}")

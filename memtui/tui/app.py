@@ -20,12 +20,13 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, RichLog
 
 from memtui.input.job_process import JobProcess
-from memtui.model.session import Session
+from memtui.model.job_state import QuitChoice
+from memtui.model.session import AlertMiss, Session
 from memtui.model.view_model import ViewModel
 from memtui.model.view_state import ViewState
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
-from memtui.tui.screens import ConfirmQuit, HelpScreen
+from memtui.tui.screens import AlertScreen, ConfirmDetach, ConfirmQuit, HelpScreen
 from memtui.tui.timeline import PileTimeline
 from memtui.tui.widgets import (
     AlertDetail,
@@ -43,7 +44,7 @@ TICK_SECONDS = 0.5
 """How often a live view drains new frames and redraws (keys redraw at once). Each redraw of a
 160x48 screen costs about 35 ms of the viewer's CPU, which a job sharing a small machine feels:
 2 Hz keeps the viewer under a tenth of a core."""
-STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank"}
+STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank", "show_alert"}
 NARROW_WIDTH = 140
 
 
@@ -64,7 +65,11 @@ class MemtuiApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "memtui"
     BINDINGS = [
+        # Footer order: the footer cuts from the right on a narrow terminal, and help must stay.
         Binding("q", "quit_app", "Quit"),
+        # Textual's own ctrl+c only says "press ctrl+q"; here it is q, dialogs and all.
+        Binding("ctrl+c", "quit_app", "Quit", show=False, priority=True),
+        Binding("question_mark", "help", "Help"),
         Binding("space", "toggle_pause", "Pause"),
         # Priority: the step keys must work whichever panel (a table, the scrolling body) has
         # focus; tables keep up/down/Enter for their own rows.
@@ -74,10 +79,10 @@ class MemtuiApp(App[int]):
         Binding("end", "end", "Last", show=False, priority=True),
         Binding("n", "next_alert(1)", "Next alert", priority=True),
         Binding("N", "next_alert(-1)", "Prev alert", priority=True),
+        Binding("a", "show_alert", "Alert", priority=True),
         Binding("u", "toggle_units", "GiB/GB", priority=True),
         Binding("r", "next_rank", "Rank", priority=True),
         Binding("tab", "focus_next", "Focus", show=False),
-        Binding("question_mark", "help", "Help"),
     ]
 
     def __init__(
@@ -87,14 +92,26 @@ class MemtuiApp(App[int]):
         job: JobProcess | None = None,
         warning: str | None = None,
         ranks: dict[str, Source] | None = None,
+        attached: bool = False,
+        injected: bool = False,
     ) -> None:
+        """`attached`: opened by `memtui attach`; `injected`: that attach put the agent into a
+        job started without memtui (quitting then asks what to do with the agent)."""
         super().__init__()
         self.source = source
         self.job = job
+        self.attached = attached
+        self.injected = injected
+        self.quit_choice: QuitChoice | None = None
+        """What the user chose for an attached agent when quitting (None: nothing asked)."""
         # One Session per rank of a session folder (or a single one); `r` switches between them.
         self.ranks: dict[str, Source] = ranks or {"": source}
         self.model = ViewModel(
-            {label: (rank.label, rank.live) for label, rank in self.ranks.items()}, warning
+            {label: (rank.label, rank.live) for label, rank in self.ranks.items()},
+            warning,
+            frozenset(
+                label for label, rank in self.ranks.items() if getattr(rank, "following", False)
+            ),
         )
         self.inboxes: dict[str, deque[list[schema.Message]]] = {
             label: deque() for label in self.ranks
@@ -103,6 +120,7 @@ class MemtuiApp(App[int]):
         self._rendered_version: object = -1
         self._rendered_width = -1
         self._job_code: int | None = None
+        self._pausable: bool | None = None
 
     @property
     def sessions(self) -> dict[str, Session]:
@@ -139,10 +157,12 @@ class MemtuiApp(App[int]):
                 with Vertical(id="alerts-box", classes="box"):
                     yield AlertsTable(id="alerts")
                     yield AlertDetail(id="alert-detail")
-                with Vertical(id="dtypes-box", classes="box"):
-                    yield DtypeTable(id="dtypes")
-                with Vertical(id="activations-box", classes="box"):
-                    yield TopActivations(id="activations")
+                # One column beside the alerts: their messages get the rest of the width.
+                with Vertical(id="side-column"):
+                    with Vertical(id="dtypes-box", classes="box"):
+                        yield DtypeTable(id="dtypes")
+                    with Vertical(id="activations-box", classes="box"):
+                        yield TopActivations(id="activations")
             # Hidden until the job sends allocator events (`--alloc-events`).
             with Vertical(id="allocations-box", classes="box"):
                 yield AllocationsTable(id="allocations")
@@ -227,6 +247,10 @@ class MemtuiApp(App[int]):
                 self._job_code = self.job.poll()
                 if self._job_code is not None:
                     self.model.job_exited(self._job_code, self.job.stopped)
+        pausable = self.session.still_recording()
+        if pausable != self._pausable:  # the footer offers Pause only while frames arrive
+            self._pausable = pausable
+            self.refresh_bindings()
         timeline = self.query_one(PileTimeline)
         width = timeline.size.width
         version = self.model.version
@@ -265,6 +289,10 @@ class MemtuiApp(App[int]):
         """Step keys are priority bindings; on a dialog they step aside so it gets its keys."""
         if action == "next_rank" and len(self.ranks) < 2:
             return False  # a single job: no rank key in the footer
+        if action == "toggle_pause" and not self.session.still_recording():
+            return False  # a replay or an ended job: nothing arrives, nothing to pause
+        if action == "move" and isinstance(self.focused, AlertsTable):
+            return False  # ←/→ belong to the table the user is reading, not the step cursor
         return not (action in STEP_ACTIONS and isinstance(self.screen, ModalScreen))
 
     def _changed(self) -> None:
@@ -283,7 +311,9 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_next_alert(self, direction: int) -> None:
-        self.session.next_alert(direction)
+        miss = self.session.next_alert(direction)
+        if miss is not None:
+            self.notify(alert_miss_text(miss), timeout=6)
         self._changed()
 
     def action_toggle_units(self) -> None:
@@ -295,7 +325,7 @@ class MemtuiApp(App[int]):
         self._changed()
 
     def action_toggle_pause(self) -> None:
-        if self.session.live:
+        if self.session.still_recording():
             self.session.toggle_pause()
             self._changed()
 
@@ -305,22 +335,52 @@ class MemtuiApp(App[int]):
     @on(DataTable.RowHighlighted, "#alerts")
     def _show_alert_detail(self) -> None:
         """The alert under the table's cursor, whole, under the table (none: no line)."""
-        detail = self.query_one(AlertDetail)
-        detail.view = self.query_one(AlertsTable).alert_at_cursor()
+        details, tables = self.query(AlertDetail), self.query(AlertsTable)
+        if not details or not tables:
+            return  # a highlight that lands while the app shuts down (its widgets are gone)
+        detail = details.first()
+        detail.view = tables.first().alert_at_cursor()
         detail.display = detail.view is not None
 
     @on(DataTable.RowSelected, "#alerts")
-    def _alert_selected(self, event: DataTable.RowSelected) -> None:
-        step = self.query_one(AlertsTable).step_of_row(event.row_key.value or "")
-        if step is not None:
-            self.session.jump_to_step(step)
-            self._changed()
+    def _alert_selected(self) -> None:
+        """Enter on an alert: the same as `a`."""
+        self.action_show_alert()
+
+    def action_show_alert(self) -> None:
+        """The alert under the alerts table's cursor (the newest until the user moves it):
+        the step cursor goes to its step, and a dialog shows all of it."""
+        alert = self.query_one(AlertsTable).alert_at_cursor()
+        if alert is None:
+            self.notify("no alerts", timeout=3)
+            return
+        self.session.jump_to_step(alert.step)
+        self._changed()
+        self.push_screen(AlertScreen(alert))
 
     async def action_quit(self) -> None:
         """Textual's own quit key (ctrl+q) goes through the same checks as `q`."""
         self.action_quit_app()
 
     def action_quit_app(self) -> None:
+        if isinstance(self.screen, (ConfirmQuit, ConfirmDetach)):
+            return  # the question is on screen already (a second Ctrl+C)
+        session = self.session
+        hello = session.hello
+        if (
+            self.attached
+            and hello is not None
+            and session.still_recording()
+            and (self.injected or session.agent_attached)
+        ):
+
+            def chosen(choice: QuitChoice | None) -> None:
+                if choice is not None:
+                    self.quit_choice = choice
+                    self._finish()
+
+            self.push_screen(ConfirmDetach(hello.pid, hello.recording), chosen)
+            return
         if self.job is not None and self.job.poll() is None:
 
             def decide(kill: bool | None) -> None:
@@ -336,6 +396,20 @@ class MemtuiApp(App[int]):
         self._stop.set()
         code = self.job.wait() if self.job is not None else 0
         self.exit(code)
+
+
+def alert_miss_text(miss: AlertMiss) -> str:
+    """Why `n`/`N` did not move: no alert that way, or only alerts grouped under an earlier
+    one (which are not stops: the first alert of their group is)."""
+    way = "after" if miss.forward else "before"
+    if not miss.grouped or miss.grouped_steps is None:
+        return f"no alert {way} step {miss.step}"
+    first, last = miss.grouped_steps
+    where = f"step {first}" if first == last else f"steps {first}-{last}"
+    return (
+        f"no alert of its own {way} step {miss.step}: the {miss.grouped} alerts on {where} "
+        f"follow from step {miss.group}'s (one folded row in the alerts table)"
+    )
 
 
 def run_app(app: MemtuiApp) -> int:

@@ -10,22 +10,26 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Static
 
-from memtui.model.step_rows import format_age
+from memtui.model.job_state import QuitChoice
+from memtui.model.step_rows import AlertRow, format_age
 from memtui.terminal_text import plain
+from memtui.tui.palette import alert_style
 
 HELP_KEYS = (
-    ("q", "quit (asks first while the job still runs)"),
+    ("q / Ctrl+C", "quit (asks first if the job or an attached agent runs)"),
     ("space", "pause / resume the live view"),
-    ("← / →", "previous / next step"),
+    ("← / →", "previous / next step (not while in the alerts table)"),
     ("Home / End", "first / newest step (End follows live frames again)"),
     ("n / N", "next / previous step with an alert"),
+    ("Enter / a", "the chosen alert whole; the cursor goes to its step"),
     ("u", "binary units (GiB) / decimal units (GB)"),
     ("r", "next rank (a job with several ranks)"),
-    ("Tab", "move focus between panels; Enter on an alert jumps to its step"),
+    ("Tab", "focus the next panel (alerts table: ↑/↓ pick an alert)"),
+    ("↑↓ PgUp PgDn", "scroll the screen, or the table with focus"),
     ("?", "this help; Esc closes it"),
 )
 HELP_NOTES = (
@@ -54,11 +58,44 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="help-dialog", classes="dialog"):
+        # Scrolls where the terminal is shorter than the help: no line is ever cut off.
+        with VerticalScroll(id="help-dialog", classes="dialog"):
             yield Static(help_renderable(), id="help-text")
 
     def action_dismiss(self) -> None:  # type: ignore[override]
         self.dismiss(None)
+
+
+class AlertScreen(ModalScreen[None]):
+    """One alert whole: its step and kind, the whole message, and every name in `where` (a
+    list of parameters can be longer than any panel). It scrolls where the screen is short."""
+
+    BINDINGS = [Binding("escape,enter,q,a", "dismiss", "Close")]
+
+    def __init__(self, alert: AlertRow) -> None:
+        super().__init__()
+        self.alert = alert
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="alert-dialog", classes="dialog"):
+            yield Static(alert_renderable(self.alert), id="alert-text")
+
+    def action_dismiss(self) -> None:  # type: ignore[override]
+        self.dismiss(None)
+
+
+def alert_renderable(alert: AlertRow) -> Group:
+    """The alert as the dialog shows it: a title line, the message, then `where`."""
+    title = Text(f"Alert at step {alert.step}: ", style="bold")
+    title.append_text(plain(alert.kind, style=alert_style(alert.kind)))
+    parts: list[Text] = [title, Text(""), plain(alert.message)]
+    if alert.where:
+        parts += [Text(""), Text("where: ", style="bold") + plain(alert.where, style="cyan")]
+    parts += [
+        Text(""),
+        Text(f"The step cursor is on step {alert.step}. Esc or Enter closes.", style="dim"),
+    ]
+    return Group(*parts)
 
 
 class ConfirmQuit(ModalScreen[bool]):
@@ -81,6 +118,48 @@ class ConfirmQuit(ModalScreen[bool]):
 
     def action_answer(self, value: bool) -> None:
         self.dismiss(value)
+
+
+class ConfirmDetach(ModalScreen[QuitChoice | None]):
+    """Quitting a viewer of a job `memtui attach` put the agent into: the agent would stay and
+    keep recording. Ask whether to detach it or leave it recording (None: keep watching)."""
+
+    BINDINGS = [
+        Binding("d", "answer('detach')", "Detach"),
+        Binding("l", "answer('leave')", "Leave it recording"),
+        Binding("escape,n", "answer(None)", "Keep watching"),
+    ]
+
+    def __init__(self, pid: int, recording: str | None) -> None:
+        super().__init__()
+        self.pid = pid
+        self.recording = recording
+
+    def compose(self) -> ComposeResult:
+        where = plain(self.recording) if self.recording else Text("no file (a socket only)")
+        question = Text.assemble(
+            "Quit: ",
+            ("d", "bold"),
+            f"etach the agent from pid {self.pid} (it writes its last frame and removes its "
+            "hooks; the job carries on), or ",
+            ("l", "bold"),
+            "eave the agent recording to ",
+            where,
+            f"? (memtui detach {self.pid} stops it later.) Esc: keep watching.",
+        )
+        with Vertical(id="detach-dialog", classes="dialog"):
+            yield Static(question, id="detach-question")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Detach and quit", id="detach", variant="primary")
+                yield Button("Leave it recording and quit", id="leave")
+                yield Button("Keep watching", id="stay")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        choices = {"detach": QuitChoice.DETACH, "leave": QuitChoice.LEAVE}
+        self.dismiss(choices.get(event.button.id or ""))
+
+    def action_answer(self, value: str | None) -> None:
+        self.dismiss(QuitChoice(value) if value is not None else None)
 
 
 class AttachScreen(ModalScreen[dict[str, Any] | None]):

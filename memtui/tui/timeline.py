@@ -133,8 +133,12 @@ def _cursor_index(data: TimelineView) -> int | None:
     return hits[-1] if hits else None
 
 
-def _step_labels(steps: list[int], cursor: int | None, columns: int) -> str:
-    """First step at the left, last at the right, the cursor's under it when nothing overlaps."""
+def _step_labels(
+    steps: list[int], cursor: int | None, columns: int, alerts: tuple[int, ...] = ()
+) -> str:
+    """First step at the left, last at the right, the cursor's under it, then the step under
+    each column in `alerts` (where a run of alert markers starts), each where nothing overlaps:
+    a narrow chart still says which step its first ▲ is."""
     row = [" "] * columns
     taken: list[tuple[int, int]] = []
 
@@ -150,6 +154,10 @@ def _step_labels(steps: list[int], cursor: int | None, columns: int) -> str:
     place(str(steps[-1]), len(steps) - len(str(steps[-1])))
     if cursor is not None and steps[cursor] not in (steps[0], steps[-1]):
         place(str(steps[cursor]), cursor - len(str(steps[cursor])) // 2)
+    shown = {steps[0], steps[-1], *([steps[cursor]] if cursor is not None else [])}
+    for column in alerts:
+        if steps[column] not in shown:
+            place(str(steps[column]), column - len(str(steps[column])) // 2)
     return "".join(row)
 
 
@@ -245,7 +253,14 @@ def render_lines(
         markers.append("▲" if alert else " ", style if alert or here else None)
     lines.append(markers)
     label_cursor = cursor_columns.start if cursor is not None else None
-    labels = "step".rjust(AXIS_WIDTH - 1) + " " + _step_labels(steps, label_cursor, len(steps))
+    runs = tuple(  # the first column of each run of steps with alerts
+        x
+        for x, step in enumerate(steps)
+        if first_of_step[x] and step in data.alerts and (x == 0 or steps[x - 1] not in data.alerts)
+    )
+    labels = (
+        "step".rjust(AXIS_WIDTH - 1) + " " + _step_labels(steps, label_cursor, len(steps), runs)
+    )
     lines.append(Text(labels, style=axis, no_wrap=True, end=""))
     return lines
 

@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
+from textual.geometry import Size
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
@@ -95,10 +96,12 @@ class JobHeader(Static):
         width = max(self.size.width - 2, 10)
         ended = view.status is JobState.ENDED
         first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
-        parts = [describe_rate(view.steps_per_second), view.title]
-        if not view.replay:  # replay's state already says which step
-            step = f"step {view.step} of {view.steps_total}" if view.step is not None else None
-            parts.insert(0, step or "no steps yet")
+        step = "no steps yet"
+        if view.step is not None:
+            step = f"step {view.step} of {view.steps_total}"
+            if view.first_step is not None:
+                step += f" (recorded from step {view.first_step})"
+        parts = [step, describe_rate(view.steps_per_second), view.title]
         first.append("  " + terminal_safe(" · ".join(parts)))
         second = plain(view.job or "(waiting for the job)", style="bold")
         second.append(f"  {terminal_safe(view.source)}", style="dim")
@@ -224,8 +227,8 @@ class GapPanel(FlowPanel[GapView]):
                 )
                 continue
             delta = "" if row.delta is None else "+" + _size(row.delta, view.binary)
-            if row.delta is not None and row.delta < 0:
-                delta = _size(row.delta, view.binary)
+            if row.delta is not None and (row.delta < 0 or row.free):
+                delta = _size(row.delta, view.binary)  # "22.82 GiB free on the machine"
             table.add_row(
                 row.label,
                 _size(row.value, view.binary),
@@ -370,34 +373,45 @@ class TopActivations(PanelTable[ActivationsView]):
             yield row.key, (plain(row.label), Text(_size(row.bytes, view.binary), justify="right"))
 
 
-WHERE_WIDTH = 32
-"""The `where` column's width: a module path or the first parameter names, then an ellipsis."""
-
-
-def _where_cell(where: str | None) -> Text:
-    cell = plain(where or "", style="cyan")
-    cell.truncate(WHERE_WIDTH, overflow="ellipsis")
-    return cell
+MIN_MESSAGE_WIDTH = 12
+"""The alerts table never cuts a message to fewer columns than this (it scrolls instead)."""
 
 
 class AlertsTable(PanelTable[AlertsView]):
-    """Alerts newest first; selecting one moves the cursor to its step (handled by the app)."""
+    """Alerts newest first: step, kind and as much of the message as the table's width holds,
+    cut with an ellipsis. The rest of it, and `where` (module or parameter names, often a long
+    list), are in the AlertDetail line under the table and, whole, in the dialog Enter opens
+    (handled by the app, which also moves the step cursor to the alert's step)."""
 
-    # `where` before the message: messages are long, and the module or parameter names are
-    # what the user acts on, so they must be on screen without scrolling sideways.
-    COLUMNS = ("step", "kind", "where", "message")
+    COLUMNS = ("step", "kind", "message")
 
     def rows_of(self, view: AlertsView) -> Iterable[Row]:
+        steps = max((len(str(alert.step)) for alert in view.rows), default=0)
+        kinds = max((len(str(alert.kind)) for alert in view.rows), default=0)
+        room = self.message_width(max(steps, len("step")), max(kinds, len("kind")))
         for alert in view.rows:
+            message = plain(alert.message)
+            message.truncate(room, overflow="ellipsis")
             yield (
                 alert.key,
                 (
                     Text(str(alert.step), justify="right"),
                     plain(alert.kind, style=alert_style(alert.kind)),
-                    _where_cell(alert.where),
-                    plain(alert.message),
+                    message,
                 ),
             )
+
+    def message_width(self, step_width: int, kind_width: int) -> int:
+        """Columns left for the message beside the step and the kind: each cell is padded by
+        one column on either side, and the vertical scrollbar takes its own."""
+        width = self.scrollable_content_region.width or self.size.width
+        padding = 2 * self.cell_padding
+        return max(MIN_MESSAGE_WIDTH, width - step_width - kind_width - 3 * padding)
+
+    def on_resize(self) -> None:
+        """The message column follows the table's width: cut the messages again."""
+        if self.view is not None:
+            sync_rows(self, self.rows_of(self.view))
 
     def step_of_row(self, row_key: str) -> int | None:
         """The step of the alert shown in a row, from the view state (never from a cell's text)."""
@@ -412,22 +426,47 @@ class AlertsTable(PanelTable[AlertsView]):
         return next((row for row in self.view.rows if row.key == key), None)
 
 
+def alert_text(alert: AlertRow) -> Text:
+    """One alert whole, on one line that wraps: step, kind, `where` (unless the message
+    already starts with it, as a leak's does with its holder), message."""
+    line = Text(f"step {alert.step} ", style="bold")
+    line.append_text(plain(alert.kind, style=alert_style(alert.kind)))
+    if alert.where and not alert.message.startswith(alert.where):
+        line.append_text(plain(f" [{alert.where}]", style="cyan"))
+    line.append_text(plain(f": {alert.message}"))
+    return line
+
+
+CUT_HINT = "… a (or Enter in the table): all of it"
+"""The AlertDetail's last line when the alert is longer than the room under the table."""
+
+
 class AlertDetail(FlowPanel[AlertRow]):
-    """The alert under the alerts table's cursor, whole: the table's last column cuts a long
-    message (a leak's figures and fix, the numbers of an `activations_vary`), here it wraps."""
+    """The alert under the alerts table's cursor, whole: the table cuts a long message (a
+    leak's figures and fix, the numbers of an `activations_vary`, a list of parameters); here
+    it wraps. Longer than its room, it ends with a line that says how to read the rest."""
 
     def free_lines(self, view: AlertRow | None) -> list[Text]:
-        if view is None:
-            return []
-        line = Text(f"step {view.step} ", style="bold")
-        line.append_text(plain(view.kind, style=alert_style(view.kind)))
-        if view.where and not view.message.startswith(view.where):  # a leak names its holder
-            line.append_text(plain(f" [{view.where}]", style="cyan"))
-        line.append_text(plain(f": {view.message}"))
-        return [line]
+        return [alert_text(view)] if view is not None else []
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        """All the lines the alert wraps to (CSS `max-height` caps it): measured from the
+        whole alert, never from what `render` cut to fit the last height."""
+        if not self.lines:
+            return 0
+        return len(self.lines[0].wrap(self.app.console, max(width, 10)))
 
     def render(self) -> Text:
-        return self.lines[0] if self.lines else Text("")
+        if not self.lines:
+            return Text("")
+        width, room = max(self.size.width, 10), self.size.height
+        wrapped = self.lines[0].wrap(self.app.console, width)
+        if room < 2 or len(wrapped) <= room:
+            return self.lines[0]
+        shown = Text("\n").join(list(wrapped)[: room - 1])
+        shown.append("\n")
+        shown.append(CUT_HINT, style="dim")
+        return shown
 
 
 class NotesLine(FlowPanel[NotesView]):
