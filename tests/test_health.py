@@ -182,6 +182,39 @@ def test_full_mode_sees_an_input_written_in_place_after_the_previous_module(
     assert not _alerts(report, 1)
 
 
+HUGE_FINITE_JOB = """
+import torch, memtui_agent
+torch.manual_seed(0)
+
+class Scale(torch.nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+    def forward(self, x):
+        return x * self.factor
+
+with memtui_agent.monitor(record="rec.memtui", socket=False, nan_check="full"):
+    model = torch.nn.Sequential(Scale(1.5), Scale(1e-37), torch.nn.Linear(100, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        x = torch.rand(4, 100) * 1e38 + 1e38  # every element finite, their sum past 3.4e38
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        assert torch.isfinite(loss)
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_full_mode_never_calls_large_finite_values_non_finite(
+    tmp_path: Path, shared_python: Any
+) -> None:
+    # A float32 sum of the batch overflows; the probe must look at the values, not their sum.
+    _, report = _run(shared_python, tmp_path, HUGE_FINITE_JOB)
+    assert len(report["steps"]) == 3
+    assert not [alert for alert in report["alerts"] if "nonfinite" in alert["kind"]]
+
+
 def test_default_mode_flags_the_step_and_arms_module_checks(
     tmp_path: Path, shared_python: Any
 ) -> None:
