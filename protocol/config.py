@@ -32,6 +32,7 @@ ALLOC_EVENTS = "MEMTUI_ALLOC_EVENTS"
 ACTIVATIONS = "MEMTUI_ACTIVATIONS"
 SESSION = "MEMTUI_SESSION"
 STOP_FILE = "MEMTUI_STOP_FILE"
+ERROR_FILE = "MEMTUI_ERROR_FILE"
 VARIABLES = (
     RECORD,
     SOCKET,
@@ -44,6 +45,7 @@ VARIABLES = (
     ACTIVATIONS,
     SESSION,
     STOP_FILE,
+    ERROR_FILE,
 )
 """Every variable `to_env` writes (a child that must not inherit a config drops these)."""
 
@@ -67,6 +69,9 @@ class AgentConfig:
         session: the `memtui run` that started the job (groups ranks; finds the socket).
         stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
             the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
+        error_file: where the runner also writes the job's final error, as it printed it on
+            the job's stderr (`memtui run` with its TUI, where that stderr is in a pane: the
+            error is printed again once the screen closes).
     """
 
     record: str | None = None
@@ -80,6 +85,7 @@ class AgentConfig:
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
     stop_file: str | None = None
+    error_file: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -104,6 +110,8 @@ class AgentConfig:
             env[SESSION] = self.session
         if self.stop_file is not None:
             env[STOP_FILE] = self.stop_file
+        if self.error_file is not None:
+            env[ERROR_FILE] = self.error_file
         return env
 
     @classmethod
@@ -133,6 +141,7 @@ class AgentConfig:
             activations=_member(ActivationMode, environ.get(ACTIVATIONS), ActivationMode.AUTO),
             session=environ.get(SESSION) or None,
             stop_file=environ.get(STOP_FILE) or None,
+            error_file=environ.get(ERROR_FILE) or None,
         )
 
     def oom_snapshot_path(self) -> str | None:

@@ -154,7 +154,8 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     """`memtui detach PID`: the agent writes its last frame and removes every hook."""
     try:
         target = check_target(pid, need_torch=False)
-        if running_agent(pid) is None:
+        agent = running_agent(pid)
+        if agent is None:
             raise AttachRefused(f"no memtui agent runs in pid {pid}")
         injection = Injection(target, check_delivery(target), Action.DETACH)
     except AttachRefused as exc:
@@ -178,5 +179,28 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     if answer["state"] is Answer.DETACHING:
         print(f"memtui: pid {pid}: the agent stops at the job's next forward", file=sys.stderr)
         return 0
-    print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
+    recording = agent.get("recording")
+    if not recording:
+        print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
+        return 0
+    # The steps as the recording holds them (what `report` counts), not the agent's own count.
+    print(f"memtui: detached from pid {pid}; the job carries on", file=sys.stderr)
+    for line in detached_lines(Path(str(recording))):
+        print(line, file=sys.stderr)
     return 0
+
+
+def detached_lines(path: Path) -> list[str]:
+    """What the detached agent recorded: the steps, the alerts by kind with their first step
+    and where the recording is, read from the recording as `report` reads it."""
+    from memtui.commands.run_command import outcome_of, recording_lines
+    from memtui.input.recording_file import RecordingError
+
+    try:
+        outcome = outcome_of(path, None)
+    except RecordingError as exc:
+        return [f"memtui: recording unreadable: {terminal_safe(str(exc))}"]
+    return [
+        f"memtui: recorded {outcome.steps} steps; highest piles: {outcome.piles}",
+        *recording_lines(outcome, path),
+    ]

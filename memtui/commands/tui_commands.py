@@ -14,14 +14,17 @@ from typing import Any
 from memtui.commands.run_command import (
     JobSpec,
     launches_ranks,
+    make_private_file,
     summary_line,
     take_notes,
+    take_private_file,
 )
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL
 from memtui.input.sources import LiveSource, ReplaySource, SourceError, TailSource, replay_source
 from memtui.model.step_rows import format_age
 from memtui.terminal_text import terminal_safe
+from memtui_protocol.config import AgentConfig
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
 
@@ -90,37 +93,61 @@ class FirstRecordingTail(TailSource):
 
 
 def run_tui(job_spec: JobSpec) -> int:
-    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
+    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file.
+
+    The screen opens once the job's agent has started (`job_start`): a job that fails before it
+    imports torch leaves Python's error and its exit code on the terminal, not an empty screen.
+    A job that fails under the screen gets its error printed again once the screen closes, as
+    Python printed it (the runner copies it to `error_file`).
+    """
     problem = _need_terminal("run")
     if problem:
         take_notes(job_spec)
         raise UsageError(problem)
+    from memtui.commands.job_start import AgentStart, wait_for_agent
     from memtui.input.job_process import JobProcess, recording_log_path
 
     log_path = recording_log_path(job_spec.recording)
+    error_file = make_private_file("memtui-error-")
+    config = AgentConfig.from_env(job_spec.env).replace(error_file=str(error_file))
+    start = AgentStart(job_spec)
     try:
-        job = JobProcess(job_spec.command, job_spec.env, log_path)
+        job = JobProcess(job_spec.command, {**job_spec.env, **config.to_env()}, log_path)
     except OSError as exc:
         take_notes(job_spec)
+        take_private_file(error_file)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
+    shown = False
     try:
-        # Textual only after the job has started: its import (about 0.2 s) overlaps the job's
-        # own start instead of delaying it. Anything failing from here stops the job.
+        # Textual is imported while the job starts: its import (about 0.2 s) overlaps the
+        # job's own start instead of delaying the screen. Anything failing from here stops the job.
         from memtui.tui.app import MemtuiApp, run_app
 
-        source, ranks = _live_source(job_spec, job)
-        run_app(MemtuiApp(source, job=job, ranks=ranks))
+        if wait_for_agent(start, job, notice=_waiting_notice(job_spec, job.pid)):
+            source, ranks = _live_source(job_spec, job)
+            shown = True
+            run_app(MemtuiApp(source, job=job, ranks=ranks))
     finally:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    error = take_private_file(error_file)
+    if shown and error:  # without the screen it is on the terminal already
+        print(terminal_safe(error.rstrip("\n"), keep_newlines=True), file=sys.stderr)
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
     print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
-    if log_path is not None:
+    if log_path is not None and log_path.exists():
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code
+
+
+def _waiting_notice(job_spec: JobSpec, pid: int) -> str:
+    return (
+        f"memtui: {terminal_safe(' '.join(job_spec.display))} (pid {pid}) started; the screen "
+        "opens when it imports torch (Ctrl-C stops it)"
+    )
 
 
 def _live_source(job_spec: JobSpec, job: Any) -> tuple[Any, dict[str, Any] | None]:
