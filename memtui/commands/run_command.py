@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from memtui import errors
 from memtui.terminal_text import terminal_safe
+from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.runtime_dir import runtime_dir
 from memtui_protocol.safe_open import refusal
@@ -321,14 +322,19 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
     say (the process dies without its final frame), so the summary does.
     """
+    exited = (
+        f"job {INTERRUPTED} (exit code {code})"
+        if code == SIGINT_CODE
+        else f"job exited with code {code}"
+    )
     if job.recording is None:
-        return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
+        return f"memtui: {exited} (nothing recorded: --no-record)"
     if job.recording.is_dir():
         return _session_summary(job.recording, code)
     if not job.recording.exists():
         return (
-            f"memtui: job exited with code {code}; no recording was written (the job never "
-            "imported torch, or the agent could not start)"
+            f"memtui: {exited}; no recording was written (the job never imported torch, or the "
+            "agent could not start)"
         )
     from memtui.input.recording_file import (
         RecordingError,  # after the job: not in its start-up path
@@ -387,15 +393,28 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
     )
-    status = ending_words(recording.how_it_ended(stopped), path, code)
+    status = ending_words(recording.how_it_ended(stopped), path, code, recording.end)
     return Outcome(status, len(recording.steps), piles, alert_tally(recording))
 
 
-def ending_words(ending: Ending, path: Path, code: int | None) -> str:
-    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, and a job
-    that exited by itself (`code` under 128) without a final frame is not called killed."""
+INTERRUPTED = "interrupted by Ctrl-C"
+SIGINT_CODE = 130
+"""The shell's exit code for a process that SIGINT ended (128 + 2), which Python's own exit on
+an uncaught KeyboardInterrupt reproduces."""
+
+
+def ending_words(
+    ending: Ending, path: Path, code: int | None, end: schema.End | None = None
+) -> str:
+    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, Ctrl-C as
+    interrupted (the agent's `End` says KeyboardInterrupt, or no final frame and exit 130), and
+    a job that exited by itself (`code` under 128) without a final frame is not called killed."""
     if ending is ExitStatus.STOPPED:
         return STOPPED_BY_MEMTUI
+    if (end is not None and end.interrupted) or (
+        ending is ExitStatus.KILLED and code == SIGINT_CODE
+    ):
+        return INTERRUPTED
     if ending is ExitStatus.KILLED and code is not None and code < 128:
         return f"exited, recording incomplete: {incomplete_reason(path)}"
     return str(ending)

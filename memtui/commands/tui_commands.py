@@ -27,11 +27,28 @@ from memtui.terminal_text import terminal_safe
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
+HEADLESS_HINT = "use --headless for a summary"
 
-def _need_terminal(command: str) -> str | None:
+
+def _need_terminal(command: str, hint: str = HEADLESS_HINT) -> str | None:
+    """Why the UI cannot open here, with what to run instead (None: there is a terminal)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return f"memtui {command} needs a terminal for its UI (use --headless for a summary)"
+        return f"memtui {command} needs a terminal for its UI ({hint})"
     return None
+
+
+def _attach_hint(job: dict[str, Any] | None) -> str:
+    """What to run without a terminal for a job that already has its agent (`--headless`
+    injects one, so it is no answer here): read its recording, or forward its socket."""
+    if job is None:
+        return "run it where there is one"
+    recording = job.get("recording")
+    if recording:
+        return f"pid {job['pid']} records to {recording}: memtui report {recording} reads it so far"
+    return (
+        f"pid {job['pid']} records nothing; from a terminal elsewhere, memtui attach --socket "
+        f"{job['socket']} (forwarded over SSH)"
+    )
 
 
 class SessionSocketSource(LiveSource):
@@ -92,7 +109,7 @@ class FirstRecordingTail(TailSource):
         return None
 
 
-def run_tui(job_spec: JobSpec) -> int:
+def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     """`memtui run` with the TUI: the job as a child, its output in a pane and a log file.
 
     The screen opens once the job's agent has started (`job_start`): a job that fails before it
@@ -100,7 +117,7 @@ def run_tui(job_spec: JobSpec) -> int:
     A job that fails under the screen gets its error printed again once the screen closes, as
     Python printed it (the runner copies it to `error_file`).
     """
-    problem = _need_terminal("run")
+    problem = _need_terminal(command)
     if problem:
         take_notes(job_spec)
         raise UsageError(problem)
@@ -218,16 +235,17 @@ def replay(path: str) -> int:
     else:
         source = replay_source(Path(path))
         source.check()
-    return _open_app("replay", source, ranks=ranks, warning=source.warning)
+    hint = f"memtui report {path} prints its summary"
+    return _open_app("replay", source, hint, ranks=ranks, warning=source.warning)
 
 
-def _open_app(command: str, source: Any, **options: Any) -> int:
+def _open_app(command: str, source: Any, hint: str, **options: Any) -> int:
     """Show a checked source in the TUI (after making sure there is a terminal to show it on).
 
     A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
     `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
     """
-    problem = _need_terminal(command)
+    problem = _need_terminal(command, hint)
     if problem:
         raise UsageError(problem)
     from memtui.tui.app import MemtuiApp, run_app
@@ -312,8 +330,9 @@ def list_live_jobs() -> int:
     """`memtui attach --list`: each live job, then one socket path per rank (what to forward
     with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
     jobs = trusted_live_jobs()
-    if not jobs:
-        raise UserError(_no_jobs_line())
+    if not jobs:  # an answer, not a failure: scripts loop on `attach --list` until a job starts
+        print(_no_jobs_line())
+        return 0
     for job in jobs:
         print(terminal_safe(list_jobs_text([job])))
         for member in job.get("ranks", [job]):
@@ -327,6 +346,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
     """`memtui attach [PID]`: one job attaches at once; several are listed to choose from; a
     distributed job attaches with all its ranks (`r` switches)."""
     ranks = None
+    chosen: dict[str, Any] | None = None
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
@@ -343,7 +363,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
             raise UserError(_no_jobs_line())
         chosen = jobs[0] if len(jobs) == 1 else None
         if chosen is None:
-            problem = _need_terminal("attach")
+            problem = _need_terminal("attach", "give one PID")
             if problem:
                 print(terminal_safe(list_jobs_text(jobs), keep_newlines=True))
                 print("memtui: several jobs: give a PID", file=sys.stderr)
@@ -363,7 +383,7 @@ def attach(pid: int | None, socket_path: str | None = None) -> int:
             source = next(iter(ranks.values()))
     for member in (ranks or {"": source}).values():
         member.check()  # a SourceError is the user's one line (cli.main)
-    return _open_app("attach", source, ranks=ranks)
+    return _open_app("attach", source, _attach_hint(chosen), ranks=ranks)
 
 
 def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
