@@ -286,3 +286,38 @@ def test_a_job_that_fails_under_the_screen_leaves_its_traceback(tmp_path: Path) 
     after = shown[shown.rindex("\x1b[?1049l") :]  # what stays once the screen has closed
     assert traceback in after, after
     assert after.index(traceback) < after.index("memtui: job error (exit code 1)")
+
+
+NAN_AND_OVER_BUDGET = """\
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for step in range(1, 11):
+    x = torch.randn(8 if step < 8 else 64, 16)  # a larger batch from step 8
+    if step >= 5:
+        x[0, 0] = float("nan")  # bad data from step 5
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_headless_run_ends_naming_its_alerts(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(NAN_AND_OVER_BUDGET)
+    result = subprocess.run(
+        [*MEMTUI, "run", "--headless", "--budget", "24KiB", "-o", "rec.memtui", "train.py"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    recording = tmp_path / "rec.memtui"
+    total = len(read_recording(recording).alerts)
+    lines = result.stderr.splitlines()
+    assert lines[-3].startswith("memtui: job ok (exit code 0) after 10 steps; highest piles: ")
+    assert lines[-2] == (
+        "memtui: NaN loss from step 5; NaN/Inf gradients from step 5; NaN/Inf activations "
+        f"from step 6; over budget at step 8; {total} alerts: memtui report {recording}"
+    )
+    assert lines[-1] == f"memtui: recording {recording}"
