@@ -108,6 +108,23 @@ def test_the_run_summary_and_detach_say_the_alerts(tmp_path: Path, builder: Modu
     assert detached[1] == f"memtui: {expected}"
 
 
+def test_each_process_of_a_session_folder_names_its_alerts(
+    tmp_path: Path, builder: ModuleType
+) -> None:
+    folder = tmp_path / "session"
+    folder.mkdir()
+    (folder / "rank-0.memtui").write_bytes(builder.encode_recording(troubled_run(builder)))
+    (folder / "rank-1.memtui").write_bytes(builder.encode_recording(builder.demo_messages()))
+    troubled = alert_tally(read_recording(folder / "rank-0.memtui")).line(None)
+    job = JobSpec(command=[], display=["torchrun", "train.py"], env={}, recording=folder)
+    lines = summary_line(job, 0).splitlines()
+    assert lines[1].startswith("memtui:   rank 0: ok after 24 steps; highest piles: ")
+    assert lines[1].endswith(f"; {troubled}")
+    assert lines[2].endswith(
+        "; skipped step at step 9; NaN loss at step 17; NaN/Inf activations at step 17; 4 alerts"
+    )
+
+
 # ----- before the screen opens ----------------------------------------------------------------
 
 
