@@ -35,6 +35,7 @@ STOP_FILE = "MEMTUI_STOP_FILE"
 METRICS_PORT = "MEMTUI_METRICS_PORT"
 METRICS_ADDR = "MEMTUI_METRICS_ADDR"
 METRICS_JOB = "MEMTUI_METRICS_JOB"
+ERROR_FILE = "MEMTUI_ERROR_FILE"
 VARIABLES = (
     RECORD,
     SOCKET,
@@ -50,6 +51,7 @@ VARIABLES = (
     METRICS_PORT,
     METRICS_ADDR,
     METRICS_JOB,
+    ERROR_FILE,
 )
 """Every variable `to_env` writes (a child that must not inherit a config drops these)."""
 
@@ -80,6 +82,9 @@ class AgentConfig:
         metrics_addr: the address the metrics endpoint binds to.
         metrics_job: the `job` label of the metrics (None: the session folder's name, else
             the recording's or the script's).
+        error_file: where the runner also writes the job's final error, as it printed it on
+            the job's stderr (`memtui run` with its TUI, where that stderr is in a pane: the
+            error is printed again once the screen closes).
     """
 
     record: str | None = None
@@ -96,6 +101,7 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_addr: str = DEFAULT_METRICS_ADDR
     metrics_job: str | None = None
+    error_file: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -125,6 +131,8 @@ class AgentConfig:
             env[METRICS_ADDR] = self.metrics_addr
         if self.metrics_job is not None:
             env[METRICS_JOB] = self.metrics_job
+        if self.error_file is not None:
+            env[ERROR_FILE] = self.error_file
         return env
 
     @classmethod
@@ -157,6 +165,7 @@ class AgentConfig:
             metrics_port=_port(environ.get(METRICS_PORT)),
             metrics_addr=environ.get(METRICS_ADDR) or DEFAULT_METRICS_ADDR,
             metrics_job=environ.get(METRICS_JOB) or None,
+            error_file=environ.get(ERROR_FILE) or None,
         )
 
     def oom_snapshot_path(self) -> str | None:

@@ -102,3 +102,6 @@ class FakeStepResult:
     top_modules: list[tuple[str, int]]
     dtypes: dict[str, dict[str, int]]
     seconds: float
+    loss_from: str | None = None
+    """Where the loss was in the forward's output (`output[1]`, `output.loss`); None: the
+    output was the loss."""

@@ -523,6 +523,11 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     leaks: Annotated[list[Leak], _BOUNDED] = []
     """The leaks named during the run, as a census found them when the job ended."""
 
+    @property
+    def interrupted(self) -> bool:
+        """The job ended on Ctrl-C (a KeyboardInterrupt reached the top of its script)."""
+        return self.error_type == "KeyboardInterrupt"
+
     def describe_error(self) -> str | None:
         """The error in one line, as every reader shows it: `Type: message`, or the type
         alone where the message is empty or just repeats it (`KeyboardInterrupt`)."""

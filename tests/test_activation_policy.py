@@ -8,6 +8,7 @@ storages autograd saved, all alive until that step's backward.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,87 @@ def test_an_audit_that_disagrees_switches_to_every_step() -> None:
     assert verdict.measured and verdict.alert is not None
     assert verdict.alert.kind == "activations_vary"
     assert policy.mode is schema.ActivationMode.EVERY
+
+
+def _measured_pair(
+    first: tuple[int, int, schema.Piles], second: tuple[int, int, schema.Piles]
+) -> Any:
+    """Two measured steps with the same calls, start and autograd ops; each given as (its
+    activations' high, those left at its close, its peak). The second's verdict."""
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=1000)
+    verdict = None
+    for step, (high, end, peak) in enumerate([first, second], 1):
+        policy.begin(schema.Piles(weights=100, gradients=100))
+        policy.root_call(("a",), step, must_measure=True)
+        figures = Figures(
+            step, end, schema.Piles(activations=high), peak, {}, (), signature=SAME_OPS
+        )
+        verdict = policy.close(step, figures)
+    return verdict
+
+
+def test_a_peak_that_moved_with_the_gradients_is_no_varying_activations() -> None:
+    """Gradients freed between two steps (`model.zero_grad()` at an epoch's end) are allocated
+    again during the next backward: its peak comes at another moment, with other piles, while
+    the activations are the same bytes. Nothing about them varies (issue 26: the alert fired
+    quoting equal numbers)."""
+    with_gradients = schema.Piles(weights=100, gradients=100, activations=70)
+    without = schema.Piles(weights=100, gradients=40, activations=30)
+    verdict = _measured_pair((70, 0, with_gradients), (70, 0, without))
+    assert verdict.measured and verdict.alert is None
+
+
+def test_activations_vary_quotes_only_the_figures_that_differ() -> None:
+    peak = schema.Piles(weights=100, activations=70)
+    verdict = _measured_pair((70, 0, peak), (90, 0, peak))
+    assert verdict.alert is not None and verdict.alert.kind == "activations_vary"
+    assert "(max 90 B vs 70 B)" in verdict.alert.message
+    verdict = _measured_pair((70, 8, peak), (70, 12, peak))
+    assert verdict.alert is not None and "(at the close 12 B vs 8 B)" in verdict.alert.message
+    for message in (verdict.alert.message,):
+        quoted = re.findall(r"([\d,]+) B vs ([\d,]+) B", message)
+        assert quoted and all(mine != theirs for mine, theirs in quoted)
+
+
+EPOCH_END_ZERO_GRAD = """
+import io, torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+for epoch in range(2):
+    for batch in range(8):
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    model.zero_grad()  # set_to_none: the gradients are freed before the checkpoint
+    torch.save(model.state_dict(), io.BytesIO())
+"""
+
+
+@pytest.mark.slow
+def test_no_varying_activations_at_an_epochs_end_with_every_step_probed(tmp_path: Path) -> None:
+    """`memtui run --headless --nan-check full` (every step measured, every repeat compared)
+    on a job whose activations never vary: no `activations_vary`."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(EPOCH_END_ZERO_GRAD)
+    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "memtui", "run", "--headless", "--nan-check", "full",
+         "-o", "rec.memtui", "train.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    recording = read_recording(tmp_path / "rec.memtui")
+    assert len(recording.steps) == 16 and all(s.activations_measured for s in recording.steps)
+    assert [
+        item.alert.message for item in recording.alerts if item.kind == "activations_vary"
+    ] == []
+    # The step after the epoch's end really peaked lower (its gradients came back late).
+    assert recording.steps[8].peak.total < recording.steps[7].peak.total
 
 
 STAND_IN_DEVICE = """

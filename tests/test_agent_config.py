@@ -24,6 +24,8 @@ def test_config_survives_the_environment() -> None:
         alloc_events=True,
         activations=ActivationMode.EVERY,
         session="abc",
+        stop_file="/tmp/stop",
+        error_file="/tmp/error",
     )
     env = config.to_env()
     assert set(env) <= set(VARIABLES)

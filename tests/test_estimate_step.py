@@ -104,6 +104,7 @@ CASES = [
     pytest.param(
         "llama_checkpointed_model", "llama_batch", "rmsprop", [], [], id="checkpoint-in-forward"
     ),
+    pytest.param("tuple_model", "tokens_batch", "adamw", [], [], id="logits-loss-tuple"),
 ]
 
 
@@ -152,6 +153,25 @@ def test_fake_step_equals_the_same_step_on_real_tensors(request_options: dict[st
     assert fake.top_modules == real.top_modules
     assert fake.dtypes == real.dtypes
     assert fake.steady.max["activations"] > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "where"),
+    [("tuple_model", "output[1]"), ("list_model", "output[1]"), ("dict_model", "output['nll']")],
+)
+def test_the_one_scalar_of_a_tuple_list_or_dict_is_the_loss_and_said(
+    model: str, where: str
+) -> None:
+    """nanoGPT's `(logits, loss)` and its list/dict cousins: the one scalar that needs grad is
+    the loss (a detached accuracy beside it is not a candidate), and the text says which."""
+    result = _memtui(
+        "estimate", "--model", f"estimate_models:{model}", "--batch", "estimate_models:tokens_batch"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"loss: the forward's {where} (backpropagated each step)" in result.stdout
+    plain = _estimate(model, "tokens_batch")
+    assert plain["loss_from"] == where
+    assert plain["activations"] > 0
 
 
 @pytest.mark.usefixtures("fixtures_path")
@@ -271,6 +291,17 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], fragment: s
             "estimate_models:logits_model",
             "estimate_models:logits_batch",
             "returned a tensor of shape (4, 10), not a scalar loss",
+        ),
+        (
+            "estimate_models:two_scalars_model",
+            "estimate_models:tokens_batch",
+            "returned a tuple with 2 scalar tensors that require grad (output[1], output[2]): "
+            "return the loss alone",
+        ),
+        (
+            "estimate_models:no_loss_model",
+            "estimate_models:tokens_batch",
+            "returned a tuple of 2 with no scalar tensor that requires grad",
         ),
         (
             "estimate_models:reads_values_model",

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from memtui.commands.run_command import STOPPED_BY_MEMTUI, _outcome
+from memtui.commands.run_command import STOPPED_BY_MEMTUI, outcome_of
 from memtui.model.job_state import ending_text, exit_status_of, how_it_ended
 from memtui.model.recording import read_recording
 from memtui.model.session import Session
@@ -113,13 +113,13 @@ def test_the_screen_the_reports_and_the_summary_agree(
     assert render_text(recording).startswith(f"job {expected}")
     assert render_session_text({"0": recording}).splitlines()[2].endswith(f"  {expected}")
     summary = STOPPED_BY_MEMTUI if expected is ExitStatus.STOPPED else str(expected)
-    assert _outcome(path, None)[0] == summary
+    assert outcome_of(path, None).status == summary
 
 
 def test_the_summary_of_a_job_memtui_stopped(tmp_path: Path, builder: ModuleType) -> None:
     """No final frame, but memtui sent the SIGTERM: stopped, in the summary and on screen."""
     path = tmp_path / "run.memtui"
     path.write_bytes(builder.encode_recording(builder.demo_messages(with_end=False)))
-    assert _outcome(path, 143, stopped=True)[0] == STOPPED_BY_MEMTUI
-    assert _outcome(path, 143)[0] == "killed"
-    assert _outcome(path, 0)[0].startswith("exited, recording incomplete")
+    assert outcome_of(path, 143, stopped=True).status == STOPPED_BY_MEMTUI
+    assert outcome_of(path, 143).status == "killed"
+    assert outcome_of(path, 0).status.startswith("exited, recording incomplete")

@@ -89,26 +89,56 @@ def _fake_failure(spec: str, exc: BaseException) -> FakeStepError | None:
     return FakeStepError(f"{spec} cannot run on fake tensors: {func} {why}")
 
 
-def _loss_of(output: Any, spec: str) -> Any:
-    """The output if it is a one-element tensor, else its `.loss` (Hugging Face outputs)."""
+def _loss_of(output: Any, spec: str) -> tuple[Any, str | None]:
+    """The loss in what the forward returned, and where it was (None: the output itself).
+
+    A one-element tensor is the loss; else the output's `.loss` (Hugging Face outputs) or
+    `["loss"]`; else the one scalar tensor that requires grad among the elements of a tuple,
+    list or dict (nanoGPT's `(logits, loss)`). None or several such scalars: refused, naming
+    what was found, since guessing could measure the backward of the wrong value.
+    """
     import torch
 
     if isinstance(output, torch.Tensor):
         if output.numel() == 1:
-            return output
+            return output, None
         shape = tuple(output.shape)
         raise FakeStepError(
             f"{spec}'s forward returned a tensor of shape {shape}, not a scalar loss: "
             "return the loss, or an output with a .loss"
         )
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return loss
+    named = getattr(output, "loss", None)
+    where = ".loss"
+    if named is None and isinstance(output, Mapping):
+        named, where = output.get("loss"), "['loss']"
+    if isinstance(named, torch.Tensor) and named.numel() == 1:
+        return named, where
+    if isinstance(output, (tuple, list)):
+        items = [(f"[{index}]", item) for index, item in enumerate(output)]
+    elif isinstance(output, Mapping):
+        items = [(f"[{key!r}]", item) for key, item in output.items()]
+    else:
+        raise FakeStepError(
+            f"{spec}'s forward returned {type(output).__name__} with no scalar .loss: "
+            "return the loss, or an output with a .loss (give the batch its labels)"
+        )
+    scalars = [
+        (place, item)
+        for place, item in items
+        if isinstance(item, torch.Tensor) and item.numel() == 1 and item.requires_grad
+    ]
+    kind = type(output).__name__
+    if len(scalars) == 1:
+        return scalars[0][1], scalars[0][0]
+    if not scalars:
+        raise FakeStepError(
+            f"{spec}'s forward returned a {kind} of {len(items)} with no scalar tensor that "
+            "requires grad: return the loss, or give the batch its labels (targets)"
+        )
+    places = ", ".join(f"output{place}" for place, _ in scalars)
     raise FakeStepError(
-        f"{spec}'s forward returned {type(output).__name__} with no scalar .loss: "
-        "return the loss, or an output with a .loss (give the batch its labels)"
+        f"{spec}'s forward returned a {kind} with {len(scalars)} scalar tensors that require "
+        f"grad ({places}): return the loss alone, or as .loss"
     )
 
 
@@ -208,19 +238,22 @@ def train_steps(
     autocast: Autocast | None,
     spec: str,
     steps: int = 2,
-) -> None:
+) -> str | None:
     """Steps of the plain loop, `memtui estimate`'s assumption about the job: `zero_grad`
-    (freeing the gradients), forward and loss under autocast, backward, `optimizer.step()`."""
+    (freeing the gradients), forward and loss under autocast, backward, `optimizer.step()`.
+    Returns where in the forward's output the loss was (`_loss_of`)."""
     import torch
 
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(autocast)  # type: ignore[arg-type]
+    where = None
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with cast:
-            loss = _loss_of(model(**batch), spec)
+            loss, where = _loss_of(model(**batch), spec)
         loss.backward()
         optimizer.step()
+    return where
 
 
 def _step_without_values(optimizer: Any) -> None:
@@ -322,7 +355,7 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         if fake:
             _step_without_values(optimizer)
         try:
-            train_steps(model, batch, optimizer, request.autocast, request.model)
+            loss_from = train_steps(model, batch, optimizer, request.autocast, request.model)
         except FakeStepError:
             raise
         except Exception as exc:
@@ -352,6 +385,7 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         top_modules=[(names.get(m.module, "<no module>"), m.bytes) for m in steady.top_activations],
         dtypes={pile: {d: s.bytes for d, s in by.items()} for pile, by in steady.dtypes.items()},
         seconds=round(time.perf_counter() - started, 3),
+        loss_from=None if loss_from is None else f"output{loss_from}",
     )
 
 

@@ -10,6 +10,8 @@ decide what that means:
   (the seeds' wrong order).
 - `torch.utils.checkpoint.checkpoint`: said once per variant, since checkpointed regions hide
   their activations from the saved-tensor hooks.
+- `torch.nn.modules.module._has_any_global_hook`: memtui's own global module hooks left out, so
+  a `torch.compile`d module warns about global hooks only where the job has some of its own.
 
 `Tracker._wrap` installs them and restores the originals.
 """
@@ -161,3 +163,47 @@ class CheckpointNotes:
             return original(*args, **kwargs)
 
         return checkpoint
+
+
+GLOBAL_MODULE_HOOKS = (
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+)
+"""The dicts of global module hooks `torch.nn.modules.module._has_any_global_hook` reads (its
+two other dicts only flag entries of `_global_forward_hooks`)."""
+AGENT_PACKAGE = __name__.split(".", 1)[0] + "."
+
+
+def _ours(hook: Any) -> bool:
+    module = getattr(hook, "__module__", None)
+    return isinstance(module, str) and module.startswith(AGENT_PACKAGE)
+
+
+def global_hooks_but_ours(original: Wrapper) -> Wrapper:
+    """`torch.nn.modules.module._has_any_global_hook`, not counting memtui's own hooks.
+
+    torch asks it only before warning, at every call of a `torch.compile`d module
+    (`OptimizedModule.__call__`), that global module hooks fire an extra time: memtui's hooks
+    made a compiled job print that warning where a plain run prints nothing. A job with global
+    module hooks of its own still gets it, from torch, as before.
+    """
+
+    def has_any_global_hook() -> Any:
+        import torch
+
+        found = original()
+        if not found:
+            return found
+        hooks = torch.nn.modules.module
+        try:
+            return any(
+                not _ours(hook)
+                for name in GLOBAL_MODULE_HOOKS
+                for hook in getattr(hooks, name).values()
+            )
+        except Exception:  # another torch's layout: torch's own answer
+            return found
+
+    return has_any_global_hook

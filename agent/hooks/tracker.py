@@ -45,6 +45,7 @@ from memtui_agent.hooks.library_wrappers import (
     ClipWarning,
     GradScalerWrappers,
     Wrapper,
+    global_hooks_but_ours,
 )
 from memtui_agent.hooks.phase import JobPhase
 from memtui_agent.hooks.root_calls import RootHooks
@@ -189,6 +190,8 @@ class Tracker:
         ):
             self._handles.append(register(note))
         self._wrap(torch.nn.Module, "_apply", self._wrap_module_apply)
+        if hasattr(module_hooks, "_has_any_global_hook"):
+            self._wrap(module_hooks, "_has_any_global_hook", global_hooks_but_ours)
 
     @contextmanager
     def without(self, kind: str) -> Iterator[None]:

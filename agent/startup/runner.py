@@ -9,9 +9,13 @@ sees the traceback `python script.py` would print.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import runpy
 import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from memtui_agent.startup import api, autostart
 from memtui_agent.startup.stop_signal import record_stops
@@ -30,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, arguments = argv[0], argv[1:]
     autostart.arm_from_environment(install_exit_handlers=False)
-    record_stops(AgentConfig.from_env(os.environ).stop_file)
+    config = AgentConfig.from_env(os.environ)
+    record_stops(config.stop_file)
     try:
         if as_module:
             sys.argv = [target, *arguments]
@@ -42,11 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             namespace = runpy.run_path(os.path.abspath(target), run_name="__main__")
     except SystemExit as exit_request:
         api.stop(exit_code=exit_code_of(exit_request), error=exit_request)
+        if not isinstance(exit_request.code, (int, type(None))):
+            # Python prints `sys.exit("message")`'s message as the process ends: the job's error.
+            copy_error(config.error_file, f"{exit_request.code}\n")
         raise
     except BaseException as error:
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
         api.stop(exit_code=code, error=error)
-        show_error(error, as_module)
+        with copied_stderr(config.error_file):
+            show_error(error, as_module)
         return code
     api.stop(exit_code=0, namespace=namespace)
     del namespace  # the job's globals: freed as they would be without the agent
@@ -66,6 +75,55 @@ def show_error(error: BaseException, as_module: bool) -> None:
         print(f"{sys.executable}: {error}", file=sys.stderr)
         return
     sys.excepthook(type(error), error, trimmed)
+
+
+class _Tee:
+    """The job's stderr, with what is written to it also kept: the error hook writes through
+    this exactly what it would write to stderr itself (its colours, a custom hook's layout)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.kept = io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def __getattr__(self, name: str) -> Any:  # encoding, errors, fileno: the stream's own
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def copied_stderr(path: str | None) -> Iterator[None]:
+    """What is written to `sys.stderr` inside the block also goes to `path` (None: nothing)."""
+    if path is None or sys.stderr is None:
+        yield
+        return
+    tee = _Tee(sys.stderr)
+    original, sys.stderr = sys.stderr, tee
+    try:
+        yield
+    finally:
+        sys.stderr = original
+        copy_error(path, tee.kept.getvalue())
+
+
+def copy_error(path: str | None, text: str) -> None:
+    """Append the job's error to the file `memtui run` made for it (best effort: the error is
+    on the job's stderr anyway)."""
+    if path is None or not text:
+        return
+    try:
+        with open(path, "a", encoding="utf-8", errors="replace") as handle:
+            handle.write(text)
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

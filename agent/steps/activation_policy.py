@@ -57,19 +57,18 @@ class Figures:
     start_activations: int = 0
 
     def differences(self, other: Figures) -> list[str]:
-        """What two measurements disagree on, in words and numbers (empty: they agree)."""
-        found = []
-        if self.high.activations != other.high.activations:
-            found.append(f"max {self.high.activations:,} B vs {other.high.activations:,} B")
-        if self.end_activations != other.end_activations:
-            found.append(f"end {self.end_activations:,} B vs {other.end_activations:,} B")
-        if self.peak != other.peak:
-            found.append(f"peak {self.peak.total:,} B vs {other.peak.total:,} B")
-        if self.dtypes != other.dtypes:
-            found.append("dtypes differ")
-        if self.top != other.top:
-            found.append("the modules holding them differ")
-        return found
+        """The activation figures two measurements disagree on, each with both numbers (empty:
+        they agree). The step's highest activations and those left at its close only: the
+        moment of the step's peak also moves with the other piles (gradients freed between two
+        steps are allocated again during the next backward), so a peak that differs is no sign
+        that what the model saves depends on the data."""
+        pairs = (
+            ("max", self.high.activations, other.high.activations),
+            ("at the close", self.end_activations, other.end_activations),
+        )
+        return [
+            f"{label} {mine:,} B vs {theirs:,} B" for label, mine, theirs in pairs if mine != theirs
+        ]
 
 
 class _Prefixes:
@@ -301,12 +300,12 @@ class ActivationPolicy:
 
     @staticmethod
     def _data_dependent(known: Figures, figures: Figures) -> bool:
-        """A repeat measured differently although it ran the same autograd ops from the same
-        held activations: what it saved depends on the data. (With other ops, or other held
-        graphs, the step simply did something else: the new measurement replaces the old.)"""
-        amounts = (known.high.activations, known.end_activations, known.peak)
-        if amounts == (figures.high.activations, figures.end_activations, figures.peak):
-            return False  # the same bytes (their attribution may differ: graphs adopted)
+        """A repeat whose activations measured differently although it ran the same autograd
+        ops from the same held activations: what it saved depends on the data. (With other ops,
+        or other held graphs, the step simply did something else: the new measurement replaces
+        the old.) Decided on `differences`, so the alert always has numbers that differ."""
+        if not figures.differences(known):
+            return False  # the same activations (their attribution may differ: graphs adopted)
         if known.start_activations != figures.start_activations:
             return False
         before, now = known.signature, figures.signature

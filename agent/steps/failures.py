@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import runpy
+import sys
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -103,17 +104,30 @@ def _is_ours(traceback: TracebackType) -> bool:
     )
 
 
+def _is_torchs(traceback: TracebackType) -> bool:
+    torch = sys.modules.get("torch")
+    folder = os.path.dirname(getattr(torch, "__file__", None) or "") + os.sep
+    return folder != os.sep and traceback.tb_frame.f_code.co_filename.startswith(folder)
+
+
 def without_agent_frames(traceback: TracebackType | None) -> TracebackType | None:
     """The traceback with the runner's, runpy's and the agent's wrapper frames cut out.
 
     Traceback objects are relinked in place (`tb_next` is writable), so what the user reads is
-    what `python script.py` would have printed.
+    what `python script.py` would have printed. An exception raised inside the agent (Ctrl-C
+    while a hook of ours ran: only BaseExceptions get out of them) also loses torch's frame
+    that called that hook (`post_hook(self, args, kwargs)`): a line a plain run never reaches,
+    which would point at memtui. The traceback then ends where the job called into torch.
     """
     kept = []
+    raised_in_ours = False
     while traceback is not None:
-        if not _is_ours(traceback):
+        raised_in_ours = _is_ours(traceback)
+        if not raised_in_ours:
             kept.append(traceback)
         traceback = traceback.tb_next
+    if raised_in_ours and len(kept) > 1 and _is_torchs(kept[-1]):
+        kept.pop()
     # Every frame can be ours: a script that does not compile, or `-m` of a missing module,
     # fails inside runpy before any of the job's code runs. Python then prints no traceback.
     for index, current in enumerate(kept):

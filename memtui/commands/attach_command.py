@@ -7,11 +7,19 @@ where it can be (`attach_target`), otherwise answered by the job's bootstrap.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memtui.commands.attach_inject import ANSWER_SECONDS, Injection
-from memtui.commands.attach_target import AttachRefused, Target, check_delivery, check_target
+from memtui.commands.attach_target import (
+    AttachRefused,
+    Target,
+    check_delivery,
+    check_target,
+    descendants,
+    imported_torch,
+)
 from memtui.commands.bytecode import write_bytecode
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.attach import Action, Answer
@@ -23,7 +31,7 @@ STARTED_SECONDS = 120.0
 """Default wait for the job's next step boundary, where the agent starts."""
 
 
-def _refuse(message: str) -> int:
+def refuse(message: str) -> int:
     print(f"memtui: cannot attach: {terminal_safe(message)}", file=sys.stderr)
     return EXIT_REFUSED
 
@@ -35,6 +43,45 @@ def running_agent(pid: int) -> dict[str, Any] | None:
     except RuntimeDirError:
         return None
     return next((job for job in jobs if int(job["pid"]) == pid), None)
+
+
+@dataclass(frozen=True)
+class JobBelow:
+    """The process that trains, below one that does not: `memtui run`'s launcher (the job is
+    its child), torchrun, a shell script."""
+
+    pid: int
+    agent: dict[str, Any] | None
+    """Its agent's sidecar, where one runs (a `memtui run` job); None: torch only."""
+
+
+def job_below(pid: int) -> JobBelow | None:
+    """Where `pid` has not imported torch itself: the first process below it that runs a
+    memtui agent, else the first that has imported torch (None: neither, or `pid` trains)."""
+    if imported_torch(pid) is not False:
+        return None
+    below = descendants(pid)
+    for child in below:
+        agent = running_agent(child)
+        if agent is not None:
+            return JobBelow(child, agent)
+    for child in below:
+        if imported_torch(child):
+            return JobBelow(child, None)
+    return None
+
+
+def launcher_refusal(pid: int, below: JobBelow, headless: bool) -> str:
+    """Why `pid` itself is not the job, and the command for the one that is."""
+    if below.agent is None:
+        again = f"memtui attach {below.pid}" + (" --headless -o OUT" if headless else "")
+        return f"pid {pid} has not imported torch; its child pid {below.pid} has: {again}"
+    recording = below.agent.get("recording")
+    where = f"recording to {recording}" if recording else "recording nothing (--no-record)"
+    return (
+        f"pid {pid} is the launcher of its child pid {below.pid}, which already runs a memtui "
+        f"agent, {where}: memtui attach {below.pid}"
+    )
 
 
 def job_name(argv: list[str]) -> str:
@@ -118,11 +165,14 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
     existing = running_agent(pid)
     if existing is not None:
         where = existing.get("recording") or "nothing (no recording)"
-        return _refuse(f"pid {pid} already runs a memtui agent, recording to {where}")
+        return refuse(f"pid {pid} already runs a memtui agent, recording to {where}")
+    below = job_below(pid)
+    if below is not None:
+        return refuse(launcher_refusal(pid, below, headless=True))
     try:
         answer = inject_agent(pid, output, seconds=seconds, **options)
     except AttachRefused as exc:
-        return _refuse(str(exc))
+        return refuse(str(exc))
     recording = terminal_safe(str(answer.get("recording")))
     if answer["state"] is Answer.ARMED:
         print(
@@ -131,7 +181,7 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
             file=sys.stderr,
         )
     elif answer["state"] is Answer.RUNNING:
-        return _refuse(f"pid {pid} already runs a memtui agent, recording to {recording}")
+        return refuse(f"pid {pid} already runs a memtui agent, recording to {recording}")
     else:
         print(f"memtui: attached to pid {pid}; recording to {recording}", file=sys.stderr)
     print(recording)
@@ -148,14 +198,14 @@ def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: A
     try:
         answer = inject_agent(pid, output, seconds=seconds, **options)
     except AttachRefused as exc:
-        return _refuse(str(exc))
+        return refuse(str(exc))
     if answer["state"] is Answer.ARMED:
-        return _refuse(
+        return refuse(
             f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
             "(memtui attach again then, or memtui detach to cancel)"
         )
     if not answer.get("socket"):
-        return _refuse(f"the agent in pid {pid} serves no socket (see the job's stderr)")
+        return refuse(f"the agent in pid {pid} serves no socket (see the job's stderr)")
     return str(answer["socket"])
 
 
@@ -163,7 +213,14 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     """`memtui detach PID`: the agent writes its last frame and removes every hook."""
     try:
         target = check_target(pid, need_torch=False)
-        if running_agent(pid) is None:
+        agent = running_agent(pid)
+        if agent is None:
+            below = job_below(pid)
+            if below is not None and below.agent is not None:
+                raise AttachRefused(
+                    f"no memtui agent runs in pid {pid}; its child pid {below.pid} runs one: "
+                    f"memtui detach {below.pid}"
+                )
             raise AttachRefused(f"no memtui agent runs in pid {pid}")
         injection = Injection(target, check_delivery(target), Action.DETACH)
     except AttachRefused as exc:
@@ -187,5 +244,28 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     if answer["state"] is Answer.DETACHING:
         print(f"memtui: pid {pid}: the agent stops at the job's next forward", file=sys.stderr)
         return 0
-    print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
+    recording = agent.get("recording")
+    if not recording:
+        print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
+        return 0
+    # The steps as the recording holds them (what `report` counts), not the agent's own count.
+    print(f"memtui: detached from pid {pid}; the job carries on", file=sys.stderr)
+    for line in detached_lines(Path(str(recording))):
+        print(line, file=sys.stderr)
     return 0
+
+
+def detached_lines(path: Path) -> list[str]:
+    """What the detached agent recorded: the steps, the alerts by kind with their first step
+    and where the recording is, read from the recording as `report` reads it."""
+    from memtui.commands.run_command import outcome_of, recording_lines
+    from memtui.input.recording_file import RecordingError
+
+    try:
+        outcome = outcome_of(path, None)
+    except RecordingError as exc:
+        return [f"memtui: recording unreadable: {terminal_safe(str(exc))}"]
+    return [
+        f"memtui: recorded {outcome.steps} steps; highest piles: {outcome.piles}",
+        *recording_lines(outcome, path),
+    ]

@@ -100,6 +100,40 @@ def check_target(pid: int, need_torch: bool = True) -> Target:
     return Target(pid=pid, python=version, argv=argv)
 
 
+def imported_torch(pid: int) -> bool | None:
+    """Whether `pid` has loaded torch's Python bindings (None: its memory map is unreadable)."""
+    try:
+        return "libtorch_python" in (PROC / str(pid) / "maps").read_text(errors="replace")
+    except OSError:
+        return None
+
+
+MAX_DESCENDANTS = 256
+"""Processes looked at below a pid (a launcher's ranks and their workers)."""
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid`'s children, then theirs, each level in order of pid (read from `/proc`)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [entry for entry in PROC.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            stat = (entry / "stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    level = [pid]
+    while level and len(found) < MAX_DESCENDANTS:
+        level = sorted(child for parent in level for child in children.get(parent, []))
+        found.extend(level)
+    return found[:MAX_DESCENDANTS]
+
+
 def _field(status: str, name: str) -> int | None:
     """The real id of a `/proc/PID/status` line such as `Uid:  1000 1000 1000 1000`."""
     for line in status.splitlines():

@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         metavar="OUT",
-        help="output file, '-' for stdout; with tensorboard the folder the runs go into",
+        help="output file, '-' for stdout (default: beside the recording, with its name: "
+        "run.memtui -> run.trace.json or run.csv); with tensorboard the folder the runs go into",
     )
 
     cluster = commands.add_parser(
@@ -258,11 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
 
-    demo = commands.add_parser("demo", help="run the bundled small training job")
-    demo.add_argument("--headless", action="store_true", help="no TUI; print a summary")
-    demo.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
+    demo = commands.add_parser(
+        "demo",
+        help="run the bundled small training job",
+        description="Train the bundled tiny language model (CPU, or CUDA where there is one) "
+        "under memtui, recorded like any job.",
+        epilog=f"The demo's own arguments go to it: --steps N (default: {DEMO_STEPS} headless, "
+        f"{DEMO_PACE['--steps']} in the TUI), --sleep S (seconds after each step: none "
+        f"headless, {DEMO_PACE['--sleep']} in the TUI, so the screen can be watched), --batch, "
+        "--seq, --dim, --layers, --accum, --bf16-from, --quiet, --seed; "
+        "e.g. memtui demo --headless --steps 10.",
+    )
+    demo.add_argument(
+        "--headless",
+        action="store_true",
+        help=f"no TUI: {DEMO_STEPS} steps (unless --steps), then a summary",
+    )
+    demo.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="recording file to write (default: memtui-demo-<time>.memtui here)",
+    )
     _activations_flag(demo)
-    demo.add_argument("demo_args", nargs="*", help="arguments for the demo job, e.g. --steps 60")
+    demo.add_argument("demo_args", nargs="*", help="arguments for the demo job (see below)")
     return parser
 
 
@@ -339,8 +359,12 @@ def split_job_argv(
     return tokens, []
 
 
+DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
+"""The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
 DEMO_FLAGS = {"--headless", "-h", "--help"}
 DEMO_VALUE_FLAGS = {"-o", "--output", "--activations"}
+DEMO_STEPS = 30
+"""The demo job's own default (`memtui_agent.demo.tiny_lm`), what a headless demo runs."""
 
 
 def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
@@ -349,8 +373,27 @@ def split_run_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
 
 
 def split_demo_argv(tokens: list[str]) -> tuple[list[str], list[str]]:
-    """`memtui demo` arguments: memtui's own flags first, anything else goes to the demo job."""
-    return split_job_argv(tokens, DEMO_VALUE_FLAGS, DEMO_FLAGS, module_flag=False)
+    """`memtui demo` arguments: memtui's own flags wherever they are (the demo has none of
+    those names, so `memtui demo --steps 10 --headless` is what it reads as), anything else
+    goes to the demo job; after `--`, everything does."""
+    own: list[str] = []
+    job: list[str] = []
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        name = token.split("=", 1)[0]
+        if token == "--":
+            job.extend(tokens[index + 1 :])
+            break
+        if token in DEMO_FLAGS or (name in DEMO_VALUE_FLAGS and "=" in token):
+            own.append(token)
+        elif token in DEMO_VALUE_FLAGS:
+            own.extend(tokens[index : index + 2])
+            index += 1
+        else:
+            job.append(token)
+        index += 1
+    return own, job
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -366,10 +409,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from memtui.commands.tui_commands import run_tui
 
     return run_tui(job)
-
-
-DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
-"""The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
 
 
 def demo_pace(extra: list[str]) -> list[str]:
@@ -397,7 +436,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return run_headless(job)
     from memtui.commands.tui_commands import run_tui
 
-    return run_tui(job)
+    return run_tui(job, "demo")
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
@@ -417,13 +456,32 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
         return attach_headless(args.pid, args.output, args.timeout, **metrics)
     if args.pid is not None and args.socket is None:
-        from memtui.commands.attach_command import attach_for_viewer, running_agent
+        from memtui.commands.attach_command import (
+            attach_for_viewer,
+            job_below,
+            launcher_refusal,
+            refuse,
+            running_agent,
+        )
 
         if running_agent(args.pid) is None:
+            below = job_below(args.pid)
+            if below is not None and below.agent is not None:
+                # `memtui run`'s launcher: its job is the child, already monitored. (Without a
+                # terminal, attach's one-line refusal names the child and its recording.)
+                if sys.stdin.isatty() and sys.stdout.isatty():
+                    print(
+                        f"memtui: pid {args.pid} is the launcher of its job, pid {below.pid}: "
+                        f"attaching to pid {below.pid}",
+                        file=sys.stderr,
+                    )
+                return attach(below.pid, None)
+            if below is not None:
+                return refuse(launcher_refusal(args.pid, below, headless=False))
             if not (sys.stdin.isatty() and sys.stdout.isatty()):
                 print(
-                    "memtui: error: memtui attach needs a terminal for its UI (use --headless "
-                    "-o PATH to record a job started without memtui)",
+                    "memtui: error: memtui attach needs a terminal for its UI; without one, "
+                    f"memtui attach {args.pid} --headless -o OUT records the job to OUT",
                     file=sys.stderr,
                 )
                 return EXIT_USAGE

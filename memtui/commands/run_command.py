@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 
 from memtui import errors
 from memtui.terminal_text import terminal_safe
+from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.runtime_dir import runtime_dir
 from memtui_protocol.safe_open import refusal
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
 
-if TYPE_CHECKING:  # the summary's imports stay off the launcher's path (see `_outcome`)
+if TYPE_CHECKING:  # the summary's imports stay off the launcher's path (see `outcome_of`)
+    from memtui.model.alert_summary import AlertTally
     from memtui.model.job_state import Ending
 
 
@@ -186,9 +188,32 @@ MAX_NOTES = 5
 
 def make_notes_file() -> Path:
     """A private empty file the bootstrap appends to (mode 0600, a fresh name)."""
-    descriptor, name = tempfile.mkstemp(prefix="memtui-notes-", suffix=".txt")
+    return make_private_file("memtui-notes-")
+
+
+def make_private_file(prefix: str) -> Path:
+    """A fresh empty file (mode 0600) for the job to append to."""
+    descriptor, name = tempfile.mkstemp(prefix=prefix, suffix=".txt")
     os.close(descriptor)
     return Path(name)
+
+
+MAX_PRIVATE_TEXT = 1 << 20
+"""What is read back of such a file (a traceback of a deep recursion is about 100 KiB)."""
+
+
+def take_private_file(path: Path) -> str:
+    """What the job wrote to a file of `make_private_file` (bounded); the file is removed."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read(MAX_PRIVATE_TEXT)
+    except OSError:
+        return ""
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def take_notes(job: JobSpec) -> list[str]:
@@ -196,16 +221,7 @@ def take_notes(job: JobSpec) -> list[str]:
     lines for memtui's own stderr; the notes file is removed."""
     if job.notes is None:
         return []
-    try:
-        with open(job.notes, encoding="utf-8", errors="replace") as handle:
-            text = handle.read(1 << 20)
-    except OSError:
-        text = ""
-    finally:
-        try:
-            job.notes.unlink()
-        except OSError:
-            pass
+    text = take_private_file(job.notes)
     counts: dict[str, int] = {}
     for line in text.splitlines():
         if line.strip():
@@ -306,40 +322,68 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
     say (the process dies without its final frame), so the summary does.
     """
+    exited = (
+        f"job {INTERRUPTED} (exit code {code})"
+        if code == SIGINT_CODE
+        else f"job exited with code {code}"
+    )
     if job.recording is None:
-        return f"memtui: job exited with code {code} (nothing recorded: --no-record)"
+        return f"memtui: {exited} (nothing recorded: --no-record)"
     if job.recording.is_dir():
         return _session_summary(job.recording, code)
     if not job.recording.exists():
         return (
-            f"memtui: job exited with code {code}; no recording was written (the job never "
-            "imported torch, or the agent could not start)"
+            f"memtui: {exited}; no recording was written (the job never imported torch, or the "
+            "agent could not start)"
         )
     from memtui.input.recording_file import (
         RecordingError,  # after the job: not in its start-up path
     )
 
     try:
-        status, steps, piles = _outcome(job.recording, code, stopped)
+        outcome = outcome_of(job.recording, code, stopped)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    lines = (
-        f"memtui: job {status} (exit code {code}) after {steps} steps; highest piles: {piles}\n"
-        f"memtui: recording {job.recording}  (memtui report {job.recording})"
-    )
+    lines = [
+        f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
+        f"highest piles: {outcome.piles}"
+    ]
+    lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
-        lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
-    return lines
+        lines.append(f"memtui: the other ranks recorded in {others}  (memtui report {others})")
+    return "\n".join(lines)
 
 
-def _outcome(path: Path, code: int | None, stopped: bool = False) -> tuple[str, int, str]:
-    """(how it ended, steps, highest piles) of one recording of a job that exited with `code`
-    (`stopped`: memtui stopped it, which a recording without its final frame cannot say).
+def recording_lines(outcome: Outcome, path: Path) -> list[str]:
+    """The alerts the run raised, named by kind with their first step, and where the
+    recording is: the closing lines of `memtui run` (headless or after its TUI) and `detach`."""
+    alerts = outcome.alerts.line(path)
+    if alerts is None:
+        return [f"memtui: recording {path}  (memtui report {path})"]
+    return [f"memtui: {alerts}", f"memtui: recording {path}"]  # the alerts line says how to read
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the end of a run says about one recording."""
+
+    status: str
+    """How it ended, in the summary's words (`ending_words`)."""
+    steps: int
+    piles: str
+    """The highest of each pile, formatted."""
+    alerts: AlertTally
+
+
+def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
+    """How one recording of a job that exited with `code` ended, its steps, highest piles and
+    alerts (`stopped`: memtui stopped it, which a recording without its final frame cannot say).
 
     Raises:
         RecordingError: the recording cannot be read.
     """
+    from memtui.model.alert_summary import alert_tally
     from memtui.model.recording import read_recording
     from memtui.model.step_rows import NOT_KNOWN
     from memtui.reports.report import pile_peaks
@@ -349,14 +393,28 @@ def _outcome(path: Path, code: int | None, stopped: bool = False) -> tuple[str, 
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
     )
-    return ending_words(recording.how_it_ended(stopped), path, code), len(recording.steps), piles
+    status = ending_words(recording.how_it_ended(stopped), path, code, recording.end)
+    return Outcome(status, len(recording.steps), piles, alert_tally(recording))
 
 
-def ending_words(ending: Ending, path: Path, code: int | None) -> str:
-    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, and a job
-    that exited by itself (`code` under 128) without a final frame is not called killed."""
+INTERRUPTED = "interrupted by Ctrl-C"
+SIGINT_CODE = 130
+"""The shell's exit code for a process that SIGINT ended (128 + 2), which Python's own exit on
+an uncaught KeyboardInterrupt reproduces."""
+
+
+def ending_words(
+    ending: Ending, path: Path, code: int | None, end: schema.End | None = None
+) -> str:
+    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, Ctrl-C as
+    interrupted (the agent's `End` says KeyboardInterrupt, or no final frame and exit 130), and
+    a job that exited by itself (`code` under 128) without a final frame is not called killed."""
     if ending is ExitStatus.STOPPED:
         return STOPPED_BY_MEMTUI
+    if (end is not None and end.interrupted) or (
+        ending is ExitStatus.KILLED and code == SIGINT_CODE
+    ):
+        return INTERRUPTED
     if ending is ExitStatus.KILLED and code is not None and code < 128:
         return f"exited, recording incomplete: {incomplete_reason(path)}"
     return str(ending)
@@ -378,11 +436,15 @@ def _session_summary(folder: Path, code: int) -> str:
     for label, path in files[:MAX_SUMMARY_RECORDINGS]:
         name = f"rank {label}" if label.isdigit() else label
         try:
-            status, steps, piles = _outcome(path, None)  # each process's own code is unknown
+            outcome = outcome_of(path, None)  # each process's own code is unknown
         except RecordingError as exc:
             lines.append(f"memtui:   {name}: unreadable: {exc}")
             continue
-        lines.append(f"memtui:   {name}: {status} after {steps} steps; highest piles: {piles}")
+        alerts = outcome.alerts.line(None)
+        lines.append(
+            f"memtui:   {name}: {outcome.status} after {outcome.steps} steps; highest piles: "
+            f"{outcome.piles}" + (f"; {alerts}" if alerts else "")
+        )
     if len(files) > MAX_SUMMARY_RECORDINGS:
         lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")
     return "\n".join(lines)

@@ -14,8 +14,10 @@ from typing import Any
 from memtui.commands.run_command import (
     JobSpec,
     launches_ranks,
+    make_private_file,
     summary_line,
     take_notes,
+    take_private_file,
 )
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL
@@ -23,13 +25,31 @@ from memtui.input.sources import LiveSource, SourceError, TailSource, replay_sou
 from memtui.model.job_state import QuitChoice
 from memtui.model.step_rows import format_age
 from memtui.terminal_text import terminal_safe
+from memtui_protocol.config import AgentConfig
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars, runtime_dir
 
+HEADLESS_HINT = "use --headless for a summary"
 
-def _need_terminal(command: str) -> str | None:
+
+def _need_terminal(command: str, hint: str = HEADLESS_HINT) -> str | None:
+    """Why the UI cannot open here, with what to run instead (None: there is a terminal)."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return f"memtui {command} needs a terminal for its UI (use --headless for a summary)"
+        return f"memtui {command} needs a terminal for its UI ({hint})"
     return None
+
+
+def _attach_hint(job: dict[str, Any] | None) -> str:
+    """What to run without a terminal for a job that already has its agent (`--headless`
+    injects one, so it is no answer here): read its recording, or forward its socket."""
+    if job is None:
+        return "run it where there is one"
+    recording = job.get("recording")
+    if recording:
+        return f"pid {job['pid']} records to {recording}: memtui report {recording} reads it so far"
+    return (
+        f"pid {job['pid']} records nothing; from a terminal elsewhere, memtui attach --socket "
+        f"{job['socket']} (forwarded over SSH)"
+    )
 
 
 class SessionSocketSource(LiveSource):
@@ -90,38 +110,62 @@ class FirstRecordingTail(TailSource):
         return None
 
 
-def run_tui(job_spec: JobSpec) -> int:
-    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file."""
-    problem = _need_terminal("run")
+def run_tui(job_spec: JobSpec, command: str = "run") -> int:
+    """`memtui run` with the TUI: the job as a child, its output in a pane and a log file.
+
+    The screen opens once the job's agent has started (`job_start`): a job that fails before it
+    imports torch leaves Python's error and its exit code on the terminal, not an empty screen.
+    A job that fails under the screen gets its error printed again once the screen closes, as
+    Python printed it (the runner copies it to `error_file`).
+    """
+    problem = _need_terminal(command)
     if problem:
         take_notes(job_spec)
         raise UsageError(problem)
+    from memtui.commands.job_start import AgentStart, wait_for_agent
     from memtui.input.job_process import JobProcess, recording_log_path
 
     log_path = recording_log_path(job_spec.recording)
+    error_file = make_private_file("memtui-error-")
+    config = AgentConfig.from_env(job_spec.env).replace(error_file=str(error_file))
+    start = AgentStart(job_spec)
     try:
-        job = JobProcess(job_spec.command, job_spec.env, log_path)
+        job = JobProcess(job_spec.command, {**job_spec.env, **config.to_env()}, log_path)
     except OSError as exc:
         take_notes(job_spec)
+        take_private_file(error_file)
         print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
         return 127
+    shown = False
     try:
-        # Textual only after the job has started: its import (about 0.2 s) overlaps the job's
-        # own start instead of delaying it. Anything failing from here stops the job.
+        # Textual is imported while the job starts: its import (about 0.2 s) overlaps the
+        # job's own start instead of delaying the screen. Anything failing from here stops the job.
         from memtui.tui.app import MemtuiApp, run_app
 
-        source, ranks = _live_source(job_spec, job)
-        run_app(MemtuiApp(source, job=job, ranks=ranks))
+        if wait_for_agent(start, job, notice=_waiting_notice(job_spec, job.pid)):
+            source, ranks = _live_source(job_spec, job)
+            shown = True
+            run_app(MemtuiApp(source, job=job, ranks=ranks))
     finally:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    error = take_private_file(error_file)
+    if shown and error:  # without the screen it is on the terminal already
+        print(terminal_safe(error.rstrip("\n"), keep_newlines=True), file=sys.stderr)
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
     print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
-    if log_path is not None:
+    if log_path is not None and log_path.exists():
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code
+
+
+def _waiting_notice(job_spec: JobSpec, pid: int) -> str:
+    return (
+        f"memtui: {terminal_safe(' '.join(job_spec.display))} (pid {pid}) started; the screen "
+        "opens when it imports torch (Ctrl-C stops it)"
+    )
 
 
 def _live_source(job_spec: JobSpec, job: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -192,17 +236,18 @@ def replay(path: str) -> int:
     else:
         source = replay_source(Path(path))
         source.check()
-    return _open_app("replay", source, ranks=ranks, warning=source.warning)
+    hint = f"memtui report {path} prints its summary"
+    return _open_app("replay", source, hint, ranks=ranks, warning=source.warning)
 
 
-def _open_app(command: str, source: Any, **options: Any) -> int:
+def _open_app(command: str, source: Any, hint: str, **options: Any) -> int:
     """Show a checked source in the TUI (after making sure there is a terminal to show it on).
 
     A recording damaged on the way exits `EXIT_PARTIAL` (3) after the app, as `report` and
     `export` do, with the whole warning on stderr (the screen's notes line may cut it short).
     Quitting a viewer of an attached agent does what the user chose for the agent.
     """
-    problem = _need_terminal(command)
+    problem = _need_terminal(command, hint)
     if problem:
         raise UsageError(problem)
     from memtui.tui.app import MemtuiApp, run_app
@@ -305,8 +350,9 @@ def list_live_jobs() -> int:
     """`memtui attach --list`: each live job, then one socket path per rank (what to forward
     with `ssh -L LOCAL.sock:REMOTE.sock` and open with `memtui attach --socket`)."""
     jobs = trusted_live_jobs()
-    if not jobs:
-        raise UserError(_no_jobs_line())
+    if not jobs:  # an answer, not a failure: scripts loop on `attach --list` until a job starts
+        print(_no_jobs_line())
+        return 0
     for job in jobs:
         print(terminal_safe(list_jobs_text([job])))
         for member in job.get("ranks", [job]):
@@ -321,6 +367,7 @@ def attach(pid: int | None, socket_path: str | None = None, injected: bool = Fal
     distributed job attaches with all its ranks (`r` switches). `injected`: this attach just
     put the agent into the job (quitting asks whether to detach it)."""
     ranks = None
+    chosen: dict[str, Any] | None = None
     if socket_path is not None:
         source = LiveSource(Path(socket_path))
     else:
@@ -337,7 +384,7 @@ def attach(pid: int | None, socket_path: str | None = None, injected: bool = Fal
             raise UserError(_no_jobs_line())
         chosen = jobs[0] if len(jobs) == 1 else None
         if chosen is None:
-            problem = _need_terminal("attach")
+            problem = _need_terminal("attach", "give one PID")
             if problem:
                 print(terminal_safe(list_jobs_text(jobs), keep_newlines=True))
                 print("memtui: several jobs: give a PID", file=sys.stderr)
@@ -357,7 +404,9 @@ def attach(pid: int | None, socket_path: str | None = None, injected: bool = Fal
             source = next(iter(ranks.values()))
     for member in (ranks or {"": source}).values():
         member.check()  # a SourceError is the user's one line (cli.main)
-    return _open_app("attach", source, ranks=ranks, attached=True, injected=injected)
+    return _open_app(
+        "attach", source, _attach_hint(chosen), ranks=ranks, attached=True, injected=injected
+    )
 
 
 def _choose_job(jobs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -33,6 +33,8 @@ class JobProcess:
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path | None) -> None:
         self.lines: deque[str] = deque(maxlen=MAX_LINES)
+        self.printed = 0
+        """Lines the job has printed so far (`take_lines` leaves this as it is)."""
         self._lock = threading.Lock()
         self.log_path = log_path
         self._stop_file = AgentConfig.from_env(env).stop_file
@@ -73,9 +75,11 @@ class JobProcess:
             with self._lock:
                 for raw in complete:
                     self.lines.append(_last_redraw(raw))
+                self.printed += len(complete)
         if pending:
             with self._lock:
                 self.lines.append(_last_redraw(pending))
+                self.printed += 1
         if self._log is not None:
             self._log.close()
 
@@ -85,6 +89,13 @@ class JobProcess:
             lines = list(self.lines)
             self.lines.clear()
         return lines
+
+    def lines_after(self, seen: int) -> list[str]:
+        """The lines printed after the first `seen`, left for `take_lines` too (those still
+        kept: the buffer holds the last `MAX_LINES`)."""
+        with self._lock:
+            new = min(self.printed - seen, len(self.lines))
+            return list(self.lines)[len(self.lines) - new :] if new > 0 else []
 
     def poll(self) -> int | None:
         """Exit code (128+N for signal N), or None while the job runs."""

@@ -37,12 +37,15 @@ class ModelEstimateError(Exception):
 
 
 class Verdict(str, Enum):
-    """Whether the steady-state peak fits the device with the reserve kept free."""
+    """Whether the step's peak fits the device with the reserve kept free; one answer with
+    what the largest batch says (a batch called tight has a smaller one that fits)."""
 
     FITS = "fits"
+    """The peak leaves the reserve free: a batch this size or larger fits."""
     TIGHT = "tight"
-    """Under the device's memory, but inside the reserve: may run out."""
+    """Under the device's memory, but inside the reserve (may run out); a smaller batch fits."""
     DOES_NOT_FIT = "does_not_fit"
+    """Over the device's memory, or no batch size at all leaves the reserve free."""
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,15 @@ def reserve_for(device_memory: int) -> int:
     return max(RESERVE_MIN, int(device_memory * RESERVE_FRACTION))
 
 
-def verdict_for(peak: int, device_memory: int) -> Verdict:
-    """FITS with the reserve to spare, TIGHT within it, else DOES_NOT_FIT."""
+def verdict_for(peak: int, device_memory: int, largest: int | None = None) -> Verdict:
+    """FITS with the reserve to spare; TIGHT within the reserve; DOES_NOT_FIT over the device,
+    or where no batch leaves the reserve free (`largest` == 0: the batch-independent piles
+    alone take it)."""
     if peak + reserve_for(device_memory) <= device_memory:
         return Verdict.FITS
-    return Verdict.TIGHT if peak <= device_memory else Verdict.DOES_NOT_FIT
+    if peak > device_memory or largest == 0:
+        return Verdict.DOES_NOT_FIT
+    return Verdict.TIGHT
 
 
 def largest_batch(
@@ -175,6 +182,7 @@ def build_result(
         params=base["params"],
         trainable=base["trainable"],
         batch_size=base["batch_size"],
+        loss_from=base.get("loss_from"),
         model=request.model,
         batch=request.batch,
         optimizer=request.optimizer.value,
@@ -187,16 +195,21 @@ def build_result(
     )
     if device_memory is None:
         return result
-    peak = result["peak"]
-    result["verdict"] = {
-        "verdict": verdict_for(peak, device_memory).value,
-        "margin": device_memory - peak,
-        "reserve": reserve_for(device_memory),
-    }
+    # The job must live through its first step too (it makes the optimizer state).
+    peak = max(result["peak"], result["first_step_peak"])
     checkpointed = by_variant.get(Variant.CHECKPOINTED.value)
     double = by_variant.get(Variant.DOUBLE_BATCH.value, {"error": "not run"})
+    largest = largest_batch(base, double, sharding, device_memory)
+    reserve = reserve_for(device_memory)
+    result["verdict"] = {
+        "verdict": verdict_for(peak, device_memory, largest).value,
+        "margin": device_memory - peak,
+        "reserve": reserve,
+        "spare": device_memory - reserve - peak,
+        "peak_step": "first" if result["first_step_peak"] > result["peak"] else "steady",
+    }
     to_fit: dict[str, Any] = {
-        "largest_batch": largest_batch(base, double, sharding, device_memory),
+        "largest_batch": largest,
         "largest_batch_error": double.get("error"),
         "checkpointing_peak": None,
         "checkpointing_saves": None,
@@ -242,6 +255,10 @@ def render_model_text(result: dict[str, Any]) -> str:
         f"{result['model']}, {batch}, {', '.join(extras)}",
         f"{result['params']:,} parameters, {result['trainable']:,} trainable; measured over two "
         "training steps on fake tensors by the agent's own ledger",
+    ]
+    if result.get("loss_from"):
+        lines.append(f"loss: the forward's {result['loss_from']} (backpropagated each step)")
+    lines += [
         "",
         f"{'per GPU':<17}{'bytes':>18}{'decimal':>12}{'binary':>12}",
     ]
@@ -267,21 +284,44 @@ def render_model_text(result: dict[str, Any]) -> str:
 
 
 def _verdict_lines(result: dict[str, Any]) -> list[str]:
+    """The verdict, then what would fit: each figure said once, the reserve never counted as
+    spare, and a batch called tight always with a smaller one that fits."""
     device, verdict = result["device_memory"], result["verdict"]
-    margin, reserve = verdict["margin"], verdict["reserve"]
-    said = {
-        Verdict.FITS.value: f"fits, {format_bytes(margin)} to spare",
-        Verdict.TIGHT.value: f"tight: {format_bytes(margin)} to spare, under the reserve",
-        Verdict.DOES_NOT_FIT.value: f"does not fit: {format_bytes(-margin)} over",
-    }[verdict["verdict"]]
+    margin, reserve, spare = verdict["margin"], verdict["reserve"], verdict["spare"]
+    to_fit = result["to_fit"]
+    largest = to_fit["largest_batch"]
+    which = "the first step's peak" if verdict["peak_step"] == "first" else "the peak"
+    if verdict["verdict"] == Verdict.FITS.value:
+        said = f"fits, {format_bytes(spare)} to spare beyond the reserve"
+    elif verdict["verdict"] == Verdict.TIGHT.value:
+        said = (
+            f"tight: {which} leaves {format_bytes(margin)} free, inside the "
+            f"{format_bytes(reserve)} reserve (it may run out)"
+        )
+    elif margin < 0:
+        said = f"does not fit: {which} is {format_bytes(-margin)} over the device's memory"
+    else:
+        said = (
+            f"does not fit: {which} leaves {format_bytes(margin)} free, inside the "
+            f"{format_bytes(reserve)} reserve, and no smaller batch makes room"
+        )
     lines = [
         f"device {format_bytes(device, binary=False)} ({format_bytes(device)}): {said}",
         f"  (reserve {format_bytes(reserve)} kept free for the CUDA context, workspaces and the "
         "allocator's cache and fragmentation)",
     ]
-    to_fit = result["to_fit"]
-    if to_fit["largest_batch"] is not None:
-        lines.append(f"  largest batch that fits: about {to_fit['largest_batch']}")
+    if largest:
+        lines.append(f"  largest batch that fits: about {largest}")
+    elif largest == 0:
+        usable = device - reserve
+        if result["total"] > usable:
+            lines.append(
+                f"  no batch size fits: weights, gradients and optimizer state alone take "
+                f"{format_bytes(result['total'])}, more than the {format_bytes(max(usable, 0))} "
+                "left after the reserve"
+            )
+        else:
+            lines.append("  no batch size fits: not even one sample leaves the reserve free")
     elif to_fit["largest_batch_error"]:
         lines.append(f"  largest batch not estimated: {to_fit['largest_batch_error']}")
     if to_fit["checkpointing_saves"] is not None:
