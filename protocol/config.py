@@ -65,6 +65,9 @@ class AgentConfig:
         alloc_events: CUDA: record the allocator's history into each step's frame.
         activations: when the saved-tensor hooks are armed (issue 15).
         session: the `memtui run` that started the job (groups ranks; finds the socket).
+        record_in_folder: `record` is this process's file in a session folder, which must be
+            private (ours, writable by nobody else). Decided in the process (`autostart`),
+            never carried in the environment.
         stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
             the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
     """
@@ -79,6 +82,7 @@ class AgentConfig:
     alloc_events: bool = False
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
+    record_in_folder: bool = False
     stop_file: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:

@@ -31,6 +31,7 @@ from typing import Any
 from memtui.commands.attach_target import AttachRefused, Target, ptrace_message, ptrace_scope
 from memtui_protocol.attach import Action, Answer, AttachRequest, read_reply
 from memtui_protocol.runtime_dir import pid_alive
+from memtui_protocol.safe_open import write_new
 
 SAFE_POINTS = ("malloc", "calloc", "realloc", "free", "PyMem_Malloc", "PyMem_Free")
 """Functions at whose entry gdb may allocate and add a pending call (memray's choice)."""
@@ -206,7 +207,7 @@ class Injection:
         agent_dir, protocol_dir = (
             package_dir(name) for name in ("memtui_agent", "memtui_protocol")
         )
-        shutil.copyfile(agent_dir / "attach" / "boot.py", self.boot)
+        write_new(self.boot, (agent_dir / "attach" / "boot.py").read_bytes())
         # Where the agent's own dependencies are installed, for the job's interpreter to find.
         paths = {str(package_dir(name).parent) for name in ("msgspec", "psutil")}
         self.request = self.folder / "request.json"
@@ -221,18 +222,18 @@ class Injection:
             deadline=time.time() + ANSWER_SECONDS,
             options=options,
         )
-        self.request.write_text(request.to_json())
+        write_new(self.request, request.to_json().encode())
 
     def deliver(self) -> None:
         """Put the bootstrap into the job (it runs at the job's next safe point)."""
         lines = runner_lines(self.boot, self.request)
         if self.method == "remote_exec":
             runner = self.folder / "run.py"
-            runner.write_text(lines)
+            write_new(runner, lines.encode())
             deliver_remote_exec(self.target.pid, runner)
             return
         script = self.folder / "attach.gdb"
-        script.write_text(gdb_script(lines))
+        write_new(script, gdb_script(lines).encode())
         deliver_gdb(self.target.pid, script)
 
     def wait(self, states: set[Answer], seconds: float) -> dict[str, Any] | None:

@@ -1,0 +1,314 @@
+"""Reliability, round three (issue 27), security: nothing is written through a planted link.
+
+S1: every file the agent and memtui write is created relative to an opened folder with
+`O_CREAT|O_EXCL|O_NOFOLLOW`, never through a resolved name; session folders must be private.
+What a user gets when a link is planted at a recording's name: the job runs exactly as without
+memtui, unrecorded (its live socket still works), with one line on stderr naming the path.
+S2: `memtui export` writes through the same creator. J5: modes are explicit, whatever the job's
+umask. The kinds of things planted are the fuzz inputs of the adversarial round: links to a file,
+to a folder, dangling links, FIFOs, folders, another user's file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from memtui.model.recording import read_recording
+from memtui_protocol.runtime_dir import ensure_private_dir
+from memtui_protocol.safe_open import RefusedPath, create_private, make_folder, write_new
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DEMO = FIXTURES / "demo.memtui"
+MEMTUI = [sys.executable, "-m", "memtui"]
+STRANGER = 65534
+PRECIOUS = b"a file the job must never replace\n"
+
+
+def _env(folder: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(key, None)
+    return dict(env, MEMTUI_RUNTIME_DIR=str(folder / "rt"), OMP_NUM_THREADS="1", **extra)
+
+
+def _precious(folder: Path) -> Path:
+    target = folder / "precious"
+    target.write_bytes(PRECIOUS)
+    return target
+
+
+# ----- what may be planted at a name (the fuzz inputs) ------------------------------------------
+
+
+def _link_to_file(folder: Path, name: Path) -> None:
+    name.symlink_to(_precious(folder))
+
+
+def _dangling_link(folder: Path, name: Path) -> None:
+    name.symlink_to(folder / "nowhere" / "x")
+
+
+def _link_to_folder(folder: Path, name: Path) -> None:
+    (folder / "elsewhere").mkdir()
+    name.symlink_to(folder / "elsewhere")
+
+
+def _fifo(folder: Path, name: Path) -> None:
+    os.mkfifo(name)
+
+
+def _folder(folder: Path, name: Path) -> None:
+    name.mkdir()
+
+
+def _strangers_file(folder: Path, name: Path) -> None:
+    name.write_bytes(PRECIOUS)
+    if os.geteuid() == 0:
+        os.chown(name, STRANGER, STRANGER)
+    else:
+        pytest.skip("needs root to make a file of another user")
+
+
+PLANTED: dict[str, Callable[[Path, Path], None]] = {
+    "link to a file": _link_to_file,
+    "dangling link": _dangling_link,
+    "link to a folder": _link_to_folder,
+    "fifo": _fifo,
+    "folder": _folder,
+    "another user's file": _strangers_file,
+}
+
+
+def _untouched(folder: Path) -> None:
+    """The planted thing's target still holds what it held, and nothing appeared through the
+    links (a dangling link's target, a linked folder's contents)."""
+    precious = folder / "precious"
+    if precious.exists():
+        assert precious.read_bytes() == PRECIOUS
+    assert not (folder / "nowhere").exists()
+    if (folder / "elsewhere").exists():
+        assert list((folder / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_create_private_never_writes_through_what_is_planted(tmp_path: Path, kind: str) -> None:
+    name = tmp_path / "rec.memtui"
+    PLANTED[kind](tmp_path, name)
+    done: list[BaseException | int] = []
+
+    def create() -> None:
+        try:
+            done.append(create_private(name))
+        except BaseException as exc:
+            done.append(exc)
+
+    worker = threading.Thread(target=create, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done, "create_private blocked (a FIFO opened?)"
+    assert isinstance(done[0], RefusedPath), done
+    message = str(done[0])
+    assert "\n" not in message and str(name) in message
+    _untouched(tmp_path)
+
+
+def test_a_link_planted_in_place_of_the_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "session").symlink_to(tmp_path / "real")
+    with pytest.raises(RefusedPath, match="symbolic link"):
+        create_private(tmp_path / "session" / "proc-0.memtui", private_folder=True)
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o777, 0o1777, 0o720])
+def test_a_session_folder_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    session = tmp_path / "session"
+    session.mkdir()
+    os.chmod(session, mode)
+    with pytest.raises(RefusedPath, match="writable by other users"):
+        create_private(session / "proc-0.memtui", private_folder=True)
+    os.chmod(session, 0o755)  # readable by others is fine: nobody else can plant a name
+    os.close(create_private(session / "proc-0.memtui", private_folder=True))
+
+
+def test_a_session_folder_of_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a folder of another user")
+    session = tmp_path / "session"
+    session.mkdir(mode=0o700)
+    os.chown(session, STRANGER, STRANGER)
+    with pytest.raises(RefusedPath, match=f"belongs to uid {STRANGER}"):
+        create_private(session / "rank-0.memtui", private_folder=True)
+
+
+def test_modes_are_explicit_whatever_the_umask(tmp_path: Path) -> None:
+    """J5 at the creators: a umask of 0o777 does not make a 000 file or folder."""
+    previous = os.umask(0o777)
+    try:
+        os.close(create_private(tmp_path / "rec.memtui"))
+        make_folder(tmp_path / "session")
+        ensure_private_dir(tmp_path / "rt")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "rec.memtui").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "session").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "rt").stat().st_mode) == 0o700
+    (tmp_path / "broken").mkdir(mode=0o700)
+    os.chmod(tmp_path / "broken", 0)  # what an older memtui left under umask 0o777
+    ensure_private_dir(tmp_path / "broken")
+    assert stat.S_IMODE((tmp_path / "broken").stat().st_mode) == 0o700
+
+
+def test_rerun_replaces_only_our_own_file_by_name(tmp_path: Path) -> None:
+    own = tmp_path / "rec.memtui"
+    own.write_bytes(b"old run")
+    other_name = tmp_path / "hardlink"
+    os.link(own, other_name)  # another name for the same file: it keeps the old content
+    write_new(own, b"new run")
+    assert own.read_bytes() == b"new run" and other_name.read_bytes() == b"old run"
+
+
+# ----- S2: memtui export ------------------------------------------------------------------------
+
+
+def _export(folder: Path, output: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*MEMTUI, "export", str(DEMO), "--format", "csv", "-o", output],
+        cwd=folder, env=_env(folder), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_export_refuses_what_is_planted_in_one_line(tmp_path: Path, kind: str) -> None:
+    """Before issue 27 `write_text` followed the link (overwrote the target) and blocked forever
+    on a FIFO (here: the 60 s timeout)."""
+    name = tmp_path / "out.csv"
+    PLANTED[kind](tmp_path, name)
+    result = _export(tmp_path, str(name))
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memtui: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    _untouched(tmp_path)
+
+
+def test_export_writes_a_new_file_and_replaces_its_own(tmp_path: Path) -> None:
+    name = tmp_path / "out.csv"
+    for _ in range(2):  # the second run replaces the first one's file
+        result = _export(tmp_path, str(name))
+        assert result.returncode == 0, result.stderr
+    assert name.read_text().startswith("step,")
+    assert stat.S_IMODE(name.stat().st_mode) == 0o600
+
+
+# ----- S1 in real jobs: a link at proc-N, rank-N, or at -o after memtui run's own check ----------
+
+JOB = textwrap.dedent("""
+    import torch
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        print(step, loss.item().hex(), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_links_planted_at_recording_names_are_never_followed(tmp_path: Path) -> None:
+    """Three jobs at once, each with a link planted where its recording goes: in a session
+    folder (`proc-0.memtui` under `memtui run -- COMMAND`; `rank-1.memtui` of a rank), and at
+    the `-o` file after `memtui run`'s own check (the agent gets the name as memtui passes it).
+    Each job prints what a plain run prints and exits 0, the linked file keeps its content, and
+    stderr says once why this process is unrecorded."""
+    (tmp_path / "job.py").write_text(JOB)
+    plain = subprocess.run(
+        [sys.executable, "job.py"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    cases = {}
+    for name, planted, extra in (
+        ("proc", "proc-0.memtui", {}),
+        ("rank", "rank-1.memtui", {"RANK": "1", "WORLD_SIZE": "2"}),
+        ("file", None, {}),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        target = folder / "precious"
+        target.write_bytes(PRECIOUS)
+        if name == "file":
+            # What `memtui run -o rec.memtui job.py` starts, the link planted after its check.
+            output = folder / "rec.memtui"
+            output.symlink_to(target)
+            env = _env(folder, MEMTUI_RECORD=str(output), **extra)
+            command = [sys.executable, "-m", "memtui_agent.startup.runner", "job.py"]
+        else:
+            session = folder / "session"
+            session.mkdir(mode=0o700)
+            (session / planted).symlink_to(target)  # type: ignore[operator]
+            command = [*MEMTUI, "run", "--headless", "-o", str(session), "--"]
+            command += [sys.executable, "job.py"]
+            env = _env(folder, **extra)
+        (folder / "job.py").write_text(JOB)
+        process = subprocess.Popen(
+            command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        cases[name] = (target, process)
+    for name, (target, process) in cases.items():
+        stdout, stderr = process.communicate(timeout=240)
+        assert process.returncode == 0, f"{name}: {stderr}"
+        assert stdout == plain.stdout, name
+        assert target.read_bytes() == PRECIOUS, f"{name}: the link was followed"
+        said = [line for line in stderr.splitlines() if "symbolic link" in line]
+        assert len(said) == 1, f"{name}: {stderr}"
+        assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_a_umask_0777_job_gets_a_usable_recording_and_later_jobs_their_socket(
+    tmp_path: Path,
+) -> None:
+    """J5: a job that sets `umask(0o777)` before importing torch: its recording is 0600 and
+    reads, the runtime folder it made is 0700, and the next job of the user serves its live
+    socket (before issue 27 both were mode 000 and every later job lost its socket)."""
+    (tmp_path / "umask_job.py").write_text("import os\nos.umask(0o777)\n" + JOB)
+    first = subprocess.run(
+        [*MEMTUI, "run", "--headless", "-o", "first.memtui", "umask_job.py"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    recording = tmp_path / "first.memtui"
+    assert stat.S_IMODE(recording.stat().st_mode) == 0o600
+    assert len(read_recording(recording).steps) == 3
+    assert stat.S_IMODE((tmp_path / "rt").stat().st_mode) == 0o700
+    later = textwrap.dedent("""
+        import os
+        import torch
+        import memtui_agent
+        agent = memtui_agent.start(record="later.memtui")
+        print("SOCKET", agent.socket_path is not None and os.path.exists(agent.socket_path))
+        memtui_agent.stop()
+    """)
+    second = subprocess.run(
+        [sys.executable, "-c", later], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    assert "SOCKET True" in second.stdout, second.stderr
+    assert "failed" not in second.stderr
