@@ -31,7 +31,6 @@ SNAPSHOT_ON_OOM = "MEMTUI_SNAPSHOT_ON_OOM"
 ALLOC_EVENTS = "MEMTUI_ALLOC_EVENTS"
 ACTIVATIONS = "MEMTUI_ACTIVATIONS"
 SESSION = "MEMTUI_SESSION"
-STOP_FILE = "MEMTUI_STOP_FILE"
 VARIABLES = (
     RECORD,
     SOCKET,
@@ -43,7 +42,6 @@ VARIABLES = (
     ALLOC_EVENTS,
     ACTIVATIONS,
     SESSION,
-    STOP_FILE,
 )
 """Every variable `to_env` writes (a child that must not inherit a config drops these)."""
 
@@ -68,8 +66,6 @@ class AgentConfig:
         record_in_folder: `record` is this process's file in a session folder, which must be
             private (ours, writable by nobody else). Decided in the process (`autostart`),
             never carried in the environment.
-        stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
-            the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
     """
 
     record: str | None = None
@@ -83,7 +79,6 @@ class AgentConfig:
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
     record_in_folder: bool = False
-    stop_file: str | None = None
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -106,8 +101,6 @@ class AgentConfig:
             env[BUDGET] = str(self.budget)
         if self.session is not None:
             env[SESSION] = self.session
-        if self.stop_file is not None:
-            env[STOP_FILE] = self.stop_file
         return env
 
     @classmethod
@@ -136,7 +129,6 @@ class AgentConfig:
             alloc_events=environ.get(ALLOC_EVENTS) == "1",
             activations=_member(ActivationMode, environ.get(ACTIVATIONS), ActivationMode.AUTO),
             session=environ.get(SESSION) or None,
-            stop_file=environ.get(STOP_FILE) or None,
         )
 
     def oom_snapshot_path(self) -> str | None:

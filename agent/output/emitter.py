@@ -72,9 +72,9 @@ class Emitter:
         self._late: deque[LateValues] = deque()
         self._file_lock = threading.RLock()
         """Frames come from the training thread, the tick thread and error reports. Reentrant:
-        a signal handler that ends the recording (SIGTERM from memtui, `stop_signal`) runs on
-        the training thread, possibly between the bytecodes of a frame's write under this
-        lock; a plain lock would deadlock the job there."""
+        a signal handler of the job's own that ends the recording (`memtui_agent.stop()` in its
+        SIGTERM handler) runs on the training thread, possibly between the bytecodes of a
+        frame's write under this lock; a plain lock would deadlock the job there."""
         self._wake = threading.Event()
         self._stopping = False
         self._on_error = on_error

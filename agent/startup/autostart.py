@@ -238,9 +238,6 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
     when_torch_imported(start_agent)
     if install_exit_handlers:
         _install_exit_handlers()
-        from memtui_agent.startup.stop_signal import record_stops
-
-        record_stops(config.stop_file)
     return True
 
 

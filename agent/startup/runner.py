@@ -14,9 +14,7 @@ import runpy
 import sys
 
 from memtui_agent.startup import api, autostart
-from memtui_agent.startup.stop_signal import record_stops
 from memtui_agent.steps.failures import exit_code_of, without_agent_frames
-from memtui_protocol.config import AgentConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target, arguments = argv[0], argv[1:]
     autostart.arm_from_environment(install_exit_handlers=False)
-    record_stops(AgentConfig.from_env(os.environ).stop_file)
     try:
         if as_module:
             sys.argv = [target, *arguments]

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 from memtui import errors
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.config import VARIABLES, AgentConfig
-from memtui_protocol.runtime_dir import runtime_dir
 from memtui_protocol.safe_open import folder_refusal, make_folder, refusal
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
@@ -163,8 +162,6 @@ def build_job(
         record=str(recording) if recording is not None else None,
         argv=tuple(display),
         session=session,
-        # In the private runtime folder: no one else can make a SIGTERM read as our stop.
-        stop_file=str(runtime_dir() / f"stop-{session}"),
     )
     env.update(config.to_env())
     notes = None

@@ -115,6 +115,10 @@ def run_tui(job_spec: JobSpec) -> int:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    if job.stopped:  # memtui sent the SIGTERM: the recordings say so (the job could not)
+        from memtui.commands.stop_record import record_stop
+
+        record_stop(job_spec.recording, code)
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
     print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
