@@ -285,6 +285,7 @@ LONG_CALL = textwrap.dedent("""
         opt.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
+        print("calling", flush=True)
         started = time.perf_counter()
         big @ big  # one C call of about a second: no bytecode runs meanwhile
         print("call", time.perf_counter() - started, flush=True)
@@ -292,13 +293,20 @@ LONG_CALL = textwrap.dedent("""
 
 
 def _seconds_to_die(job: JobProcess) -> tuple[float, float]:
-    """(seconds from SIGTERM to the job's end, the job's longest C call before it)."""
+    """(seconds from SIGTERM to the job's end, the job's longest C call before it).
+
+    The signal is sent a quarter of a call's time after the job said it begins one (after two
+    whole calls, whose durations the job measured itself), so it lands inside that call."""
     deadline = time.monotonic() + TIMEOUT_S
-    while sum(line.startswith("call") for line in list(job.lines)) < 3:
-        assert job.poll() is None and time.monotonic() < deadline, list(job.lines)
-        time.sleep(0.01)
-    # The next call has just begun when a `call` line arrives: stop the job inside it.
-    calls = [float(line.split()[1]) for line in job.take_lines() if line.startswith("call")]
+    seen: list[str] = []
+    while True:
+        assert job.poll() is None and time.monotonic() < deadline, seen
+        seen += job.take_lines()
+        calls = [float(line.split()[1]) for line in seen if line.startswith("call ")]
+        if len(calls) >= 2 and seen[-1] == "calling":
+            break
+        time.sleep(0.005)
+    time.sleep(max(calls) / 4)
     sent = time.monotonic()
     job.terminate(grace=60.0)
     job.wait()
