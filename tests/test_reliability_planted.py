@@ -1,4 +1,5 @@
-"""Reliability, round three (issue 27), security: nothing is written through a planted link.
+"""Reliability, round three (issue 27), security: nothing written through a planted link, no
+injection into a process other than the one checked.
 
 S1: every file the agent and memtui write is created relative to an opened folder with
 `O_CREAT|O_EXCL|O_NOFOLLOW`, never through a resolved name; session folders must be private.
@@ -6,23 +7,40 @@ What a user gets when a link is planted at a recording's name: the job runs exac
 memtui, unrecorded (its live socket still works), with one line on stderr naming the path.
 S2: `memtui export` writes through the same creator. J5: modes are explicit, whatever the job's
 umask. The kinds of things planted are the fuzz inputs of the adversarial round: links to a file,
-to a folder, dangling links, FIFOs, folders, another user's file.
+to a folder, dangling links, FIFOs, folders, another user's file. S3: `memtui attach` pins its
+target (uid, start time, pidfd) and checks the pin again right before the injection and, under
+gdb, once gdb holds the process; gdb cannot call into processes on this machine, so the pin is
+tested directly, through the refusal path, and through gdb's own check.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from memtui.commands.attach_inject import deliver_gdb, gdb_script, runner_lines
+from memtui.commands.attach_target import (
+    REUSED,
+    AttachRefused,
+    Pin,
+    Target,
+    check_target,
+    confirm_pin,
+    pin_process,
+    read_pin,
+    release_pin,
+)
 from memtui.model.recording import read_recording
+from memtui_protocol.attach import Action
 from memtui_protocol.runtime_dir import ensure_private_dir
 from memtui_protocol.safe_open import RefusedPath, create_private, make_folder, write_new
 
@@ -312,3 +330,144 @@ def test_a_umask_0777_job_gets_a_usable_recording_and_later_jobs_their_socket(
     assert second.returncode == 0, second.stderr
     assert "SOCKET True" in second.stdout, second.stderr
     assert "failed" not in second.stderr
+
+
+# ----- S3: attach pins its target by uid, start time and pidfd --------------------------------
+
+
+@pytest.fixture
+def sleeper() -> Iterator[subprocess.Popen[bytes]]:
+    """A process of ours that idles (not Python: nothing could be injected into it anyway)."""
+    process = subprocess.Popen(["sleep", "120"])
+    yield process
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def test_a_pin_holds_the_process_not_its_pid(sleeper: subprocess.Popen[bytes]) -> None:
+    pin = pin_process(sleeper.pid)
+    try:
+        assert (pin.uid, pin.start_ticks) == read_pin(sleeper.pid)
+        assert pin.uid == os.getuid()
+        confirm_pin(sleeper.pid, pin)  # still the same process
+        # The same pid naming a process that started at another moment: a reused pid.
+        with pytest.raises(AttachRefused, match="no longer the process memtui checked"):
+            confirm_pin(sleeper.pid, Pin(pin.uid, pin.start_ticks + 1))
+        with pytest.raises(AttachRefused, match="no longer the process memtui checked"):
+            confirm_pin(sleeper.pid, Pin(pin.uid + 1, pin.start_ticks))
+        sleeper.kill()
+        sleeper.wait()
+        with pytest.raises(AttachRefused, match=r"ended|no process"):
+            confirm_pin(sleeper.pid, pin)  # the pidfd knows it ended, whoever has the pid now
+    finally:
+        release_pin(pin)
+
+
+def test_the_injection_confirms_the_pin_right_before_delivering(
+    sleeper: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pid changed hands between the checks and the injection: refused in one line, and
+    neither gdb nor sys.remote_exec is ever started."""
+    from memtui.commands import attach_inject
+
+    delivered: list[int] = []
+    monkeypatch.setattr(attach_inject, "deliver_gdb", lambda pid, *a, **k: delivered.append(pid))
+    monkeypatch.setattr(
+        attach_inject, "deliver_remote_exec", lambda pid, *a, **k: delivered.append(pid)
+    )
+    uid, ticks = read_pin(sleeper.pid)
+    for method in ("gdb", "remote_exec"):
+        target = Target(sleeper.pid, (3, 11), ["sleep"], pin=Pin(uid, ticks - 1))
+        injection = attach_inject.Injection(target, method, Action.ATTACH)
+        try:
+            with pytest.raises(AttachRefused) as refused:
+                injection.deliver()
+        finally:
+            injection.close()
+        assert str(refused.value) == REUSED.format(pid=sleeper.pid)
+    assert delivered == []
+    pinned = Target(sleeper.pid, (3, 11), ["sleep"], pin=Pin(uid, ticks))
+    injection = attach_inject.Injection(pinned, "gdb", Action.ATTACH)
+    try:
+        injection.deliver()  # the same process: delivered
+    finally:
+        injection.close()
+    assert delivered == [sleeper.pid]
+
+
+def _gdb_traces() -> bool:
+    if shutil.which("gdb") is None:
+        return False
+    probe = subprocess.Popen(["sleep", "30"])
+    try:
+        result = subprocess.run(
+            ["gdb", "-batch", "-nx", "-p", str(probe.pid), "-ex", "python print(1)"],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        probe.kill()
+        probe.wait()
+    return "1" in result.stdout.splitlines()
+
+
+@pytest.mark.skipif(not _gdb_traces(), reason="needs a gdb with Python that may trace here")
+def test_gdb_confirms_the_pin_once_it_holds_the_process(
+    sleeper: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    """gdb checks uid and start time after it stopped the process (which then cannot end and
+    hand its pid on) and before any breakpoint: a mismatch detaches and is refused in one line;
+    a match goes on (here to the end of what a `sleep` allows: it has no Python API)."""
+    uid, ticks = read_pin(sleeper.pid)
+    lines = runner_lines(tmp_path / "boot.py", tmp_path / "request.json")
+    wrong = tmp_path / "wrong.gdb"
+    wrong.write_text(gdb_script(lines, Pin(uid, ticks + 7)))
+    with pytest.raises(AttachRefused) as refused:
+        deliver_gdb(sleeper.pid, wrong, seconds=60)
+    assert str(refused.value) == REUSED.format(pid=sleeper.pid)
+    right = tmp_path / "right.gdb"
+    right.write_text(gdb_script(lines, Pin(uid, ticks)))
+    output = subprocess.run(
+        ["gdb", "-batch", "-nx", "-p", str(sleeper.pid), "-x", str(right)],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    text = output.stdout + output.stderr
+    assert "MEMTUI_PINNED" in text and "MEMTUI_NOT_PINNED" not in text
+    assert sleeper.poll() is None  # left running
+
+
+def test_check_target_pins_what_it_checked(sleeper: subprocess.Popen[bytes]) -> None:
+    """The checks of `memtui attach` read the process through its pin (a `sleep` is refused as
+    not Python, after the pin was taken and released)."""
+    with pytest.raises(AttachRefused, match="not a Python process"):
+        check_target(sleeper.pid)
+    target = check_target(os.getppid(), need_torch=False) if _is_python(os.getppid()) else None
+    if target is not None:
+        assert target.pin is not None
+        assert (target.pin.uid, target.pin.start_ticks) == read_pin(os.getppid())
+        release_pin(target.pin)
+
+
+def _is_python(pid: int) -> bool:
+    try:
+        return "python" in os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+
+
+def test_a_gdb_that_cannot_check_the_pin_injects_nothing() -> None:
+    """A gdb without Python stops at the check (an error ends its script before any
+    breakpoint): refused in one line, never taken for success."""
+    from memtui.commands.attach_inject import explain_gdb
+
+    captured = (
+        "MEMTUI_ATTACHED\nMEMTUI_CHECKING_PIN\n"
+        "/tmp/attach.gdb:7: Error in sourced command file:\n"
+        "Python scripting is not supported in this copy of GDB.\n"
+        "[Inferior 1 (process 4242) detached]\n"
+    )
+    with pytest.raises(AttachRefused) as refused:
+        explain_gdb(4242, captured, timed_out=False, seconds=20.0)
+    message = str(refused.value)
+    assert "\n" not in message and "could not confirm that pid 4242" in message
+    assert "nothing was injected" in message
