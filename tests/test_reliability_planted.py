@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memtui.commands.attach_inject import deliver_gdb, gdb_script, runner_lines
 from memtui.commands.attach_target import (
@@ -471,3 +473,22 @@ def test_a_gdb_that_cannot_check_the_pin_injects_nothing() -> None:
     message = str(refused.value)
     assert "\n" not in message and "could not confirm that pid 4242" in message
     assert "nothing was injected" in message
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(mode=st.integers(min_value=0, max_value=0o7777))
+def test_a_session_folder_is_accepted_exactly_when_only_we_may_write_it(mode: int) -> None:
+    """Fuzzed folder modes: refused exactly when group or others may write (readable is fine);
+    the owner's own bits are set so that the create itself could succeed."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        session = Path(scratch) / "session"
+        session.mkdir()
+        os.chmod(session, mode | 0o700)
+        try:
+            os.close(create_private(session / "proc-0.memtui", private_folder=True))
+            refused = False
+        except RefusedPath:
+            refused = True
+        assert refused == bool(mode & 0o022), oct(mode)
