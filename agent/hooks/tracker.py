@@ -301,9 +301,10 @@ class Tracker:
     # ----- module hooks ----------------------------------------------------------------------
 
     def _module_pre(self, module: Any, args: Any) -> None:
-        # Only the thread that installed the saved-tensor hooks is followed: its module stack
-        # is what activations are attributed to. Other threads (DataParallel replicas, a
-        # second forward thread) would corrupt the stack and register throwaway replicas.
+        # Only the followed thread (`training_thread`) is seen: its module stack is what
+        # activations are attributed to. Other threads (DataParallel replicas, a second
+        # forward thread, a second model trained beside it) would corrupt the stack and
+        # register throwaway replicas.
         # While torch.compile traces, hooks must do nothing dynamo cannot trace (a call such as
         # get_ident() would break the graph and leave the model running eagerly).
         if is_compiling() or not self.enabled["modules"] or get_ident() != self.thread.ident:

@@ -3,9 +3,9 @@
 Everything here reads `/proc` (and, for gdb, the ptrace policy); nothing stops, signals or traces
 the target. The process is pinned first (`pin_process`: a pidfd, its uid and start time), every
 check reads that process, and the pin is confirmed again right before the injection, so a pid
-that changed hands meanwhile is refused, never injected into. The checks run in the order a user would fix them: the process exists and is theirs,
-it is Python, of memtui's version, has imported torch, allows remote debugging, and this machine
-lets us trace it.
+that changed hands meanwhile is refused, never injected into. The checks run in the order a user
+would fix them: the process exists and is theirs, it is Python, of memtui's version, has
+imported torch, allows remote debugging, and this machine lets us trace it.
 """
 
 from __future__ import annotations
