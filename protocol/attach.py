@@ -98,6 +98,7 @@ def write_reply(path: str, state: Answer, message: str = "", **extra: Any) -> No
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         descriptor = os.open(temporary, flags, 0o600)
         with os.fdopen(descriptor, "w") as handle:
+            os.fchmod(descriptor, 0o600)  # explicit: the job's umask may be anything
             json.dump(dict(extra, state=state.value, message=message), handle)
         os.replace(temporary, path)
     except Exception:

@@ -31,7 +31,6 @@ SNAPSHOT_ON_OOM = "MEMTUI_SNAPSHOT_ON_OOM"
 ALLOC_EVENTS = "MEMTUI_ALLOC_EVENTS"
 ACTIVATIONS = "MEMTUI_ACTIVATIONS"
 SESSION = "MEMTUI_SESSION"
-STOP_FILE = "MEMTUI_STOP_FILE"
 METRICS_PORT = "MEMTUI_METRICS_PORT"
 METRICS_ADDR = "MEMTUI_METRICS_ADDR"
 METRICS_JOB = "MEMTUI_METRICS_JOB"
@@ -47,7 +46,6 @@ VARIABLES = (
     ALLOC_EVENTS,
     ACTIVATIONS,
     SESSION,
-    STOP_FILE,
     METRICS_PORT,
     METRICS_ADDR,
     METRICS_JOB,
@@ -75,8 +73,6 @@ class AgentConfig:
         alloc_events: CUDA: record the allocator's history into each step's frame.
         activations: when the saved-tensor hooks are armed (issue 15).
         session: the `memtui run` that started the job (groups ranks; finds the socket).
-        stop_file: created by `memtui run` just before it sends SIGTERM (quit from the TUI):
-            the runner's SIGTERM handler then records `End(status=stopped)`, not a kill.
         metrics_port: serve Prometheus metrics on this port plus the process's `LOCAL_RANK`
             (None: no endpoint, nothing imported; 0: a free port per process).
         metrics_addr: the address the metrics endpoint binds to.
@@ -85,6 +81,9 @@ class AgentConfig:
         error_file: where the runner also writes the job's final error, as it printed it on
             the job's stderr (`memtui run` with its TUI, where that stderr is in a pane: the
             error is printed again once the screen closes).
+        record_in_folder: `record` is this process's file in a session folder, which must be
+            private (ours, writable by nobody else). Decided in the process (`autostart`),
+            never carried in the environment.
     """
 
     record: str | None = None
@@ -97,11 +96,11 @@ class AgentConfig:
     alloc_events: bool = False
     activations: ActivationMode = ActivationMode.AUTO
     session: str | None = None
-    stop_file: str | None = None
     metrics_port: int | None = None
     metrics_addr: str = DEFAULT_METRICS_ADDR
     metrics_job: str | None = None
     error_file: str | None = None
+    record_in_folder: bool = False
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with some fields changed."""
@@ -124,8 +123,6 @@ class AgentConfig:
             env[BUDGET] = str(self.budget)
         if self.session is not None:
             env[SESSION] = self.session
-        if self.stop_file is not None:
-            env[STOP_FILE] = self.stop_file
         if self.metrics_port is not None:
             env[METRICS_PORT] = str(self.metrics_port)
             env[METRICS_ADDR] = self.metrics_addr
@@ -161,7 +158,6 @@ class AgentConfig:
             alloc_events=environ.get(ALLOC_EVENTS) == "1",
             activations=_member(ActivationMode, environ.get(ACTIVATIONS), ActivationMode.AUTO),
             session=environ.get(SESSION) or None,
-            stop_file=environ.get(STOP_FILE) or None,
             metrics_port=_port(environ.get(METRICS_PORT)),
             metrics_addr=environ.get(METRICS_ADDR) or DEFAULT_METRICS_ADDR,
             metrics_job=environ.get(METRICS_JOB) or None,

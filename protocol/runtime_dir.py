@@ -68,7 +68,22 @@ def ensure_private_dir(path: Path | None = None) -> Path:
     except FileExistsError:
         pass
     check_private_dir(path)
+    _usable(path)
     return path
+
+
+def _usable(path: Path) -> None:
+    """Give the owner back the rights a job's umask took (a job that ran `umask(0o777)` made
+    this folder 000, and every later job lost its socket): the mode is set explicitly to
+    0700, on the folder itself, never through a link."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(descriptor)
+        _check_private(path, info)
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(descriptor, 0o700)
+    finally:
+        os.close(descriptor)
 
 
 def check_private_dir(path: Path) -> None:
@@ -88,19 +103,26 @@ def _check_private(path: Path, info: os.stat_result) -> None:
 
 
 def write_sidecar(directory: Path, name: str, content: Sidecar) -> Path:
-    """Atomically publish a job's discovery record (write to a temp file, then rename)."""
-    final = directory / f"{name}{SIDECAR_SUFFIX}"
-    temporary = directory / f".{name}{SIDECAR_SUFFIX}.tmp"
+    """Atomically publish a job's discovery record (write to a temp file, then rename), both
+    names relative to the folder opened once (never through a link planted in its place)."""
+    final = f"{name}{SIDECAR_SUFFIX}"
+    temporary = f".{name}{SIDECAR_SUFFIX}.tmp"
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.unlink(temporary)  # a leftover of a killed job with a reused pid
-    except FileNotFoundError:
-        pass
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    descriptor = os.open(temporary, flags, 0o600)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(msgspec.json.encode(content))
-    os.replace(temporary, final)
-    return final
+        _check_private(directory, os.fstat(folder))
+        try:
+            os.unlink(temporary, dir_fd=folder)  # a leftover of a killed job with a reused pid
+        except FileNotFoundError:
+            pass
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        descriptor = os.open(temporary, flags, 0o600, dir_fd=folder)
+        with os.fdopen(descriptor, "wb") as handle:
+            os.fchmod(descriptor, 0o600)  # explicit: the job's umask may be anything
+            handle.write(msgspec.json.encode(content))
+        os.replace(temporary, final, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
+    return directory / final
 
 
 def read_sidecar(path: Path, directory: Path) -> Sidecar:

@@ -1,13 +1,20 @@
-"""Create a recording (or its `.log`) without ever writing through a planted link.
+"""Create a file (a recording, its `.log`, an export) without ever writing through a planted link.
 
-Recordings are often written into shared folders (`/tmp`, a 1777 scratch directory). Opening the
-name with `O_TRUNC` would follow a symbolic link someone else planted there and overwrite the file
-it points to, with the rights of the job (root, sometimes). So the file is created with
-`O_CREAT | O_EXCL | O_NOFOLLOW`: the kernel refuses an existing name and never follows a link. A
-name that already holds a regular file of ours (a rerun with the same `-o`) is unlinked and
-created anew, which replaces the name only, never the file another link points to. Anything
-else there (a link, a folder, another user's file) is refused with one line. Standard library
-only: `memtui run` uses it to refuse before the job starts.
+Recordings are often written into shared folders (`/tmp`, a 1777 scratch directory), and the job
+may run as root. So no name is ever resolved first (`Path.resolve()` would follow a planted link
+and hand the kernel the link's target): the folder is opened once (`O_DIRECTORY|O_NOFOLLOW`) and
+the file created relative to that descriptor with `O_CREAT|O_EXCL|O_NOFOLLOW`, so the kernel
+refuses an existing name and never follows a link, a FIFO is never opened (it would block), and
+the folder cannot be swapped for a link between a check and the create. A name that already holds
+a regular file of ours (a rerun with the same `-o`) is unlinked and created anew, which replaces
+the name only, never the file another link points to. Anything else there (a link, a folder, a
+FIFO, another user's file) is refused with one line.
+
+A session folder (one recording per process) must also be private: ours, and writable by nobody
+else, or anyone who can write there could plant names the job then writes.
+
+Modes are set explicitly (`fchmod`) after the create: a job that set `umask(0o777)` still gets a
+usable 0600 file. Standard library only: `memtui run`, `export` and the agent share it.
 """
 
 from __future__ import annotations
@@ -17,9 +24,20 @@ import os
 import stat
 from pathlib import Path
 
-FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+FLAGS = (
+    os.O_WRONLY
+    | os.O_CREAT
+    | os.O_EXCL
+    | os.O_NOFOLLOW
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+)
+FOLDER_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+)
 MODE = 0o600
 """Recordings hold the job's command line and working directory: private to the user."""
+FOLDER_MODE = 0o700
 
 
 class RefusedPath(OSError):
@@ -29,17 +47,8 @@ class RefusedPath(OSError):
         return str(self.strerror)
 
 
-def refusal(path: Path) -> str | None:
-    """Why `path` must not be written (None when it is free or holds our own regular file).
-
-    Checked by `memtui run` before the job starts; `create_private` checks again atomically.
-    """
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"{path}: cannot check ({exc.strerror or exc}); refusing to write there"
+def _describe(path: Path, info: os.stat_result) -> str | None:
+    """Why an existing name must not be replaced (None: a regular file of ours)."""
     if stat.S_ISLNK(info.st_mode):
         return f"{path}: is a symbolic link; refusing to follow it (remove it or choose another -o)"
     if not stat.S_ISREG(info.st_mode):
@@ -49,27 +58,145 @@ def refusal(path: Path) -> str | None:
     return None
 
 
-def create_private(path: Path | str, mode: int = MODE) -> int:
-    """A new, empty file at `path`, mode 0600 (or `mode`), opened for writing: its descriptor.
+def refusal(path: Path | str) -> str | None:
+    """Why `path` must not be written (None when it is free or holds our own regular file).
+
+    Checked by `memtui run` before the job starts; `create_private` checks again atomically.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path}: cannot check ({exc.strerror or exc}); refusing to write there"
+    return _describe(path, info)
+
+
+def folder_refusal(path: Path | str, info: os.stat_result) -> str | None:
+    """Why a session folder is not private (None: ours, and writable by nobody else)."""
+    if info.st_uid != os.geteuid():
+        return f"{path}: the session folder belongs to uid {info.st_uid}, not to you; refusing it"
+    if info.st_mode & 0o022:
+        mode = stat.S_IMODE(info.st_mode)
+        return (
+            f"{path}: the session folder is writable by other users (mode {mode:o}); "
+            "refusing it (chmod go-w it, or choose another -o)"
+        )
+    return None
+
+
+def open_folder(path: Path | str, *, private: bool = False) -> int:
+    """A descriptor of the folder `path` itself, never of a link planted there.
+
+    `private`: refuse a folder that is not ours or that others may write (a session folder).
+
+    Raises:
+        RefusedPath: a link, not a folder, or (private) someone else's or group/other writable.
+        OSError: missing or unreadable.
+    """
+    try:
+        descriptor = os.open(path, FOLDER_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise RefusedPath(
+                exc.errno, refusal(path) or f"{path}: is not a folder; refusing to write there"
+            ) from None
+        raise
+    if private:
+        problem = folder_refusal(path, os.fstat(descriptor))
+        if problem is not None:
+            os.close(descriptor)
+            raise RefusedPath(errno.EPERM, problem)
+    return descriptor
+
+
+def create_in(folder: int, name: str, shown: Path | str, mode: int = MODE) -> int:
+    """A new, empty file `name` in the open folder `folder`, mode `mode`: its descriptor.
+
+    `shown` is the path said in a refusal.
 
     Raises:
         RefusedPath: the name holds a link, a non-regular file or another user's file.
-        OSError: the folder is missing or not writable.
+        OSError: the folder is not writable, the disk is full.
     """
-    path = Path(path)
+    shown = Path(shown)
     for _attempt in range(2):
         try:
-            return os.open(path, FLAGS, mode)
+            descriptor = os.open(name, FLAGS, mode, dir_fd=folder)
         except FileExistsError:
-            reason = refusal(path)
+            try:
+                info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile: try again
+            reason = _describe(shown, info)
             if reason is not None:
                 raise RefusedPath(errno.EEXIST, reason) from None
             try:
-                path.unlink()  # our own earlier file: replace the name, not the file's other links
+                os.unlink(name, dir_fd=folder)  # our own earlier file: replace the name only
             except FileNotFoundError:
                 pass
+            continue
         except OSError as exc:
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link created after the check
-                raise RefusedPath(errno.ELOOP, refusal(path) or f"{path}: is a link") from None
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise RefusedPath(errno.ELOOP, f"{shown}: is a symbolic link") from None
             raise
-    raise RefusedPath(errno.EEXIST, f"{path}: keeps being recreated; refusing to write there")
+        try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):  # cannot be, after O_EXCL: never write there
+                raise RefusedPath(errno.EEXIST, f"{shown}: is not a regular file")
+            os.set_blocking(descriptor, True)
+            os.fchmod(descriptor, mode)  # explicit: the job's umask must not make it 000
+        except BaseException:
+            os.close(descriptor)
+            raise
+        return descriptor
+    raise RefusedPath(errno.EEXIST, f"{shown}: keeps being recreated; refusing to write there")
+
+
+def create_private(path: Path | str, *, private_folder: bool = False, mode: int = MODE) -> int:
+    """A new, empty file at `path`, mode 0600 (or `mode`), opened for writing: its descriptor.
+
+    `private_folder`: `path` is in a session folder, which must be ours alone (`open_folder`).
+
+    Raises:
+        RefusedPath: the folder or the name is not one we may write (one line).
+        OSError: the folder is missing or not writable.
+    """
+    path = Path(path)
+    if not path.name or path.name in (".", ".."):
+        raise RefusedPath(errno.EISDIR, f"{path}: is not a file name")
+    folder = open_folder(path.parent, private=private_folder)
+    try:
+        return create_in(folder, path.name, path, mode)
+    finally:
+        os.close(folder)
+
+
+def write_new(path: Path | str, data: bytes) -> None:
+    """Write `data` to a new file at `path` (mode 0600), by `create_private`'s rules.
+
+    Raises:
+        RefusedPath, OSError: as `create_private`.
+    """
+    descriptor = create_private(path)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(descriptor, view) :]
+    finally:
+        os.close(descriptor)
+
+
+def make_folder(path: Path | str, mode: int = FOLDER_MODE) -> None:
+    """Create the folder `path` with exactly `mode` (whatever the umask); an existing one is
+    left as it is (its owner and mode are checked where it is used)."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return
+    descriptor = open_folder(path)
+    try:
+        os.fchmod(descriptor, mode)
+    finally:
+        os.close(descriptor)

@@ -33,6 +33,15 @@ class Switch:
     def __init__(self) -> None:
         self.armed = False
         self.log: list[str] = []
+        self.job_hooks = False
+        """The job's own saved-tensor hooks are on top (the agent's pair cannot be pushed)."""
+
+    def foreign_hooks(self) -> bool:
+        return self.job_hooks
+
+    @property
+    def pack_missing(self) -> bool:
+        return self.armed and self.job_hooks
 
     def arm(self, root: Any | None) -> None:
         self.armed = True

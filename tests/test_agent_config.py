@@ -24,7 +24,8 @@ def test_config_survives_the_environment() -> None:
         alloc_events=True,
         activations=ActivationMode.EVERY,
         session="abc",
-        stop_file="/tmp/stop",
+        metrics_port=9400,
+        metrics_job="train",
         error_file="/tmp/error",
     )
     env = config.to_env()

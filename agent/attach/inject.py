@@ -131,6 +131,12 @@ def _top_saved_tensor_hooks() -> Any:
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+def _in_backward() -> bool:
+    """Autograd runs a backward on this thread (a checkpoint recomputing its forward): no
+    moment to start or stop the agent, whose saved-tensor pair would land in the middle."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 class Arming:
     """Hooks that wait for the job's next step boundary, then start the agent on its thread."""
 
@@ -182,7 +188,7 @@ class Arming:
                 return
             if self.cancelled:
                 self._finish(Answer.DETACHED, "the attach was cancelled before the agent started")
-            elif self.boundary and _top_saved_tensor_hooks() is None:
+            elif self.boundary and _top_saved_tensor_hooks() is None and not _in_backward():
                 self._start(module, args)
         except Exception as exc:
             self._finish(Answer.REFUSED, f"{type(exc).__name__}: {exc}")
@@ -341,7 +347,7 @@ class Detaching:
         tracker = self.agent.tracker
         if get_ident() != tracker.owner_thread:
             return
-        if not tracker.arming.pack_removable:
+        if not tracker.arming.pack_removable or _in_backward():
             return  # the job's own saved-tensor hooks are on top: popping now would pop theirs
         self.finished = True
         try:

@@ -4,11 +4,15 @@ The activation gate (`steps.gate`) decides when they run and switches them throu
 (all of them on every step in `every` mode; in `auto` mode armed for the steps it measures and
 disarmed as the next step opens). Everything here keeps the job's own hooks intact:
 
-- Saved-tensor hooks live on a per-thread stack the job may use too (`save_on_cpu`, checkpoint's
-  own). The agent pops only its own pair, seen at the top of the stack: pushed onto an empty
-  stack, the pair may stay until the close (loss functions outside the model save tensors too);
-  pushed above the job's own pair, it is scoped to the root call that pushed it, so the job's
-  `with` block never pops the agent's pair instead of its own.
+- Saved-tensor hooks live on a per-thread stack the job may use too (`save_on_cpu`, its own
+  lossy packing, checkpoint's). The agent pushes its pair only onto an empty stack, only on the
+  thread that trains and never while autograd runs a backward (checkpoint's recomputation runs
+  the forward again there): above the job's own pair it would take the job's tensors from the
+  job's hooks (a lossy pack trains to other losses), and the job's `with` block would pop the
+  agent's pair instead of its own (`CheckpointError`). Where it cannot push, the step is measured
+  blind, and the gate says its activations are not known (`foreign_hooks`, `pack_missing`). It
+  pops only its own pair, seen at the top of the stack, and may stay until the close (loss
+  functions outside the model save tensors too).
 - Gradient hooks are kept per parameter in an id()-keyed table whose entries leave when the
   parameter dies (weakref callback), so the table never pins or confuses the job's tensors.
 """
@@ -17,23 +21,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from enum import Enum
+from threading import get_ident
 from typing import Any
 
 import torch
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.steps.pile_count import PersistentPiles
-
-
-class Push(Enum):
-    """Where the agent's saved-tensor pair is."""
-
-    NONE = "none"
-    OPEN = "open"
-    """Pushed onto an empty stack: popped at the close (or later, once it is on top again)."""
-    SCOPED = "scoped"
-    """Pushed above the job's own pair: popped when the root call that pushed it returns."""
 
 
 def forget_when_freed(obj: Any, table: dict[int, Any]) -> weakref.ref[Any]:
@@ -69,7 +63,11 @@ class HookArming:
         self._module_handles: list[Any] = []
         self.grad_hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
         """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
-        self.push = Push.NONE
+        self.pushed_on: int | None = None
+        """The thread whose saved-tensor stack holds the agent's pair (None: not pushed)."""
+        self.left_on: set[int] = set()
+        """Threads no longer followed whose stack still holds the agent's pair (popped if that
+        thread ever removes the hooks, e.g. the main thread at the end of the job)."""
 
     # ----- module hooks ----------------------------------------------------------------------
 
@@ -96,31 +94,80 @@ class HookArming:
 
     # ----- saved-tensor hooks ------------------------------------------------------------------
 
-    def push_pack(self) -> None:
-        """Push the agent's pair on the calling thread (the one that runs the forward)."""
-        if self.push is not Push.NONE:
-            return
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-        self.push = Push.OPEN if outer is None else Push.SCOPED
+    def foreign_hooks(self) -> bool:
+        """Whether the agent must not push its pair on the calling thread now: the job's own
+        saved-tensor hooks are on top of its stack (or disabled), or autograd is running a
+        backward there (a checkpoint recomputing its forward). Then a forward that runs is one
+        the agent cannot count."""
+        if torch._C._current_graph_task_id() != -1:
+            return True
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+            return True
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] is not self._pack
+
+    def push_pack(self) -> bool:
+        """Push the agent's pair on the calling thread (the one that runs the forward) if the
+        stack is empty there and no backward runs; whether the pair is pushed now."""
+        if self.pushed_on is not None:
+            return self.pushed_on == get_ident()
+        if torch._C._current_graph_task_id() != -1:
+            return False
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            return False  # the job's own pair (or checkpoint's): never above it
+        try:
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        except RuntimeError:  # the job disabled saved-tensor hooks
+            return False
+        self.pushed_on = get_ident()
+        return True
+
+    @property
+    def pack_missing(self) -> bool:
+        """Armed, but the agent's pair is not where the calling thread's forwards pack: the job's
+        own pair was on top when it tried, or is above it now."""
+        if not self.modules_armed:
+            return False
+        if self.pushed_on != get_ident():
+            return True
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is None or top[0] is not self._pack
 
     @property
     def pack_removable(self) -> bool:
-        """Whether the agent's pair can leave now: not pushed, or on top of the stack."""
-        if self.push is Push.NONE:
+        """Whether the agent's pair can leave now: not pushed, or on top of this thread's stack."""
+        if self.pushed_on is None:
             return True
+        if self.pushed_on != get_ident():
+            return False
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and top[0] is self._pack
 
-    def pop_pack(self, scoped_only: bool = False) -> bool:
-        """Pop the agent's pair if it is on top of the stack; False if it is still there."""
-        if self.push is Push.NONE or (scoped_only and self.push is not Push.SCOPED):
-            return self.push is Push.NONE
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is None or top[0] is not self._pack:
-            return False  # the job's own pair is above ours: ours goes when it is on top
+    def leave_thread(self, old: int) -> None:
+        """The followed thread changed from `old`: a pair pushed there stays (no thread can pop
+        another's), ignored by the pack hook; the next arming pushes on the new thread."""
+        if self.pushed_on == old:
+            self.pushed_on = None
+            self.left_on.add(old)
+
+    def _pop_left(self) -> None:
+        """On a thread the agent left: pop its old pair if it is on top there."""
+        ident = get_ident()
+        if ident in self.left_on:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] is self._pack:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self.left_on.discard(ident)
+
+    def pop_pack(self) -> bool:
+        """Pop the agent's pair if it is on top of this thread's stack; False if it is still
+        there (the job's own pair above it: ours goes when it is on top again)."""
+        if self.pushed_on is None:
+            return True
+        if not self.pack_removable:
+            return False
         torch._C._autograd._pop_saved_tensors_default_hooks()
-        self.push = Push.NONE
+        self.pushed_on = None
         return True
 
     # ----- gradient hooks ----------------------------------------------------------------------
@@ -161,6 +208,7 @@ class HookArming:
         self.disarm_modules()
         self.unhook_grads()
         self.pop_pack()
+        self._pop_left()
 
 
 class GateSwitch:
@@ -200,6 +248,15 @@ class GateSwitch:
             self._piles.gradients_rejoin(parameters)
         if root is not None and self._enabled["modules"]:
             self._stack.append(self._registry.lookup(root))
+
+    def foreign_hooks(self) -> bool:
+        """The job's own saved-tensor hooks are on top on this thread, or a backward runs."""
+        return self._arming.foreign_hooks()
+
+    @property
+    def pack_missing(self) -> bool:
+        """Armed without the agent's saved-tensor pair where this thread's forwards pack."""
+        return self._arming.pack_missing
 
     def disarm(self) -> None:
         """Remove the set; the module stack restarts empty with the next forward."""

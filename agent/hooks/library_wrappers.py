@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
@@ -59,16 +60,25 @@ class GradScalerWrappers:
         skips: SkipSink,
         enabled: dict[str, bool],
         disable: Callable[[str, BaseException], None],
+        thread: TrainingThread,
     ) -> None:
+        """Calls on threads other than the followed one (`thread`) pass straight through."""
         self._window = window
+        self._thread = thread
         self._optimizers = optimizers
         self._skips = skips
         self._enabled = enabled
         self._disable = disable
 
+    def _elsewhere(self) -> bool:
+        """Called on a thread other than the one the agent follows (once that is decided)."""
+        return self._thread.confirmed and not self._thread.follows()
+
     def scale(self, original: Wrapper) -> Wrapper:
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
+            if self._elsewhere():
+                return result
             try:
                 self._window.loss_scaled(outputs, result)
             except Exception:
@@ -79,6 +89,8 @@ class GradScalerWrappers:
 
     def step(self, original: Wrapper) -> Wrapper:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._elsewhere():
+                return original(scaler, optimizer, *args, **kwargs)
             record = self._optimizers.get(optimizer)
             steps_before = record.steps if record is not None else 0
             try:
@@ -92,7 +104,7 @@ class GradScalerWrappers:
             try:
                 record = self._optimizers.get(optimizer)
                 stepped = record is not None and record.steps != steps_before
-                if not stepped and self._enabled["steps"]:
+                if not stepped and self._enabled["steps"] and self._thread.claim():
                     self._skips.scaler_skipped(optimizer, scaler)
             except Exception as exc:
                 self._disable("steps", exc)
@@ -103,14 +115,16 @@ class GradScalerWrappers:
     def update(self, original: Wrapper) -> Wrapper:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
-            self._window.scaler_updated(scaler)
+            if not self._elsewhere():
+                self._window.scaler_updated(scaler)
             return result
 
         return update
 
     def unscale_(self, original: Wrapper) -> Wrapper:
         def unscale_(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            self._window.unscaled()
+            if not self._elsewhere():
+                self._window.unscaled()
             return original(scaler, *args, **kwargs)
 
         return unscale_

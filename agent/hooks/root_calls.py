@@ -2,9 +2,10 @@
 
 These stay installed whatever `--activations` says (the global module hooks do not): the
 pre-hook reports each top-level call to the activation gate, whose call signatures decide
-whether the step is measured (`steps.gate`); the post-hook takes the agent's saved-tensor pair
-off when it was pushed above the job's own for this call (`hook_arming`), and says where a
-failed forward was while the module hooks that would say it are off.
+whether the step is measured (`steps.gate`); the post-hook says where a failed forward was while
+the module hooks that would say it are off. A root called while autograd runs a backward (a
+checkpoint recomputing the model's forward) is not a call of the job's step: both hooks leave it
+alone, so nothing is armed or pushed inside the recomputation.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
+from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
 
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
 from memtui_agent.hooks.phase import JobPhase
+from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.steps.gate import ActivationGate
 from memtui_agent.steps.window import StepWindow
@@ -36,6 +39,7 @@ class RootHooks:
         gate: ActivationGate,
         window: StepWindow,
         disable: Callable[[str, BaseException], None],
+        thread: TrainingThread,
     ) -> None:
         self._registry = registry
         self._phase = phase
@@ -43,8 +47,8 @@ class RootHooks:
         self._gate = gate
         self._window = window
         self._disable = disable
-        self.owner_thread = get_ident()
-        """The thread whose forwards are followed (the tracker's, set at install)."""
+        self._thread = thread
+        """The thread whose forwards are followed (`training_thread`)."""
         self._hooked: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
         """id(root module) -> (weakref, its pre/post hook handles)."""
 
@@ -72,7 +76,12 @@ class RootHooks:
         # `kwargs` may be missing: when the agent is removed (detach) from a global pre-hook of
         # the same call, torch still calls this hook from its copied list, but without the
         # keyword arguments (its with-kwargs mark left with the handle). Never an error then.
-        if is_compiling() or get_ident() != self.owner_thread or not self._hooked:
+        if (
+            is_compiling()
+            or get_ident() != self._thread.ident
+            or not self._hooked
+            or _current_graph_task_id() != -1
+        ):
             return
         phase = self._phase
         phase.root_depth += 1
@@ -85,7 +94,7 @@ class RootHooks:
             self._disable("activations", exc)
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
-        if is_compiling() or get_ident() != self.owner_thread:
+        if is_compiling() or get_ident() != self._thread.ident or _current_graph_task_id() != -1:
             return
         phase = self._phase
         phase.root_depth = max(0, phase.root_depth - 1)
@@ -99,6 +108,5 @@ class RootHooks:
                     phase.note_error(Phase.FORWARD, where)
             else:
                 self._gate.root_returned(output, self._window.number)
-            self._arming.pop_pack(scoped_only=True)
         except Exception as exc:
             self._disable("activations", exc)

@@ -16,6 +16,7 @@ from typing import Any
 
 from memtui_agent.hooks.library_wrappers import Wrapper
 from memtui_agent.hooks.phase import JobPhase
+from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.job.optimizer_book import OptimizerBook, caller_frame, live_optimizers
 from memtui_agent.memory.allocator import AllocatorReader
@@ -53,8 +54,10 @@ class StepHooks:
         sync_objects: Callable[[], None],
         enabled: dict[str, bool],
         disable: Callable[[str, BaseException], None],
+        thread: TrainingThread,
     ) -> None:
-        """`sync_objects` registers and hooks what appeared since (new roots, optimizers)."""
+        """`sync_objects` registers and hooks what appeared since (new roots, optimizers);
+        `thread` is the one followed: every other thread's backwards and steps pass through."""
         self._phase = phase
         self._window = window
         self._gate = gate
@@ -67,14 +70,13 @@ class StepHooks:
         self._sync_objects = sync_objects
         self._enabled = enabled
         self._disable = disable
-        self.owner_thread = get_ident()
-        """The thread whose backwards are followed (the tracker's, set at install)."""
+        self._thread = thread
 
     # ----- backward and loss -------------------------------------------------------------------
 
     def backward(self, original: Wrapper) -> Wrapper:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if get_ident() != self.owner_thread:
+            if get_ident() != self._thread.ident:
                 return original(tensors, *args, **kwargs)
             phase = self._phase
             outermost = phase.in_backward == 0
@@ -134,8 +136,8 @@ class StepHooks:
     # ----- optimizer hooks ---------------------------------------------------------------------
 
     def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._enabled["steps"]:
-            return
+        if not self._enabled["steps"] or not self._thread.claim():
+            return  # another thread's optimizer: its steps are not this recording's
         try:
             top_level = self._optimizers.enter(optimizer, caller_frame(1))
             if top_level:
@@ -159,7 +161,7 @@ class StepHooks:
             self._disable("steps", exc)
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._enabled["steps"]:
+        if not self._enabled["steps"] or get_ident() != self._thread.ident:
             return
         try:
             record = self._optimizers.get(optimizer)
@@ -184,8 +186,9 @@ class StepHooks:
     def optimizer_init(self, original: Wrapper) -> Wrapper:
         def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
             original(optimizer, *args, **kwargs)
-            # An optimizer now exists: its step(), not backward, will close steps.
-            if self._enabled["steps"]:
+            # An optimizer now exists: its step(), not backward, will close steps. One another
+            # thread builds once the followed thread steps is not this recording's.
+            if self._enabled["steps"] and (self._thread.follows() or not self._thread.confirmed):
                 try:
                     self._gate.optimizer_created()
                     self._window.optimizer_exists()

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.optim.optimizer import (
@@ -51,6 +52,7 @@ from memtui_agent.hooks.phase import JobPhase
 from memtui_agent.hooks.root_calls import RootHooks
 from memtui_agent.hooks.saved_tensors import Saved, SavedOne, SavedWeight, unpack, unpack_samplers
 from memtui_agent.hooks.step_hooks import StepHooks, register_live_optimizers
+from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.memory.allocator import AllocatorReader
@@ -110,7 +112,10 @@ class Tracker:
         self.job_phase = JobPhase()
         self._stack = self.job_phase.stack
         """The module stack, read by the hottest hooks without another attribute lookup."""
-        self.owner_thread = get_ident()
+        self.thread = TrainingThread()
+        """The one thread followed (`training_thread`): the installing one until an optimizer
+        steps, then the first to step one."""
+        self.thread.on_move(self._thread_moved)
         self._synced_generation = 0
         self._seen_params: dict[int, weakref.ref[Any]] = {}
         self._handles: list[Any] = []
@@ -133,7 +138,13 @@ class Tracker:
             self.closer, self.gate, ledger, emit, partial(register_live_optimizers, self.registry)
         )
         self.roots = RootHooks(
-            self.registry, self.job_phase, self.arming, self.gate, self.window, self._disable
+            self.registry,
+            self.job_phase,
+            self.arming,
+            self.gate,
+            self.window,
+            self._disable,
+            self.thread,
         )
         self.step_hooks = StepHooks(
             self.job_phase,
@@ -148,9 +159,10 @@ class Tracker:
             self.sync_objects,
             self.enabled,
             self._disable,
+            self.thread,
         )
         self._scaler = GradScalerWrappers(
-            self.window, self.optimizers, self.step_hooks, self.enabled, self._disable
+            self.window, self.optimizers, self.step_hooks, self.enabled, self._disable, self.thread
         )
         self._clip = ClipWarning(self.window)
         self._checkpoint = CheckpointNotes(self.window, emit)
@@ -163,8 +175,7 @@ class Tracker:
         The module hooks find the models on the first step whatever the mode says; the gate
         arms the rest for it (not in `off`).
         """
-        thread = get_ident()
-        self.owner_thread = self.roots.owner_thread = self.step_hooks.owner_thread = thread
+        self.thread.restart()
         self.arming.arm_modules()
         self.gate.started()
         steps = self.step_hooks
@@ -256,6 +267,20 @@ class Tracker:
         setattr(owner, name, wrapper)
         self._restore.append((owner, name, original))
 
+    @property
+    def owner_thread(self) -> int:
+        """The thread followed now."""
+        return self.thread.ident
+
+    def _thread_moved(self, old: int) -> None:
+        """The first optimizer step came from another thread than the one followed so far: the
+        agent follows that thread from here. The open step's forwards ran where it was not
+        looking (not known); the pair on the old thread stays there, ignored."""
+        self._stack.clear()
+        self.job_phase.root_depth = 0
+        self.arming.leave_thread(old)
+        self.gate.forward_unseen()
+
     # ----- what the agent reads -----------------------------------------------------------------
 
     def phase(self) -> Phase:
@@ -279,12 +304,13 @@ class Tracker:
     # ----- module hooks ----------------------------------------------------------------------
 
     def _module_pre(self, module: Any, args: Any) -> None:
-        # Only the thread that installed the saved-tensor hooks is followed: its module stack
-        # is what activations are attributed to. Other threads (DataParallel replicas, a
-        # second forward thread) would corrupt the stack and register throwaway replicas.
+        # Only the followed thread (`training_thread`) is seen: its module stack is what
+        # activations are attributed to. Other threads (DataParallel replicas, a second
+        # forward thread, a second model trained beside it) would corrupt the stack and
+        # register throwaway replicas.
         # While torch.compile traces, hooks must do nothing dynamo cannot trace (a call such as
         # get_ident() would break the graph and leave the model running eagerly).
-        if is_compiling() or not self.enabled["modules"] or get_ident() != self.owner_thread:
+        if is_compiling() or not self.enabled["modules"] or get_ident() != self.thread.ident:
             return
         try:
             module_id = self.registry.lookup(module)
@@ -293,12 +319,16 @@ class Tracker:
             stack = self._stack
             if not stack:
                 self.job_phase.in_optimizer = False
+                if self.arming.pack_missing and _current_graph_task_id() == -1:
+                    # An outermost forward under the job's own saved-tensor hooks (checkpoint
+                    # over the whole model, save_on_cpu): none of its tensors reach ours.
+                    self.gate.forward_unseen()
             stack.append(module_id)
         except Exception as exc:
             self._disable("modules", exc)
 
     def _module_post(self, module: Any, args: Any, output: Any) -> None:
-        if is_compiling() or not self.enabled["modules"] or get_ident() != self.owner_thread:
+        if is_compiling() or not self.enabled["modules"] or get_ident() != self.thread.ident:
             return
         try:
             stack = self._stack
@@ -325,6 +355,8 @@ class Tracker:
         # its exact type first, because `isinstance(x, Parameter)` runs a Python metaclass hook.
         if is_compiling() or not self.enabled["pack"]:
             return tensor
+        if self.arming.left_on and get_ident() in self.arming.left_on:
+            return tensor  # a pair left on a thread no longer followed
         try:
             origin = tensor._base
             if origin is None:

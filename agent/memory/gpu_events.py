@@ -3,6 +3,7 @@ step close that reads it."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -43,8 +44,20 @@ class GpuEvents:
         }
         if self.snapshot_path is not None:
             try:
-                import torch
-
-                torch.cuda.memory._dump_snapshot(self.snapshot_path)
+                self._dump_snapshot(self.snapshot_path)
             except Exception:
                 pass
+
+    @staticmethod
+    def _dump_snapshot(path: str) -> None:
+        """What `torch.cuda.memory._dump_snapshot` writes, created the safe way (its `open()`
+        would follow a link planted at the name: memtui_protocol.safe_open)."""
+        import pickle
+
+        import torch
+
+        from memtui_protocol.safe_open import create_private
+
+        snapshot = torch.cuda.memory._snapshot()
+        with os.fdopen(create_private(path), "wb") as handle:
+            pickle.dump(snapshot, handle)

@@ -15,12 +15,14 @@ from typing import Any
 
 import msgspec
 
+from memtui_agent.memory.descriptors import OwnedFd
 from memtui_protocol import schema
 
 _process: Any = None
-_statm: tuple[int, int] | None = None
-"""(pid, fd) of this process's /proc/self/statm, opened once: a read is a few microseconds,
-against about 30 (psutil opens and parses the file at every call)."""
+_statm: tuple[int, OwnedFd] | None = None
+"""(pid, descriptor) of this process's /proc/self/statm, opened once: a read is a few
+microseconds, against about 30 (psutil opens and parses the file at every call). The number is
+checked to still be the agent's before each read and the close (`descriptors`)."""
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -29,22 +31,25 @@ def process_rss() -> int:
     global _statm
     pid = os.getpid()
     try:
-        if _statm is None or _statm[0] != pid:  # first call, or a forked child
-            _statm = (pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC))
-        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
+        if _statm is not None and (_statm[0] != pid or not _statm[1].ours()):
+            _statm[1].forget()  # a forked child's copy, or a number the job closed and reused
+            _statm = None
+        if _statm is None:
+            _statm = (pid, OwnedFd(os.open(f"/proc/{pid}/statm", os.O_RDONLY | os.O_CLOEXEC)))
+        descriptor = _statm[1].fd
+        assert descriptor is not None
+        return int(os.pread(descriptor, 128, 0).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError, AssertionError):
         return _psutil_rss()
 
 
 def close_readers() -> None:
-    """Close the kept /proc file (the agent is leaving; a later read opens it again)."""
+    """Close the kept /proc file (the agent is leaving; a later read opens it again), if its
+    number is still the agent's."""
     global _statm
     statm, _statm = _statm, None
     if statm is not None and statm[0] == os.getpid():
-        try:
-            os.close(statm[1])
-        except OSError:
-            pass
+        statm[1].close()
 
 
 def _psutil_rss() -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from memtui_agent.memory.descriptors import OwnedFd
 from memtui_agent.output.socket_server import SocketServer
 from memtui_agent.steps.frame import ClosedStep, build_step
 from memtui_agent.steps.late_values import LateValues, read_values
@@ -39,6 +40,16 @@ MAX_LATE = schema.LATE_SEARCH
 """Steps whose device values may be in flight at once; older ones are given up (and counted)."""
 
 
+class LostDescriptor(OSError):
+    """The job closed the recording's descriptor and its file cannot be opened again."""
+
+    def __init__(self, recording: Path | None) -> None:
+        super().__init__(
+            f"the job closed the recording's descriptor and {recording} cannot be opened "
+            "again; nothing more is written (never into the job's own files)"
+        )
+
+
 Item = schema.Message | ClosedStep
 """What the emitter takes: a message as it is, or a closed step whose frame it builds."""
 
@@ -53,14 +64,17 @@ class Emitter:
         hello: schema.Hello,
         on_error: Callable[[str, BaseException], None],
         tick: Callable[[], schema.Tick | None] | None = None,
+        *,
+        private_folder: bool = False,
     ) -> None:
+        """`private_folder`: the recording is in a session folder, which must be ours alone."""
         self._outbox: deque[tuple[bytes, bool]] = deque()
         self._late: deque[LateValues] = deque()
         self._file_lock = threading.RLock()
         """Frames come from the training thread, the tick thread and error reports. Reentrant:
-        a signal handler that ends the recording (SIGTERM from memtui, `stop_signal`) runs on
-        the training thread, possibly between the bytecodes of a frame's write under this
-        lock; a plain lock would deadlock the job there."""
+        a signal handler of the job's own that ends the recording (`memtui_agent.stop()` in its
+        SIGTERM handler) runs on the training thread, possibly between the bytecodes of a
+        frame's write under this lock; a plain lock would deadlock the job there."""
         self._wake = threading.Event()
         self._stopping = False
         self._on_error = on_error
@@ -75,11 +89,14 @@ class Emitter:
         self.export: Callable[[schema.Message], None] | None = None
         """Handed every message once it is recorded (`--metrics-port`: the exporter keeps a
         reference, `output.metrics`); None costs the step one attribute read."""
-        self._fd: int | None = None
+        self._recording = recording
+        self._file: OwnedFd | None = None
+        """The recording's descriptor, checked to still be ours before each write and the
+        close (a job may close descriptors it does not know and reuse the numbers)."""
         opening = wire.preamble() + wire.encode(hello)
         if recording is not None:
             try:
-                self._fd = create_private(recording)
+                self._file = OwnedFd(create_private(recording, private_folder=private_folder))
                 self._write(opening)
             except OSError as exc:
                 self._close_file()
@@ -118,7 +135,7 @@ class Emitter:
     @property
     def recording_open(self) -> bool:
         """Whether frames still reach the recording file."""
-        return self._fd is not None
+        return self._file is not None
 
     # ----- the caller's thread ------------------------------------------------------------------
 
@@ -160,13 +177,16 @@ class Emitter:
         return ready
 
     def _send(self, frames: list[bytes], is_names: bool = False) -> None:
-        if self._fd is not None:
-            error = None
+        if self._file is not None:
+            error: BaseException | None = None
             with self._file_lock:
                 try:
-                    for frame in frames:
-                        if self._fd is not None:
+                    if self._file is not None and self._still_ours():
+                        for frame in frames:
                             self._write(frame)
+                    elif self._file is not None:
+                        self._file = None
+                        error = LostDescriptor(self._recording)
                 except OSError as exc:
                     self._close_file()
                     error = exc
@@ -181,22 +201,30 @@ class Emitter:
                 continue
             self._outbox.append((frame, is_names))
 
+    def _still_ours(self) -> bool:
+        """Whether the recording's descriptor is still the agent's file; if the job closed it,
+        the same file is opened again by its path (never another file put at that name)."""
+        owned = self._file
+        assert owned is not None
+        if owned.ours():
+            return True
+        owned.forget()  # the number is the job's now: never written, never closed
+        return self._recording is not None and owned.reopen(self._recording)
+
     def _write(self, data: bytes) -> None:
-        assert self._fd is not None
+        assert self._file is not None and self._file.fd is not None
+        descriptor = self._file.fd
         view = memoryview(data)
         while view:
-            written = os.write(self._fd, view)
+            written = os.write(descriptor, view)
             view = view[written:]
         self.frames_written += 1
         self.bytes_written += len(data)
 
     def _close_file(self) -> None:
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        owned, self._file = self._file, None
+        if owned is not None:
+            owned.close()  # only if the number is still the recording's
 
     # ----- the emitter thread -------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+from memtui_agent.memory.descriptors import Identity, release_socket, socket_identity
 from memtui_protocol import schema, wire
 
 MAX_VIEWERS = 16
@@ -31,10 +32,12 @@ BACKLOG_BYTES = 8 * 1024 * 1024
 class _Viewer:
     """One connection: what it still has to get before the log, and its place in the log."""
 
-    __slots__ = ("head", "joined", "partial", "seq", "sock")
+    __slots__ = ("head", "identity", "joined", "partial", "seq", "sock")
 
     def __init__(self, sock: socket.socket, head: list[bytes], seq: int, joined: int) -> None:
         self.sock = sock
+        self.identity = socket_identity(sock)
+        """What the descriptor named at accept: checked before each send and the close."""
         self.head = head
         """Hello and name tables at connect time (shared `bytes`, not copies)."""
         self.seq = seq
@@ -65,6 +68,10 @@ class SocketServer:
         os.chmod(path, 0o600)
         self._listener.listen(MAX_VIEWERS)
         self._listener.setblocking(False)
+        self._listener_identity = socket_identity(self._listener)
+        self._listening = True
+        """False once the job closed the listener's descriptor: no accept on a number that
+        may be the job's own socket now (it would take the job's connections)."""
         self._viewers: list[_Viewer] = []
         self._opening = b""
         self._names: list[bytes] = []
@@ -109,7 +116,10 @@ class SocketServer:
 
     def poll(self) -> None:
         """Accept a few newcomers and push each viewer's frames as far as its socket takes."""
-        for _ in range(ACCEPTS_PER_POLL):
+        if self._listening and socket_identity(self._listener) != self._listener_identity:
+            self._listening = False
+            release_socket(self._listener, self._listener_identity)
+        for _ in range(ACCEPTS_PER_POLL if self._listening else 0):
             try:
                 sock, _ = self._listener.accept()
             except OSError:  # nobody waiting (BlockingIOError), or out of descriptors
@@ -131,6 +141,9 @@ class SocketServer:
 
     def _flush(self, viewer: _Viewer) -> bool:
         """Send what the socket takes now; False once the viewer is gone or dropped."""
+        if socket_identity(viewer.sock) != viewer.identity:
+            release_socket(viewer.sock, viewer.identity)  # the job's number now: let go of it
+            return False
         for _ in range(SENDS_PER_POLL):
             self._skip_names_held(viewer)
             if viewer.seq < self._first_seq and not viewer.head:
@@ -144,7 +157,7 @@ class SocketServer:
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
-                viewer.sock.close()
+                release_socket(viewer.sock, viewer.identity)
                 return False
             self._advance(viewer, buffers, sent)
         return True
@@ -158,9 +171,9 @@ class SocketServer:
             "reconnect to resume"
         )
         if viewer.partial is None:
-            self._close(viewer.sock, goodbye(reason))
+            self._close(viewer.sock, goodbye(reason), viewer.identity)
         else:
-            viewer.sock.close()
+            release_socket(viewer.sock, viewer.identity)
 
     def _pending(self, viewer: _Viewer) -> list[memoryview]:
         """The next buffers to send, in stream order: partial frame, head, then the log."""
@@ -204,13 +217,16 @@ class SocketServer:
             viewer.seq += 1
 
     @staticmethod
-    def _close(sock: socket.socket, last: bytes) -> None:
-        """Best effort: the few bytes of a goodbye fit any socket buffer that is not full."""
-        try:
-            sock.send(last)
-        except OSError:
-            pass
-        sock.close()
+    def _close(sock: socket.socket, last: bytes, identity: Identity | None = None) -> None:
+        """Best effort: the few bytes of a goodbye fit any socket buffer that is not full.
+        (`identity`: what the number named at accept; a fresh accept passes None.)"""
+        identity = identity if identity is not None else socket_identity(sock)
+        if socket_identity(sock) == identity:
+            try:
+                sock.send(last)
+            except OSError:
+                pass
+        release_socket(sock, identity)
 
     @property
     def viewers(self) -> int:
@@ -220,10 +236,12 @@ class SocketServer:
     def close(self) -> None:
         """Send what can be sent without waiting, then close everything and remove the socket."""
         for viewer in self._viewers:
-            self._flush(viewer)
-            viewer.sock.close()
+            if self._flush(viewer):
+                release_socket(viewer.sock, viewer.identity)
         self._viewers = []
-        self._listener.close()
+        if self._listening:
+            self._listening = False
+            release_socket(self._listener, self._listener_identity)
         try:
             self.path.unlink()
         except OSError:

@@ -43,7 +43,9 @@ class Agent:
 
     def __init__(self, config: AgentConfig) -> None:
         self.pid = os.getpid()
-        self.record = Path(config.record).resolve() if config.record is not None else None
+        # Absolute, never resolved: resolving would follow a link planted at the name and
+        # hand the create its target (memtui_protocol.safe_open).
+        self.record = Path(os.path.abspath(config.record)) if config.record is not None else None
         self.argv = list(config.argv) if config.argv is not None else list(sys.argv)
         self.config = config.replace(
             record=str(self.record) if self.record is not None else None, argv=tuple(self.argv)
@@ -105,7 +107,14 @@ class Agent:
         try:
             self.ledger = Ledger()
             self.tracker = Tracker(self.ledger, self._emit, self.report_failure, self.config)
-            self.emitter = Emitter(self.record, server, hello, self.report_failure, self._tick)
+            self.emitter = Emitter(
+                self.record,
+                server,
+                hello,
+                self.report_failure,
+                self._tick,
+                private_folder=self.config.record_in_folder,
+            )
             early, self._early = self._early, []
             for error in early:
                 self.emitter.put(error)

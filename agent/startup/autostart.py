@@ -16,14 +16,17 @@ MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its chil
 from __future__ import annotations
 
 import atexit
+import errno
 import importlib.abc
 import importlib.util
 import os
+import stat
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.safe_open import RefusedPath, make_folder, open_folder
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
 OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
@@ -132,20 +135,30 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
     if not rank and environ.get("NODE_RANK", "0") == "0":
         rank = environ.get("LOCAL_RANK")  # launchers that set only LOCAL_RANK (Lightning)
     world = environ.get("WORLD_SIZE", "")
-    if record and not os.path.isdir(record) and world.isdigit() and int(world) > 1:
+    if record and not _is_folder(record) and world.isdigit() and int(world) > 1:
         # Ranks of a launcher `memtui run` did not recognise: one file would be written by
         # every rank at once, so they make a session folder instead (beside a file, if one
-        # is already there).
-        record = record + "-ranks" if os.path.exists(record) else record
-        os.makedirs(record, exist_ok=True)
-    if not record or not os.path.isdir(record):
+        # is already there). Made 0700 whatever the job's umask.
+        record = record + "-ranks" if os.path.lexists(record) else record
+        make_folder(record)
+    if not record or not _is_folder(record):
         return record
     if rank and rank.isdigit():
         return os.path.join(record, f"rank-{int(rank)}.memtui")
     return os.path.join(record, f"proc-{claim_process_index(record)}.memtui")
 
 
+def _is_folder(path: str) -> bool:
+    """A folder at `path` itself: a link planted there is not followed (the recording's create
+    then refuses the name in one line)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 PROCESS_INDEX_FILE = ".process-index"
+INDEX_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def claim_process_index(folder: str) -> int:
@@ -154,12 +167,34 @@ def claim_process_index(folder: str) -> int:
     The counter lives in a small file beside the recordings, read and advanced under an
     exclusive `flock`, so siblings starting at the same moment never get the same index; an
     index is never reused, not even after its process ended (a pid would be, by the system).
+    The folder must be private (ours, writable by nobody else) and the counter a regular file
+    of ours, opened relative to the folder without following a link or blocking on a FIFO.
+
+    Raises:
+        RefusedPath: the folder or the counter is not one we may write (one line).
     """
     import fcntl
 
-    path = os.path.join(folder, PROCESS_INDEX_FILE)
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    directory = open_folder(folder, private=True)
     try:
+        try:
+            descriptor = os.open(PROCESS_INDEX_FILE, INDEX_FLAGS, 0o600, dir_fd=directory)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RefusedPath(
+                    exc.errno, f"{folder}/{PROCESS_INDEX_FILE}: is a symbolic link; refusing it"
+                ) from None
+            raise
+    finally:
+        os.close(directory)
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise RefusedPath(
+                errno.EPERM, f"{folder}/{PROCESS_INDEX_FILE}: not a regular file of yours"
+            )
+        os.set_blocking(descriptor, True)
+        os.fchmod(descriptor, 0o600)
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()
         index = int(text) if text.isdigit() else 0
@@ -187,8 +222,14 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
         if is_launcher(sys.argv):
             return  # torchrun itself trains nothing; its workers get their own agents
         try:
-            record = record_path_for_rank(config.record, dict(os.environ))
-            if api.start(config=config.replace(record=record)) is not None:
+            try:
+                record = record_path_for_rank(config.record, dict(os.environ))
+            except OSError as exc:  # a session folder we may not write: run unrecorded
+                print(f"memtui: not recording this process: {exc}", file=sys.stderr)
+                record = None
+            in_folder = record is not None and record != config.record
+            started = api.start(config=config.replace(record=record, record_in_folder=in_folder))
+            if started is not None:
                 os.environ[OWNER_VARIABLE] = str(os.getpid())
                 os.environ[OWNER_RANK_VARIABLE] = os.environ.get("LOCAL_RANK", "0")
         except Exception as exc:  # never into the user's import of torch
@@ -197,9 +238,6 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
     when_torch_imported(start_agent)
     if install_exit_handlers:
         _install_exit_handlers()
-        from memtui_agent.startup.stop_signal import record_stops
-
-        record_stops(config.stop_file)
     return True
 
 

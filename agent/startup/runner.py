@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from memtui_agent.startup import api, autostart
-from memtui_agent.startup.stop_signal import record_stops
 from memtui_agent.steps.failures import exit_code_of, without_agent_frames
 from memtui_protocol.config import AgentConfig
 
@@ -35,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     target, arguments = argv[0], argv[1:]
     autostart.arm_from_environment(install_exit_handlers=False)
     config = AgentConfig.from_env(os.environ)
-    record_stops(config.stop_file)
     try:
         if as_module:
             sys.argv = [target, *arguments]

@@ -255,11 +255,15 @@ class ActivationPolicy:
 
     # ----- at the close ----------------------------------------------------------------------
 
-    def close(self, step: int, figures: Figures) -> Verdict:
-        """The verdict for the closing step; `figures` is what the ledger measured."""
+    def close(self, step: int, figures: Figures, blind: bool = False) -> Verdict:
+        """The verdict for the closing step; `figures` is what the ledger measured.
+
+        `blind`: the job's own saved-tensor hooks kept the step's tensors from the agent's, so
+        `figures` are not its activations: not known, and nothing remembered for repeats.
+        """
         key = (self._start, tuple(self._calls))
         self._measure_next = max(0, self._measure_next - 1)
-        if self.mode is schema.ActivationMode.OFF:
+        if self.mode is schema.ActivationMode.OFF or blind:
             return Verdict(measured=False)
         armed_throughout = self.mode is schema.ActivationMode.EVERY or self._armed_at_start
         if armed_throughout and not self._armed_late:

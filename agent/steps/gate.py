@@ -95,6 +95,17 @@ class HookSwitch(Protocol):
         """Gradient hooks on parameters found since they were armed."""
         ...
 
+    def foreign_hooks(self) -> bool:
+        """The job's own saved-tensor hooks are on top on this thread, or a backward runs: the
+        agent's pair may not be pushed (it would sit above the job's), so a forward now is one
+        the agent cannot count."""
+        ...
+
+    @property
+    def pack_missing(self) -> bool:
+        """Armed, without the agent's saved-tensor pair where this thread's forwards pack."""
+        ...
+
 
 class ActivationGate:
     """Arms the activation hooks for the steps that must be measured, and judges each close."""
@@ -120,6 +131,9 @@ class ActivationGate:
         self._crossings = 0
         self._said: set[str] = set()
         """Causes of `activations_vary` already said (each once)."""
+        self._blind = False
+        """A forward of the open step ran where the agent's saved-tensor pair could not count
+        it (the job's own hooks on top): the step's activations are not known."""
         self._switch = switch
         self._registry = registry
         self._health = health
@@ -144,6 +158,7 @@ class ActivationGate:
         if self.policy.mode is not ActivationMode.OFF:
             self._switch.arm(None)
             self.policy.first_armed()
+            self._blind = self._switch.pack_missing
 
     def optimizer_created(self) -> None:
         """An optimizer was built: its first steps allocate its state and settle the graph."""
@@ -166,9 +181,23 @@ class ActivationGate:
         # Which optimizers live, and whether each has its state yet: a new optimizer's first
         # step (state allocated) differs from its later ones at equal piles.
         alive = tuple(sorted((id(o), bool(o.state)) for o in self._registry.live_optimizers()))
-        signature = call_signature(module, args, kwargs)
-        if self.policy.root_call(signature, step, self._must_measure(), alive):
+        # Under the job's own saved-tensor hooks nothing can be counted: such a call repeats
+        # none made without them, and arming for it would only cost the job.
+        foreign = self._switch.foreign_hooks()
+        signature = (call_signature(module, args, kwargs), foreign)
+        if foreign:
+            self._blind = True
+        if self.policy.root_call(signature, step, self._must_measure(), alive) and (
+            not foreign or self._must_measure()
+        ):
             self._switch.arm(module)
+        if self._switch.armed and self._switch.pack_missing:
+            self._blind = True
+
+    def forward_unseen(self) -> None:
+        """A measured forward began where the agent's saved-tensor pair cannot count it (the job's
+        own hooks on top): the open step's activations are not known."""
+        self._blind = True
 
     def root_returned(self, output: Any, step: int) -> None:
         """A top-level root call of step `step` returned `output`: its graph is watched until
@@ -209,9 +238,12 @@ class ActivationGate:
             start_activations=self._start_activations,
         )
         held = self.held.held()
-        verdict = self.policy.close(reading.step, figures)
+        blind, self._blind = self._blind, False
+        verdict = self.policy.close(reading.step, figures, blind=blind)
         if self.policy.mode is ActivationMode.OFF:
             return verdict
+        if blind:
+            return self._blind_verdict(reading.step)
         if held.unarmed:
             return self._held_unarmed(reading.step, held, verdict)
         carried = verdict.carried
@@ -320,6 +352,16 @@ class ActivationGate:
             alert = verdict.alert
         return Verdict(measured=False, alert=alert, adopt=True)
 
+    def _blind_verdict(self, step: int) -> Verdict:
+        """The job's own saved-tensor hooks held the step's tensors: not known, said once."""
+        message = (
+            f"in step {step} the job's own saved-tensor hooks (torch.utils.checkpoint over the "
+            "model, save_on_cpu, its own pack hooks) were active when the model ran: memtui does "
+            "not put its own above them (that would change what the job saves), so the "
+            "activations of such steps are not known"
+        )
+        return Verdict(measured=False, alert=self._vary("job hooks", message))
+
     def _vary(self, cause: str, message: str) -> schema.Alert | None:
         """An `activations_vary` alert, once per cause."""
         if cause in self._said:
@@ -345,6 +387,8 @@ class ActivationGate:
             # next step is measured from its start.
             switch.arm(None)
         policy.begin(after.start_of_next())
+        self._blind = False
         if mode is not ActivationMode.OFF and switch.armed:
             policy.first_armed()
+            self._blind = switch.pack_missing
         self.probing = self._health.watching_modules(after.step + 1)

@@ -28,9 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memtui.commands.attach_target import AttachRefused, Target, ptrace_message, ptrace_scope
+from memtui.commands.attach_target import (
+    REUSED,
+    AttachRefused,
+    Pin,
+    Target,
+    confirm_pin,
+    ptrace_message,
+    ptrace_scope,
+    release_pin,
+)
 from memtui_protocol.attach import Action, Answer, AttachRequest, read_reply
 from memtui_protocol.runtime_dir import pid_alive
+from memtui_protocol.safe_open import write_new
 
 SAFE_POINTS = ("malloc", "calloc", "realloc", "free", "PyMem_Malloc", "PyMem_Free")
 """Functions at whose entry gdb may allocate and add a pending call (memray's choice)."""
@@ -60,10 +70,33 @@ def gdb_literal(text: str) -> str:
     return f'"{escaped}"'
 
 
-def gdb_script(lines: str) -> str:
-    """The gdb commands: wait at a safe point, add the pending call, then leave."""
+PIN_CHECK = """printf "MEMTUI_CHECKING_PIN\\n"
+python
+import gdb
+_pid = gdb.selected_inferior().pid
+with open("/proc/%d/stat" % _pid, "rb") as _f:
+    _stat = _f.read()
+with open("/proc/%d/status" % _pid) as _f:
+    _uid = [int(_l.split()[1]) for _l in _f if _l.startswith("Uid:")][0]
+_ticks = int(_stat[_stat.rindex(b")") + 2 :].split()[19])
+if (_uid, _ticks) != ({uid}, {ticks}):
+    print("MEMTUI_NOT_PINNED")
+    gdb.execute("detach")
+    gdb.execute("quit")
+print("MEMTUI_PINNED")
+end
+"""
+"""Run by gdb once it has stopped the process, before anything else: a stopped process cannot
+end and hand its pid on, so this is the last word on which process gdb holds. A gdb without
+Python fails here, before any breakpoint: nothing is injected where nothing was confirmed."""
+
+
+def gdb_script(lines: str, pin: Pin | None = None) -> str:
+    """The gdb commands: confirm the process is the pinned one, wait at a safe point, add the
+    pending call, then leave."""
     size = len(lines.encode()) + 1
     breakpoints = "\n".join(f"break {name}" for name in SAFE_POINTS)
+    check = PIN_CHECK.format(uid=pin.uid, ticks=pin.start_ticks) if pin is not None else ""
     return f"""set pagination off
 set confirm off
 set breakpoint pending off
@@ -71,7 +104,7 @@ set unwindonsignal on
 sharedlibrary libc
 sharedlibrary libpython
 printf "MEMTUI_ATTACHED\\n"
-print (void *) Py_AddPendingCall
+{check}print (void *) Py_AddPendingCall
 print (void *) PyRun_SimpleString
 printf "MEMTUI_PYTHON\\n"
 {breakpoints}
@@ -144,6 +177,15 @@ def explain_gdb(pid: int, output: str, timed_out: bool, seconds: float) -> None:
     """Turn gdb's output into success (return) or one line (raise)."""
     if "MEMTUI_PENDING 0" in output:
         return
+    if "MEMTUI_NOT_PINNED" in output:
+        raise AttachRefused(REUSED.format(pid=pid))
+    if "MEMTUI_CHECKING_PIN" in output and "MEMTUI_PINNED" not in output:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+        raise AttachRefused(
+            f"gdb could not confirm that pid {pid} is still the process memtui checked (its "
+            f"Python check failed: {last[0]}; a gdb without Python cannot make it); nothing "
+            "was injected"
+        )
     if "ptrace:" in output and "MEMTUI_ATTACHED" not in output:
         if "No such process" in output:
             raise AttachRefused(f"no process with pid {pid} (it has ended?)")
@@ -206,7 +248,7 @@ class Injection:
         agent_dir, protocol_dir = (
             package_dir(name) for name in ("memtui_agent", "memtui_protocol")
         )
-        shutil.copyfile(agent_dir / "attach" / "boot.py", self.boot)
+        write_new(self.boot, (agent_dir / "attach" / "boot.py").read_bytes())
         # Where the agent's own dependencies are installed, for the job's interpreter to find.
         paths = {str(package_dir(name).parent) for name in ("msgspec", "psutil")}
         self.request = self.folder / "request.json"
@@ -221,18 +263,20 @@ class Injection:
             deadline=time.time() + ANSWER_SECONDS,
             options=options,
         )
-        self.request.write_text(request.to_json())
+        write_new(self.request, request.to_json().encode())
 
     def deliver(self) -> None:
         """Put the bootstrap into the job (it runs at the job's next safe point)."""
         lines = runner_lines(self.boot, self.request)
+        # Right before the injection: still the process the checks were made on.
+        confirm_pin(self.target.pid, self.target.pin)
         if self.method == "remote_exec":
             runner = self.folder / "run.py"
-            runner.write_text(lines)
+            write_new(runner, lines.encode())
             deliver_remote_exec(self.target.pid, runner)
             return
         script = self.folder / "attach.gdb"
-        script.write_text(gdb_script(lines))
+        write_new(script, gdb_script(lines, self.target.pin).encode())
         deliver_gdb(self.target.pid, script)
 
     def wait(self, states: set[Answer], seconds: float) -> dict[str, Any] | None:
@@ -259,6 +303,7 @@ class Injection:
     def close(self) -> None:
         """Remove the folder: a bootstrap that runs after this finds nothing and does nothing."""
         shutil.rmtree(self.folder, ignore_errors=True)
+        release_pin(self.target.pin)
 
 
 def package_dir(name: str) -> Path:

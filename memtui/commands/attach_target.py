@@ -1,9 +1,11 @@
 """Whether `memtui attach PID` may inject into a process: each refusal one line, nothing touched.
 
 Everything here reads `/proc` (and, for gdb, the ptrace policy); nothing stops, signals or traces
-the target. The checks run in the order a user would fix them: the process exists and is theirs,
-it is Python, of memtui's version, has imported torch, allows remote debugging, and this machine
-lets us trace it.
+the target. The process is pinned first (`pin_process`: a pidfd, its uid and start time), every
+check reads that process, and the pin is confirmed again right before the injection, so a pid
+that changed hands meanwhile is refused, never injected into. The checks run in the order a user
+would fix them: the process exists and is theirs, it is Python, of memtui's version, has
+imported torch, allows remote debugging, and this machine lets us trace it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +41,114 @@ class AttachRefused(Exception):
 
 
 @dataclass(frozen=True)
+class Pin:
+    """What makes a pid one process and no other: its real uid, its start time (clock ticks
+    after boot, field 22 of /proc/PID/stat: a reused pid has another) and, where the kernel has
+    them, a pidfd (which names the process itself, never a later one with its pid)."""
+
+    uid: int
+    start_ticks: int
+    pidfd: int | None = None
+
+
+@dataclass(frozen=True)
 class Target:
     """A process that passed the checks."""
 
     pid: int
     python: tuple[int, int]
     argv: list[str]
+    pin: Pin | None = None
+    """The process the checks were made on; `confirm_pin` right before injecting."""
+
+
+REUSED = (
+    "pid {pid} is no longer the process memtui checked (it ended and its pid was reused); "
+    "nothing was injected"
+)
+
+
+def read_pin(pid: int) -> tuple[int, int]:
+    """(real uid, start ticks) of `pid` now.
+
+    Raises:
+        AttachRefused: no such process.
+    """
+    folder = PROC / str(pid)
+    try:
+        stat_line = (folder / "stat").read_bytes()
+        status = (folder / "status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
+    except OSError as exc:
+        raise AttachRefused(f"cannot read /proc/{pid}: {exc.strerror or exc}") from None
+    try:
+        # The command name (field 2) may hold spaces and parentheses: count after its end.
+        ticks = int(stat_line[stat_line.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        raise AttachRefused(f"cannot read /proc/{pid}/stat") from None
+    uid = _field(status, "Uid")
+    if uid is None:
+        raise AttachRefused(f"cannot read the owner of pid {pid}")
+    return uid, ticks
+
+
+def pin_process(pid: int) -> Pin:
+    """Pin `pid` to the process that has it now: a pidfd first (where available), then the
+    uid and start time read while that pidfd shows the same process alive.
+
+    Raises:
+        AttachRefused: no such process.
+    """
+    pidfd = None
+    opener = getattr(os, "pidfd_open", None)
+    if opener is not None:
+        try:
+            pidfd = opener(pid)
+        except ProcessLookupError:
+            raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
+        except OSError:
+            pidfd = None  # an old kernel: the start time alone pins it
+    try:
+        uid, ticks = read_pin(pid)
+        pin = Pin(uid=uid, start_ticks=ticks, pidfd=pidfd)
+        confirm_pin(pid, pin)  # the pidfd's process is the one whose start time was read
+    except BaseException:
+        release_pin(Pin(0, 0, pidfd))
+        raise
+    return pin
+
+
+def confirm_pin(pid: int, pin: Pin | None) -> None:
+    """Refuse unless `pid` is still the pinned process: the pidfd's process alive, and the
+    same uid and start time. Called at the end of the checks and again right before the
+    injection.
+
+    Raises:
+        AttachRefused: the process ended, or its pid now names another one.
+    """
+    if pin is None:
+        return
+    if pin.pidfd is not None:
+        try:
+            signal.pidfd_send_signal(pin.pidfd, 0)
+        except ProcessLookupError:
+            raise AttachRefused(
+                f"pid {pid} ended after memtui checked it; nothing was injected"
+            ) from None
+        except PermissionError:
+            pass  # alive (signal 0 to a process we may not signal): the start time decides
+    if read_pin(pid) != (pin.uid, pin.start_ticks):
+        raise AttachRefused(REUSED.format(pid=pid))
+
+
+def release_pin(pin: Pin | None) -> None:
+    """Close the pin's pidfd."""
+    if pin is not None and pin.pidfd is not None:
+        try:
+            os.close(pin.pidfd)
+        except OSError:
+            pass
 
 
 def check_target(pid: int, need_torch: bool = True) -> Target:
@@ -57,13 +162,19 @@ def check_target(pid: int, need_torch: bool = True) -> Target:
         raise AttachRefused(f"{pid} is not a process id")
     if pid == os.getpid():
         raise AttachRefused("memtui cannot attach to itself")
-    folder = PROC / str(pid)
+    pin = pin_process(pid)
     try:
-        status = (folder / "status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
-    uid = _field(status, "Uid")
-    if uid is not None and uid != os.getuid():
+        return _checked(pid, pin, need_torch)
+    except BaseException:
+        release_pin(pin)
+        raise
+
+
+def _checked(pid: int, pin: Pin, need_torch: bool) -> Target:
+    """`check_target`'s checks on the process `pin` holds."""
+    folder = PROC / str(pid)
+    uid = pin.uid
+    if uid != os.getuid():
         raise AttachRefused(
             f"pid {pid} belongs to another user (uid {uid}): run memtui attach as that user"
         )
@@ -97,7 +208,8 @@ def check_target(pid: int, need_torch: bool = True) -> Target:
             f"pid {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or "
             "-X disable_remote_debug): memtui will not inject code into it"
         )
-    return Target(pid=pid, python=version, argv=argv)
+    confirm_pin(pid, pin)  # everything above was read from the pinned process
+    return Target(pid=pid, python=version, argv=argv, pin=pin)
 
 
 def imported_torch(pid: int) -> bool | None:

@@ -25,8 +25,7 @@ from memtui import errors
 from memtui.terminal_text import terminal_safe
 from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
-from memtui_protocol.runtime_dir import runtime_dir
-from memtui_protocol.safe_open import refusal
+from memtui_protocol.safe_open import folder_refusal, make_folder, refusal
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
 
@@ -155,16 +154,16 @@ def build_job(
                     f"-o {recording}: is a file; {who} needs a session folder "
                     f"(one recording per {unit})"
                 )
-            recording.mkdir()
-        recording = recording.resolve()
+            make_folder(recording)
+        # Absolute, never resolved: a link planted at the name must reach the agent as a link,
+        # which it refuses to follow (memtui_protocol.safe_open).
+        recording = recording.absolute()
     # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
     session = uuid.uuid4().hex
     config = (config or AgentConfig()).replace(
         record=str(recording) if recording is not None else None,
         argv=tuple(display),
         session=session,
-        # In the private runtime folder: no one else can make a SIGTERM read as our stop.
-        stop_file=str(runtime_dir() / f"stop-{session}"),
     )
     env.update(config.to_env())
     notes = None
@@ -245,6 +244,9 @@ def _refuse_unsafe(recording: Path) -> None:
     if recording.is_symlink():
         raise UsageError(refusal(recording) or f"{recording}: is a symbolic link")
     if recording.is_dir():
+        problem = folder_refusal(recording, recording.lstat())
+        if problem is not None:  # the agent would refuse every process's file there
+            raise UsageError(problem)
         return
     for path in (recording, recording.with_name(recording.name + ".log")):
         reason = refusal(path)

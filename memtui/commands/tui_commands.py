@@ -150,6 +150,10 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    if job.stopped:  # memtui sent the SIGTERM: the recordings say so (the job could not)
+        from memtui.commands.stop_record import record_stop
+
+        record_stop(job_spec.recording, code)
     error = take_private_file(error_file)
     if shown and error:  # without the screen it is on the terminal already
         print(terminal_safe(error.rstrip("\n"), keep_newlines=True), file=sys.stderr)

@@ -16,8 +16,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-from memtui_protocol.config import AgentConfig
-from memtui_protocol.runtime_dir import ensure_private_dir
 from memtui_protocol.safe_open import create_private
 
 MAX_LINES = 5000
@@ -37,7 +35,6 @@ class JobProcess:
         """Lines the job has printed so far (`take_lines` leaves this as it is)."""
         self._lock = threading.Lock()
         self.log_path = log_path
-        self._stop_file = AgentConfig.from_env(env).stop_file
         self._log = None
         if log_path is not None:
             try:  # never through a planted link (see memtui_protocol.safe_open)
@@ -108,11 +105,15 @@ class JobProcess:
     """Whether memtui stopped the job (the user quit the TUI while it ran)."""
 
     def terminate(self, grace: float = 5.0) -> None:
-        """SIGTERM the job's process group, then SIGKILL if it is still there after `grace`."""
+        """SIGTERM the job's process group, then SIGKILL if it is still there after `grace`.
+
+        The job keeps its own SIGTERM behaviour (memtui installs no handler in it: a Python
+        handler runs only between bytecodes, and would hold a job in a long C call or a hung
+        collective); memtui itself knows it stopped the job (`stopped`) and says so in the
+        recording afterwards (`commands.stop_record`)."""
         if self.process.poll() is not None:
             return
         self.stopped = True
-        self._ask_to_stop()
         try:
             os.killpg(self.process.pid, signal.SIGTERM)
         except OSError:
@@ -127,26 +128,10 @@ class JobProcess:
         except OSError:
             pass
 
-    def _ask_to_stop(self) -> None:
-        """Create the stop file the job's runner looks for on SIGTERM, so its recording ends
-        `stopped`, not killed (best effort: without it the job still stops)."""
-        if self._stop_file is None:
-            return
-        try:
-            ensure_private_dir(Path(self._stop_file).parent)
-            os.close(create_private(self._stop_file))
-        except OSError:
-            pass
-
     def wait(self) -> int:
         """Block until the job ends; its exit code."""
         self.process.wait()
         self._reader.join(timeout=2.0)
-        if self._stop_file is not None and self.stopped:
-            try:  # left behind when the job died before its handler ran
-                os.unlink(self._stop_file)
-            except OSError:
-                pass
         code = self.poll()
         return 0 if code is None else code
 

@@ -21,6 +21,7 @@ from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, StepAlert, read_recording
 from memtui.model.step_rows import activations_known, known_total, pile_figure
 from memtui.terminal_text import terminal_safe
+from memtui_protocol.safe_open import RefusedPath, write_new
 from memtui_protocol.schema import Pile, Piles, Step
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
@@ -200,8 +201,10 @@ def run_export(path: str, fmt: str, output: str | None) -> int:
         target = Path(output) if output else default_output(path, fmt)
         if target.resolve() == Path(path).resolve():
             raise UserError(f"{target}: would overwrite the recording")
-        try:
-            target.write_text(text, encoding="utf-8")
+        try:  # never through a planted link, never blocked on a FIFO (safe_open)
+            write_new(target, text.encode("utf-8"))
+        except RefusedPath as exc:
+            raise UserError(str(exc)) from None
         except OSError as exc:
             raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
         print(f"memtui: wrote {target} ({len(recording.steps)} steps)", file=sys.stderr)

@@ -19,6 +19,7 @@ Our own failures never raise: a broken install must not stop the user's command.
 import importlib.machinery
 import importlib.util
 import os
+import stat
 import sys
 import types
 
@@ -33,8 +34,13 @@ def _note(message: str) -> None:
             print(f"memtui: {message}", file=sys.stderr)
             return
         line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        descriptor = os.open(path, flags)
         try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                return
             os.write(descriptor, line.encode("utf-8", "replace"))
         finally:
             os.close(descriptor)
