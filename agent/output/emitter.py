@@ -116,7 +116,8 @@ class Emitter:
         if isinstance(item, ClosedStep):
             return self._frame(item)
         if isinstance(item, schema.End):
-            return msgspec.structs.replace(item, late=[*item.late, *self._late_values(wait=True)])
+            late = [*item.late, *self._late_values(wait=True)][: schema.MAX_LATE]
+            return msgspec.structs.replace(item, late=late)
         return item
 
     def _frame(self, closed: ClosedStep) -> schema.Step:

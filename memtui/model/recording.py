@@ -61,6 +61,8 @@ class Recording:
     """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
     leaks: LeakBook = field(default_factory=LeakBook)
     """The holders the job's censuses named, census by census, and the job's last count."""
+    late_batches: dict[int, int] = field(default_factory=dict)
+    """Late values with alerts folded into each recent step (`schema.apply_late` bounds them)."""
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
@@ -125,7 +127,7 @@ def _add_late(recording: Recording, late: list[schema.StepLate], time: float) ->
     """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
     recording.alerts.extend(
         StepAlert.of(number, alert, time)
-        for number, alert in schema.apply_late(recording.steps, late)
+        for number, alert in schema.apply_late(recording.steps, late, recording.late_batches)
     )
 
 
