@@ -42,6 +42,7 @@ def device_report(device: DeviceSummary) -> dict[str, Any]:
             {"size": oom.size, "device_free": oom.device_free, "frame": oom.frame}
             for oom in device.ooms
         ],
+        "oom_events_total": device.oom_events,
     }
 
 
@@ -83,7 +84,10 @@ def render_snapshot_text(summary: SnapshotSummary, binary: bool = True) -> str:
         if device.trace_actions:
             counts = ", ".join(f"{k} {v}" for k, v in sorted(device.trace_actions.items()))
             lines.append(f"  trace: {sum(device.trace_actions.values())} events ({counts})")
-        lines.append(f"  oom events: {len(device.ooms)}")
+        shown = (
+            f" (the first {len(device.ooms)} above)" if device.oom_events > len(device.ooms) else ""
+        )
+        lines.append(f"  oom events: {device.oom_events}{shown}")
     return "\n".join(lines)
 
 
