@@ -8,7 +8,9 @@ copied, bytes read, objects kept), never on wall-clock time.
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -243,3 +245,90 @@ def test_a_snapshot_with_every_field_typed_still_reads(tmp_path: Path) -> None:
     assert device.oom_events == 1 and device.ooms[0].device_free is None
     assert device.trace_actions == {"oom": 1, "(no action)": 1}
     assert snapshot_messages(summary, tmp_path / "ok.pickle")
+
+
+# ----- H4: sparse recordings ------------------------------------------------------------------
+
+APPARENT = 8 << 30
+
+
+def _sparse(path: Path, before: list[schema.Message], after: list[schema.Message]) -> Path:
+    """`before`, then a hole of `APPARENT` bytes, then `after` (8 GiB apparent, KiB stored)."""
+    head = wire.preamble() + b"".join(wire.encode(m) for m in before)
+    with open(path, "wb") as handle:
+        handle.write(head)
+        handle.seek(len(head) + APPARENT)
+        handle.write(b"".join(wire.encode(m) for m in after))
+    if path.stat().st_blocks * 512 > 1 << 20:
+        pytest.skip("this file system stores no holes")
+    return path
+
+
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the bytes every reader asks the kernel for (the readers' work)."""
+    counted = [0]
+    pread, read = os.pread, os.read
+
+    def counting_pread(fd: int, size: int, offset: int) -> bytes:
+        data = pread(fd, size, offset)
+        counted[0] += len(data)
+        return data
+
+    def counting_read(fd: int, size: int) -> bytes:
+        data = read(fd, size)
+        counted[0] += len(data)
+        return data
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    monkeypatch.setattr(os, "read", counting_read)
+    return counted
+
+
+def test_a_sparse_recording_is_read_in_the_bytes_it_stores(
+    tmp_path: Path, bytes_read: list[int]
+) -> None:
+    """8 GiB apparent, a few KiB stored: reading it took time in its apparent size. The hole
+    is skipped (SEEK_DATA) as one damaged region, and the frames after it still show."""
+    path = _sparse(tmp_path / "sparse.memtui", [_hello(), _step(1), _step(2)], [_step(3), _step(4)])
+    recording = read_recording(path)
+    assert [step.step for step in recording.steps] == [1, 2, 3, 4]
+    assert recording.warning is not None
+    found = re.search(r"([\d,]+) of them in holes of a sparse file", recording.warning)
+    assert found is not None and int(found.group(1).replace(",", "")) > APPARENT - 8192
+    assert bytes_read[0] < 1 << 20, bytes_read[0]
+
+
+def test_a_hole_cutting_a_frame_loses_that_frame_only(tmp_path: Path) -> None:
+    cut = wire.encode(_step(3))
+    head = wire.preamble() + wire.encode(_hello()) + wire.encode(_step(1))
+    path = tmp_path / "cut.memtui"
+    with open(path, "wb") as handle:
+        handle.write(head + cut[:20])
+        handle.seek(len(head) + APPARENT)
+        handle.write(wire.encode(_step(4)))
+    recording = read_recording(path)
+    assert [step.step for step in recording.steps] == [1, 4]
+
+
+def test_a_sparse_file_before_its_header_is_one_line(tmp_path: Path, bytes_read: list[int]) -> None:
+    path = tmp_path / "hollow.memtui"
+    with open(path, "wb") as handle:
+        handle.seek(APPARENT)
+        handle.write(wire.preamble() + wire.encode(_hello()))
+    result = _memtui("report", str(path))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_sparse_snapshot_is_refused_without_reading_it(
+    tmp_path: Path, bytes_read: list[int]
+) -> None:
+    path = tmp_path / "sparse.pickle"
+    with open(path, "wb") as handle:
+        handle.write(pickle.dumps({"segments": []}, protocol=4)[:-1])
+        handle.seek(APPARENT // 8)  # under the size memtui reads as a snapshot
+        handle.write(b".")
+    with pytest.raises(SnapshotError, match="a sparse file"):
+        load_snapshot(path)
+    assert bytes_read[0] < 1 << 20

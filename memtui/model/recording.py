@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memtui.input.frame_stream import CHUNK, damage_warning, pump
+from memtui.input.frame_stream import damage_warning, file_chunks, pump
 from memtui.input.input_files import InputFileError, open_input
 from memtui.input.recording_file import RecordingError
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
@@ -156,7 +156,7 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
 
     try:
         with open_input(path) as handle:
-            warning = pump(lambda: handle.read(CHUNK), decoder, take, threading.Event())
+            warning = pump(file_chunks(handle.fileno(), decoder), decoder, take, threading.Event())
     except InputFileError as exc:
         raise RecordingError(str(exc)) from None
     except OSError as exc:
