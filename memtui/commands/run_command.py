@@ -272,7 +272,7 @@ def run_headless(job: JobSpec) -> int:
     code = exit_code_of(returncode)
     for line in take_notes(job):
         print(line, file=sys.stderr)
-    print(summary_line(job, code), file=sys.stderr)
+    print(terminal_safe(summary_line(job, code), keep_newlines=True), file=sys.stderr)
     return code
 
 
@@ -359,7 +359,7 @@ def ending_words(ending: Ending, path: Path, code: int | None) -> str:
         return STOPPED_BY_MEMTUI
     if ending is ExitStatus.KILLED and code is not None and code < 128:
         return f"exited, recording incomplete: {incomplete_reason(path)}"
-    return str(ending)
+    return terminal_safe(ending)  # a status this memtui does not know is recorded text
 
 
 def _session_summary(folder: Path, code: int) -> str:
@@ -376,11 +376,11 @@ def _session_summary(folder: Path, code: int) -> str:
     if not files:
         lines[0] += "; none written (no Python process imported torch, or no agent started)"
     for label, path in files[:MAX_SUMMARY_RECORDINGS]:
-        name = f"rank {label}" if label.isdigit() else label
+        name = f"rank {label}" if label.isdigit() else terminal_safe(label)
         try:
             status, steps, piles = _outcome(path, None)  # each process's own code is unknown
         except RecordingError as exc:
-            lines.append(f"memtui:   {name}: unreadable: {exc}")
+            lines.append(f"memtui:   {name}: unreadable: {terminal_safe(exc)}")
             continue
         lines.append(f"memtui:   {name}: {status} after {steps} steps; highest piles: {piles}")
     if len(files) > MAX_SUMMARY_RECORDINGS:

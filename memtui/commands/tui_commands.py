@@ -117,7 +117,8 @@ def run_tui(job_spec: JobSpec) -> int:
     code = job.wait()
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
-    print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
+    summary = summary_line(job_spec, code, stopped=job.stopped)
+    print(terminal_safe(summary, keep_newlines=True), file=sys.stderr)
     if log_path is not None:
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code

@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from memtui.input.torch_snapshot import DeviceSummary, SnapshotSummary, load_snapshot
-from memtui.terminal_text import terminal_safe
+from memtui.terminal_text import json_safe, terminal_safe
 from memtui_protocol.units import format_bytes
 
 
@@ -95,7 +95,7 @@ def report_snapshot(path: str | os.PathLike[str], as_json: bool, binary: bool = 
     """`memtui report` for a snapshot file: prints the report, returns the exit code."""
     summary = load_snapshot(path)
     if as_json:
-        print(json.dumps(build_snapshot_report(summary), indent=2, default=str))
+        print(json_safe(json.dumps(build_snapshot_report(summary), indent=2, default=str)))
     else:
         print(terminal_safe(render_snapshot_text(summary, binary), keep_newlines=True))
     return 0

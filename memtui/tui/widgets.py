@@ -94,7 +94,8 @@ class JobHeader(Static):
             return Text("memtui · connecting…")
         width = max(self.size.width - 2, 10)
         ended = view.status is JobState.ENDED
-        first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
+        state = f" {terminal_safe(view.state)} "  # the End's status and phase are recorded text
+        first = Text(state, style="bold reverse" if ended else "bold reverse green")
         parts = [describe_rate(view.steps_per_second), view.title]
         if not view.replay:  # replay's state already says which step
             step = f"step {view.step} of {view.steps_total}" if view.step is not None else None
@@ -126,7 +127,7 @@ class PilesPanel(FlowPanel[PilesView]):
         lines = [plain(line, style="dim") for line in view.distributed_lines]
         if not view.activations_measured:  # its own line: it must not wrap into the others
             lines.insert(0, Text(_activations_label(view.activations_from), style="dim"))
-        return [Text(" · ".join(extra), style="dim"), *lines]
+        return [plain(" · ".join(extra), style="dim"), *lines]  # the optimizer's recorded name
 
     def render(self) -> Text | Group:
         view = self.view
