@@ -236,6 +236,47 @@ def _refuse_unsafe(recording: Path) -> None:
             raise UsageError(reason)
 
 
+PROCESS_INDEX_FILE = ".process-index"
+"""The session folder's process counter (`memtui_agent.startup.autostart.PROCESS_INDEX_FILE`)."""
+
+
+def replace_previous(recording: Path) -> None:
+    """Remove what an earlier run left under this run's `-o`, before the job starts.
+
+    A rerun with the same `-o` whose job never wrote a recording (it failed before importing
+    torch, or the agent could not start) used to leave the earlier run's file in place, and the
+    summary and the viewer then showed that run as this one ("job ok (exit code 3)"). So the
+    earlier recording and its `.log` are removed now; in a session folder, every process's
+    and rank's recording, their logs and the process counter (this run's processes count from
+    0 again). Only our own regular files are removed (`refusal` lets nothing else through).
+
+    Raises:
+        UsageError: one of them cannot be removed.
+    """
+    from memtui.reports.rank_report import session_files
+
+    earlier = [recording.with_name(recording.name + ".log")]
+    folders = [recording] if recording.is_dir() else [Path(f"{recording}-ranks")]
+    if not recording.is_dir():
+        earlier.append(recording)
+    for folder in folders:  # a session folder, or the ranks a launcher started beside a file
+        if folder.is_dir() and not folder.is_symlink():
+            recordings = [path for _label, path in session_files(folder)]
+            earlier += recordings + [path.with_name(path.name + ".log") for path in recordings]
+            earlier.append(folder / PROCESS_INDEX_FILE)
+    for path in earlier:
+        if refusal(path) is not None:
+            continue  # not ours to remove: the agent refuses that name in one line
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise UsageError(
+                f"-o {recording}: cannot replace the earlier {path.name} ({exc.strerror or exc})"
+            ) from None
+
+
 def exit_code_of(returncode: int) -> int:
     """A child killed by signal N exits the shell way: 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -244,6 +285,11 @@ def exit_code_of(returncode: int) -> int:
 def run_headless(job: JobSpec) -> int:
     """Run the job with its own stdio; print where the recording is and a summary after."""
     if job.recording is not None:
+        try:
+            replace_previous(job.recording)
+        except UsageError:
+            take_notes(job)  # removes the notes file
+            raise
         print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)
     try:
         child = subprocess.Popen(job.command, env=job.env)

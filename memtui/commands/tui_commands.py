@@ -14,6 +14,7 @@ from typing import Any
 from memtui.commands.run_command import (
     JobSpec,
     launches_ranks,
+    replace_previous,
     summary_line,
     take_notes,
 )
@@ -97,6 +98,12 @@ def run_tui(job_spec: JobSpec) -> int:
         raise UsageError(problem)
     from memtui.input.job_process import JobProcess, recording_log_path
 
+    if job_spec.recording is not None:
+        try:
+            replace_previous(job_spec.recording)
+        except UsageError:
+            take_notes(job_spec)  # removes the notes file
+            raise
     log_path = recording_log_path(job_spec.recording)
     try:
         job = JobProcess(job_spec.command, job_spec.env, log_path)
