@@ -145,6 +145,9 @@ class ExitStatus(TextEnum):
     """Stopped from memtui (SIGTERM from the TUI's quit): the agent wrote no final frame."""
     DETACHED = "detached"
     """`memtui detach`: the agent left, the job carries on."""
+    UNRECORDED = "unrecorded"
+    """No final frame, and the agent recorded why its recording stopped early (a full disk):
+    how the job ended is not known; its `AgentError` (`RECORDING_STOPPED`) says why."""
 
 
 class Phase(str, Enum):
@@ -522,6 +525,10 @@ class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
     step: int = 0
     host: Host = Host()
 
+
+RECORDING_STOPPED = "recording"
+"""`AgentError.component` of the failure that stopped the recording (a full disk): the agent's
+last frame in the file when it could still write one, and what viewers are told."""
 
 VIEWER_CLOSED = "viewer"
 """`AgentError.component` of the last frame a job sends a viewer it refuses (too many viewers)

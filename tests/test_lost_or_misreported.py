@@ -8,10 +8,13 @@ L4: a full disk in a session folder read `killed`.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from memtui.commands.run_command import PROCESS_INDEX_FILE
 from memtui_protocol import schema, wire
@@ -81,3 +84,111 @@ def test_the_process_counter_name_is_the_agents() -> None:
     from memtui_agent.startup import autostart
 
     assert PROCESS_INDEX_FILE == autostart.PROCESS_INDEX_FILE
+
+
+# ----- L4: a full disk ------------------------------------------------------------------------
+
+LIMITED_EMITTER = """
+import resource, signal, sys, time
+from pathlib import Path
+
+import pytest
+from memtui_agent.output.emitter import Emitter
+from memtui_protocol import schema, wire
+
+hello = schema.Hello(format_version=schema.FORMAT_VERSION, agent_version="t", pid=1,
+                     argv=["python"], started="", started_unix=1.0)
+opening = len(wire.preamble() + wire.encode(hello))
+step = schema.Step(1, 1.0, 1.5, schema.Piles(), schema.Piles(), schema.Piles())
+# The file may grow to the opening, one step and 150 bytes: the big frame after them is torn.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = opening + len(wire.encode(step)) + 150
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+failures = []
+emitter = Emitter(Path(sys.argv[1]), None, hello, lambda c, e: failures.append((c, str(e))))
+emitter.put(step)
+emitter.put(schema.Names(kind="module", first_id=0, names=["x" * 1000]))
+emitter.put(schema.Step(2, 2.0, 2.5, schema.Piles(), schema.Piles(), schema.Piles()))
+emitter.close()
+print(failures)
+"""
+
+
+def test_a_recording_that_cannot_grow_says_why_in_its_last_frame(tmp_path: Path) -> None:
+    """The torn frame is cut off and one small frame says why the recording stopped: readers
+    say `unrecorded` with the reason, never `killed`, and the failure is reported once."""
+    out = tmp_path / "limited.memtui"
+    result = subprocess.run(
+        [sys.executable, "-c", LIMITED_EMITTER, str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("'recording'") == 1  # reported once
+    from memtui.model.recording import read_recording
+    from memtui.reports.report import report_of
+
+    recording = read_recording(out)
+    assert recording.warning is None  # no torn tail: it was cut off
+    assert [step.step for step in recording.steps] == [1]
+    assert recording.recording_stopped == "file size limit reached (EFBIG)"
+    assert recording.how_it_ended() is schema.ExitStatus.UNRECORDED
+    ending = report_of(recording).exit
+    assert ending.status == "unrecorded"
+    assert ending.error is not None and ending.error.startswith("recording stopped: file size")
+
+
+def _unshare_works() -> bool:
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+FILLS_THE_DISK = """
+import torch
+from torch import nn
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(200):
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+print("trained")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare to mount a small tmpfs")
+def test_a_full_disk_in_a_session_folder_is_not_called_killed(tmp_path: Path) -> None:
+    """`-- COMMAND` records into a session folder; a process whose recording filled the disk
+    read `killed` there (its own exit code is unknown). Its last frame now says `disk full`
+    (or, where even that frame did not fit, the full folder does), once, and never killed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(FILLS_THE_DISK)
+    folder = mount / "session"
+    inner = (
+        f"mount -t tmpfs -o size=16k tmpfs {mount} || exit 77; mkdir {folder}; "
+        f"{sys.executable} -m memtui run --headless -o {folder} -- {sys.executable} {script}; "
+        f"code=$?; {sys.executable} -m memtui report {folder} --json > {tmp_path}/report.json; "
+        "exit $code"
+    )
+    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", inner], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    if result.returncode == 77:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr
+    assert "trained" in result.stdout  # the job went on
+    assert result.stderr.count("No space left on device") == 1, result.stderr  # said once
+    (line,) = [text for text in result.stderr.splitlines() if "proc-0:" in text]
+    assert "disk full (ENOSPC)" in line and "killed" not in line, line
+    (rank,) = json.loads((tmp_path / "report.json").read_text())["ranks"].values()
+    if "recording stopped" in line:  # the last frame fitted: the report says so too
+        assert rank["exit"]["status"] == "unrecorded"
+        assert rank["exit"]["error"].startswith("recording stopped: disk full (ENOSPC)")

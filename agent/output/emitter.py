@@ -14,6 +14,7 @@ goes on.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -38,6 +39,14 @@ the job for the GIL right as the next step starts. A viewer redraws a few times 
 MAX_LATE = schema.LATE_SEARCH
 """Steps whose device values may be in flight at once; older ones are given up (and counted)."""
 
+
+FULL = {
+    errno.ENOSPC: "disk full (ENOSPC)",
+    errno.EDQUOT: "disk quota exceeded (EDQUOT)",
+    errno.EFBIG: "file size limit reached (EFBIG)",
+}
+"""The write errors that mean the recording cannot grow, and the words its last frame says
+(short: that frame has to fit in the slack of the file's last block)."""
 
 Item = schema.Message | ClosedStep
 """What the emitter takes: a message as it is, or a closed step whose frame it builds."""
@@ -159,10 +168,11 @@ class Emitter:
                         if self._fd is not None:
                             self._write(frame)
                 except OSError as exc:
+                    self._last_words(exc)
                     self._close_file()
                     error = exc
             if error is not None:
-                self._on_error("recording", error)
+                self._on_error(schema.RECORDING_STOPPED, error)
         self._last_frame = time.monotonic()
         if self._server is None:
             return
@@ -180,6 +190,32 @@ class Emitter:
             view = view[written:]
         self.frames_written += 1
         self.bytes_written += len(data)
+
+    def _last_words(self, exc: OSError) -> None:
+        """The file cannot grow (a full disk, a quota, a size limit): record why, if it fits.
+
+        The torn frame is cut off (back to the end of the last whole frame, which may free the
+        block it took), then one small `AgentError` saying why the recording stops is written:
+        it fits in the slack of the file's last block nearly always, so a reader can say "the
+        disk was full" instead of "killed". If even that fails, the file ends at its last whole
+        frame and the reader judges by the folder's free space.
+        """
+        why = FULL.get(exc.errno or 0)
+        if why is None or self._fd is None:
+            return
+        frame = wire.encode(
+            schema.AgentError(time=time.time(), component=schema.RECORDING_STOPPED, message=why)
+        )
+        try:
+            os.ftruncate(self._fd, self.bytes_written)
+            os.lseek(self._fd, self.bytes_written, os.SEEK_SET)
+            if os.write(self._fd, frame) != len(frame):
+                os.ftruncate(self._fd, self.bytes_written)
+        except OSError:
+            try:
+                os.ftruncate(self._fd, self.bytes_written)
+            except OSError:
+                pass
 
     def _close_file(self) -> None:
         if self._fd is not None:

@@ -334,13 +334,21 @@ def incomplete_reason(recording: Path) -> str:
     The agent cannot record that its own recording failed, so the folder's free space is the
     evidence: a full disk is the common cause (the agent says which on the job's stderr).
     """
+    full = folder_full(recording)
+    if full is None:
+        return "no final frame (see the job's stderr)"
+    if full:
+        return "disk full"
+    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+
+
+def folder_full(recording: Path) -> bool | None:
+    """Whether the recording's folder has no room for another frame (None: cannot tell)."""
     try:
         info = os.statvfs(recording.parent)
     except OSError:
-        return "no final frame (see the job's stderr)"
-    if info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0:
-        return "disk full"
-    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+        return None
+    return info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0
 
 
 STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
@@ -395,16 +403,28 @@ def _outcome(path: Path, code: int | None, stopped: bool = False) -> tuple[str, 
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
     )
-    return ending_words(recording.how_it_ended(stopped), path, code), len(recording.steps), piles
+    words = ending_words(recording.how_it_ended(stopped), path, code, recording.recording_stopped)
+    return words, len(recording.steps), piles
 
 
-def ending_words(ending: Ending, path: Path, code: int | None) -> str:
-    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, and a job
-    that exited by itself (`code` under 128) without a final frame is not called killed."""
+def ending_words(
+    ending: Ending, path: Path, code: int | None, unrecorded: str | None = None
+) -> str:
+    """`how_it_ended`'s answer as the summary words it: stopped from memtui in full; a
+    recording the agent said it stopped (`unrecorded`: a full disk) with the agent's reason;
+    a job that exited by itself (`code` under 128), or one process of a session (`code`
+    unknown) in a full folder, without a final frame is not called killed."""
     if ending is ExitStatus.STOPPED:
         return STOPPED_BY_MEMTUI
+    if ending is ExitStatus.UNRECORDED:
+        from memtui.model.job_state import unrecorded_words
+
+        words = terminal_safe(unrecorded_words(unrecorded))
+        return f"exited, {words}" if code is not None and code < 128 else words
     if ending is ExitStatus.KILLED and code is not None and code < 128:
         return f"exited, recording incomplete: {incomplete_reason(path)}"
+    if ending is ExitStatus.KILLED and code is None and folder_full(path):
+        return "recording incomplete: disk full (ENOSPC); how the process ended is not known"
     return terminal_safe(ending)  # a status this memtui does not know is recorded text
 
 

@@ -61,6 +61,8 @@ class Recording:
     """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
     leaks: LeakBook = field(default_factory=LeakBook)
     """The holders the job's censuses named, census by census, and the job's last count."""
+    recording_stopped: str | None = None
+    """Why the agent's recording stopped early, as the agent said it (a full disk), if it did."""
     late_batches: dict[int, int] = field(default_factory=dict)
     """Late values with alerts folded into each recent step (`schema.apply_late` bounds them)."""
 
@@ -73,7 +75,9 @@ class Recording:
         when its process is alive on this host (a recording still being written), else killed.
         `stopped`: memtui itself stopped the job (the recording cannot say so)."""
         running = self.end is None and not stopped and self._process_alive()
-        return how_it_ended(self.end, stopped=stopped, running=running)
+        return how_it_ended(
+            self.end, stopped=stopped, running=running, unrecorded=self.recording_stopped
+        )
 
     def _process_alive(self) -> bool:
         hello = self.hello
@@ -112,6 +116,8 @@ def apply(recording: Recording, message: schema.Message) -> None:
         recording.names_dropped += max(0, len(message.names) - room)
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
+        if message.component == schema.RECORDING_STOPPED and recording.recording_stopped is None:
+            recording.recording_stopped = message.message
     elif isinstance(message, schema.End):
         _add_late(recording, message.late, message.time)
         recording.end = message
