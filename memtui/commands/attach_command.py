@@ -6,6 +6,8 @@ where it can be (`attach_target`), otherwise answered by the job's bootstrap.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,14 @@ from memtui.commands.attach_target import AttachRefused, Target, check_delivery,
 from memtui.commands.bytecode import write_bytecode
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.attach import Action, Answer
-from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars
+from memtui_protocol.runtime_dir import (
+    RuntimeDirError,
+    check_private_dir,
+    ensure_private_dir,
+    live_sidecars,
+    process_create_time,
+    runtime_dir,
+)
 from memtui_protocol.schema import NanCheck
 
 EXIT_REFUSED = 1
@@ -35,6 +44,60 @@ def running_agent(pid: int) -> dict[str, Any] | None:
     except RuntimeDirError:
         return None
     return next((job for job in jobs if int(job["pid"]) == pid), None)
+
+
+PENDING_SUFFIX = ".attach"
+"""`<pid>.attach` in the runtime folder: an attach that is waiting for the job's next step.
+There is no sidecar before the agent starts, and `memtui detach` must still find it."""
+
+
+def mark_pending(pid: int) -> None:
+    """Remember that `pid` holds a waiting attach (with its start time: pids are reused)."""
+    created = process_create_time(pid)
+    if created is None:
+        return
+    try:
+        path = ensure_private_dir() / f"{pid}{PENDING_SUFFIX}"
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        descriptor = os.open(path, flags, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"{created!r}\n")
+    except OSError:
+        pass  # detach then refuses as before; nothing else depends on it
+
+
+def attach_pending(pid: int) -> bool:
+    """Whether `pid` (the same process, not a reuse) holds an attach still waiting."""
+    path = runtime_dir() / f"{pid}{PENDING_SUFFIX}"
+    try:
+        check_private_dir(path.parent)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        text = os.read(descriptor, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(descriptor)
+    try:
+        created = float(text)
+    except ValueError:
+        return False
+    now = process_create_time(pid)
+    return now is not None and abs(now - created) < 1.0
+
+
+def clear_pending(pid: int) -> None:
+    try:
+        (runtime_dir() / f"{pid}{PENDING_SUFFIX}").unlink()
+    except OSError:
+        pass
 
 
 def job_name(argv: list[str]) -> str:
@@ -116,9 +179,10 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
         return _refuse(str(exc))
     recording = terminal_safe(str(answer.get("recording")))
     if answer["state"] is Answer.ARMED:
+        mark_pending(pid)
         print(
             f"memtui: pid {pid}: the agent is in place and starts recording to {recording} at "
-            "the job's next step",
+            f"the end of the job's next optimizer step (memtui detach {pid} cancels it)",
             file=sys.stderr,
         )
     elif answer["state"] is Answer.RUNNING:
@@ -141,6 +205,7 @@ def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: A
     except AttachRefused as exc:
         return _refuse(str(exc))
     if answer["state"] is Answer.ARMED:
+        mark_pending(pid)
         return _refuse(
             f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
             "(memtui attach again then, or memtui detach to cancel)"
@@ -154,7 +219,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     """`memtui detach PID`: the agent writes its last frame and removes every hook."""
     try:
         target = check_target(pid, need_torch=False)
-        if running_agent(pid) is None:
+        if running_agent(pid) is None and not attach_pending(pid):
             raise AttachRefused(f"no memtui agent runs in pid {pid}")
         injection = Injection(target, check_delivery(target), Action.DETACH)
     except AttachRefused as exc:
@@ -171,6 +236,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     if answer is None:
         print(f"memtui: cannot detach: pid {pid} did not answer", file=sys.stderr)
         return EXIT_REFUSED
+    clear_pending(pid)  # detached, cancelled or refused: no attach waits there any more
     message = terminal_safe(str(answer.get("message")))
     if answer["state"] is Answer.REFUSED:
         print(f"memtui: cannot detach: {message}", file=sys.stderr)
