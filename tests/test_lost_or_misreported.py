@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,7 @@ def test_the_process_counter_name_is_the_agents() -> None:
 LIMITED_EMITTER = """
 import resource, signal, sys, time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from memtui_agent.output.emitter import Emitter
@@ -192,3 +194,124 @@ def test_a_full_disk_in_a_session_folder_is_not_called_killed(tmp_path: Path) ->
     if "recording stopped" in line:  # the last frame fitted: the report says so too
         assert rank["exit"]["status"] == "unrecorded"
         assert rank["exit"]["error"].startswith("recording stopped: disk full (ENOSPC)")
+
+
+# ----- L1: children of a monitored process that train -----------------------------------------
+
+TRAINER = """
+import sys, torch
+from torch import nn
+
+def train(steps=12, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    return steps
+
+if __name__ == "__main__":
+    train(int(sys.argv[1]))
+"""
+
+DRIVER = """
+import os, subprocess, sys, multiprocessing, torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trainer
+
+if __name__ == "__main__":
+    how = sys.argv[1]
+    if how == "blocked":  # the children's folder cannot be made: they are named instead
+        open(sys.argv[2], "w").close()
+    if how in ("subprocess", "blocked"):
+        for _ in range(2):
+            subprocess.run([sys.executable, "trainer.py", "12"], check=True)
+    else:
+        pool = multiprocessing.get_context(how).Pool(2)
+        print(pool.map(trainer.train, [12, 12], chunksize=1))
+        pool.close()
+        pool.join()
+"""
+
+LOADER = """
+import sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+model = torch.nn.Linear(16, 2)
+opt = torch.optim.Adam(model.parameters())
+data = TensorDataset(torch.randn(64, 16), torch.randn(64, 2))
+if __name__ == "__main__":
+    for context in ("fork", "spawn"):
+        for x, y in DataLoader(data, batch_size=16, num_workers=2, multiprocessing_context=context):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+"""
+
+
+def _children_job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    (tmp_path / "loader.py").write_text(LOADER)
+    return _memtui("run", "--headless", *args, cwd=tmp_path)
+
+
+def _trainers(folder: Path) -> list[Any]:
+    from memtui.model.recording import read_recording
+    from memtui.reports.rank_report import session_files
+
+    recordings = [read_recording(path) for _label, path in session_files(folder)]
+    return [recording for recording in recordings if recording.steps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["subprocess", "fork", "spawn"])
+def test_children_that_train_are_recorded_under_a_command(tmp_path: Path, how: str) -> None:
+    """A driver that imported torch started trainers (subprocesses, Pool workers by fork or
+    spawn): their training went unrecorded (600 steps in the adversarial round). Each is now
+    recorded in the session folder from its second step on, and says so."""
+    result = _children_job(tmp_path, "-o", "session", "--", sys.executable, "driver.py", how)
+    assert result.returncode == 0, result.stderr
+    trainers = _trainers(tmp_path / "session")
+    assert len(trainers) == 2, result.stderr
+    for recording in trainers:
+        assert [step.step for step in recording.steps] == list(range(2, 13))
+        first = recording.steps[0].alerts[0]
+        assert first.kind == "attached" and "its step 1 was not recorded" in first.message
+        origin = "a forked child of pid" if how == "fork" else "started by pid"
+        assert origin in first.message
+        assert recording.end is not None and recording.end.status == "ok"
+    assert "not monitored" not in result.stderr
+
+
+@pytest.mark.slow
+def test_children_of_a_script_are_recorded_beside_its_recording(tmp_path: Path) -> None:
+    """`memtui run driver.py`: the children record into `<recording>-ranks/`, and the summary
+    points there."""
+    result = _children_job(tmp_path, "-o", "run.memtui", "driver.py", "subprocess")
+    assert result.returncode == 0, result.stderr
+    assert len(_trainers(tmp_path / "run.memtui-ranks")) == 2
+    assert "other ranks and processes recorded in" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_child_that_trains_but_cannot_be_recorded_is_named(tmp_path: Path) -> None:
+    result = _children_job(
+        tmp_path, "-o", "run.memtui", "driver.py", "blocked", str(tmp_path / "run.memtui-ranks")
+    )
+    assert result.returncode == 0, result.stderr
+    named = [line for line in result.stderr.splitlines() if "trained but was not recorded" in line]
+    assert len(named) == 2, result.stderr  # each by its pid, once, in memtui's own output
+    assert len({line.split(" pid ")[1].split()[0] for line in named}) == 2
+    assert all("FileExistsError" in line for line in named)
+
+
+@pytest.mark.slow
+def test_dataloader_workers_that_never_train_record_nothing(tmp_path: Path) -> None:
+    result = _children_job(tmp_path, "-o", "session", "--", sys.executable, "loader.py")
+    assert result.returncode == 0, result.stderr
+    from memtui.reports.rank_report import session_files
+
+    assert [label for label, _path in session_files(tmp_path / "session")] == ["proc-0"]
+    assert "not monitored" not in result.stderr and "trained" not in result.stderr

@@ -2,7 +2,9 @@
 
 Scripts and modules go through `python -m memtui_agent.startup.runner` (exact exit codes and
 exception phases); any other command gets the bootstrap `sitecustomize` on PYTHONPATH, which arms
-the agent in every Python process of the command that imports torch. The job's stdin, stdout and
+the agent in every Python process of the command that imports torch. Scripts and modules get it
+too, for the processes they start: a trainer a driver launches, a worker that trains
+(`memtui_agent/startup/children.py`) is recorded once it trains. The job's stdin, stdout and
 stderr are its own: in headless mode they pass through untouched.
 """
 
@@ -127,10 +129,11 @@ def build_job(
             command = list(target)
             display = list(target)
             name = first
-            existing = env.get("PYTHONPATH")
-            bootstrap = str(bootstrap_dir())
-            env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
             through_bootstrap = True
+    # Every mode: the bootstrap arms the processes the job starts (a trainer a driver launches,
+    # a spawned worker), which are recorded once they train; the runner arms itself.
+    existing = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + existing if existing else "")
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
@@ -165,10 +168,8 @@ def build_job(
         stop_file=str(runtime_dir() / f"stop-{session}"),
     )
     env.update(config.to_env())
-    notes = None
-    if through_bootstrap:
-        notes = make_notes_file()
-        env[NOTES_VARIABLE] = str(notes)
+    notes = make_notes_file()
+    env[NOTES_VARIABLE] = str(notes)
     return JobSpec(
         command=command,
         display=display,
@@ -383,7 +384,10 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     )
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
-        lines += f"\nmemtui: the other ranks recorded in {others}  (memtui report {others})"
+        lines += (
+            f"\nmemtui: the job's other ranks and processes recorded in {others}  "
+            f"(memtui report {others})"
+        )
     return lines
 
 
