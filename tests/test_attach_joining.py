@@ -97,6 +97,7 @@ report(armed=armed["state"].value, state=state("reply.json"), owner_is_main=owne
 """
 
 
+@pytest.mark.slow  # a torch job in a fresh interpreter
 def test_attach_follows_the_thread_that_steps_not_a_helper_running_modules(
     tmp_path: Path,
 ) -> None:
@@ -125,6 +126,7 @@ report(state=started)
 """
 
 
+@pytest.mark.slow  # a torch job in a fresh interpreter
 def test_attach_joins_a_job_that_runs_every_forward_inside_save_on_cpu(tmp_path: Path) -> None:
     """Every forward of the job runs inside its own saved-tensor hooks: the attach waited for
     a forward outside them, which never came."""
@@ -160,6 +162,7 @@ report(first=first["state"].value, second=second["state"].value, replaced=replac
 """
 
 
+@pytest.mark.slow  # a torch job in a fresh interpreter
 def test_a_waiting_attach_is_replaced_by_a_newer_one_and_cancelled_by_detach(
     tmp_path: Path,
 ) -> None:
