@@ -145,6 +145,8 @@ class JoinAtNextStep:
 
             def step_code(optimizer: Any) -> Any:
                 result = original(optimizer)
+                if is_compiling():  # a compiled step: nothing of ours inside its graph
+                    return result
                 try:
                     self._stepped(optimizer)
                 except Exception as exc:  # never into the job's step
