@@ -13,7 +13,7 @@ recording, into `<recording>-ranks/`), and its first frame says which steps ran 
 process that trained but could not be recorded is named, once, in the notes `memtui run` prints
 at the end ("pid N trained but was not recorded: why"), or on its stderr without `memtui run`.
 
-Known limits: a child trains without an optimizer is not noticed (only optimizer steps are); a
+Known limits: a child that trains without an optimizer is not noticed (only optimizer steps are); a
 child's first step is not recorded (the agent starts at the end of it).
 """
 

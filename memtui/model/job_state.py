@@ -102,8 +102,5 @@ def ending_text(
 
 def unrecorded_words(reason: str | None) -> str:
     """What an `UNRECORDED` ending says: the recording stopped, and the agent's reason."""
-    return (
-        f"recording stopped: {reason}; how the job ended is not known"
-        if reason
-        else ("recording stopped; how the job ended is not known")
-    )
+    stopped = f"recording stopped: {reason}" if reason else "recording stopped"
+    return f"{stopped}; how the job ended is not known"
