@@ -1,11 +1,21 @@
 """Recorded text made safe to show: control characters escaped, never markup.
 
 Everything a recording, a sidecar or a snapshot says (the job's argv, alert messages, module and
-dtype names, exception text, file names) was written by someone else and reaches a terminal.
-Printed raw, an escape sequence in it can retitle the window, move the cursor, hide lines or
-write to the clipboard; parsed as Rich markup, a stray `[/]` crashes the TUI and `[enforce fail
-at alloc_cpu.cpp:127]` disappears. Every text output (report, `attach --list`, errors and
-warnings, TUI cells) goes through this one module.
+dtype names, exception text, file names, how the job ended) and everything the job printed was
+written by someone else and reaches a terminal or a JSON consumer. Printed raw, an escape
+sequence in it can retitle the window (OSC 0), write to the clipboard (OSC 52), move the cursor,
+hide lines; a bidi override (U+202E) or a zero-width character makes what is shown differ from
+what is there; parsed as Rich markup, a stray `[/]` crashes the TUI and `[enforce fail at
+alloc_cpu.cpp:127]` disappears.
+
+Three functions, one rule (`UNSAFE`), used wherever such text is shown:
+
+- `terminal_safe` for terminal text (reports, warnings and errors, `memtui run`'s summary,
+  `attach --list`, TUI cells through `plain`): each unsafe character becomes a visible escape;
+- `json_safe` for JSON documents (`report --json`, exports): each becomes a `\\uXXXX` escape,
+  so the value a JSON parser reads is the recorded one, and no raw control reaches a terminal;
+- `job_output` for the job's own output in the TUI's output pane: its colours (SGR) are kept,
+  every other escape sequence (cursor moves, OSC 52, titles) is dropped, the rest escaped.
 """
 
 from __future__ import annotations
@@ -16,18 +26,50 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.text import Text
 
-_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-"""C0 and C1 controls, DEL, the Unicode line separators and the bidi overrides that reorder
-what a terminal shows. Newline and tab are kept only where a caller asks for them."""
+UNSAFE_RANGES = (
+    (0x00, 0x1F),  # C0 controls (ESC, BEL, ...)
+    (0x7F, 0x9F),  # DEL and C1 controls (U+0085 NEL, U+009B CSI, U+009D OSC)
+    (0xAD, 0xAD),  # soft hyphen
+    (0x600, 0x605),
+    (0x61C, 0x61C),  # Arabic letter mark
+    (0x6DD, 0x6DD),
+    (0x70F, 0x70F),
+    (0x890, 0x891),
+    (0x8E2, 0x8E2),
+    (0x180E, 0x180E),
+    (0x200B, 0x200F),  # zero-width space, joiners, LRM, RLM
+    (0x2028, 0x202E),  # line and paragraph separators, bidi embeddings and overrides
+    (0x2060, 0x2064),  # word joiner, invisible operators
+    (0x2066, 0x206F),  # bidi isolates, deprecated format characters
+    (0xD800, 0xDFFF),  # lone surrogates
+    (0xFEFF, 0xFEFF),  # zero-width no-break space (BOM)
+    (0xFFF9, 0xFFFB),  # interlinear annotation
+    (0x110BD, 0x110BD),
+    (0x110CD, 0x110CD),
+    (0x13430, 0x1343F),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0001, 0xE0001),
+    (0xE0020, 0xE007F),  # tag characters
+)
+"""Every control (Cc), format (Cf), line and paragraph separator (Zl, Zp) and surrogate (Cs)
+code point: what a terminal acts on or hides instead of showing. `tests/test_control_text.py`
+checks the ranges against `unicodedata` for every code point."""
+
+UNSAFE = re.compile(
+    "[" + "".join(f"\\U{low:08x}-\\U{high:08x}" for low, high in UNSAFE_RANGES) + "]"
+)
 
 
 def _escape(match: re.Match[str]) -> str:
     code = ord(match.group())
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def terminal_safe(text: object, keep_newlines: bool = False) -> str:
-    """`text` with every control character written as a visible escape (`\\x1b`).
+    """`text` with every unsafe character written as a visible escape (`\\x1b`, `\\u202e`).
 
     Args:
         keep_newlines: keep `\\n` and `\\t` (for multi-line output that memtui itself composed,
@@ -35,8 +77,25 @@ def terminal_safe(text: object, keep_newlines: bool = False) -> str:
     """
     value = str(text)
     if keep_newlines:
-        return _UNSAFE.sub(lambda m: m.group() if m.group() in "\n\t" else _escape(m), value)
-    return _UNSAFE.sub(_escape, value)
+        return UNSAFE.sub(lambda m: m.group() if m.group() in "\n\t" else _escape(m), value)
+    return UNSAFE.sub(_escape, value)
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a UTF-16 surrogate pair, as JSON spells characters beyond the BMP
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def json_safe(document: str) -> str:
+    """An encoded JSON document with every unsafe character inside its strings written as a
+    `\\uXXXX` escape. An encoder escapes the C0 controls inside strings itself, so a newline,
+    tab or carriage return left in the document is layout between tokens and stays; every
+    other unsafe character can only be inside a string, where the escape means the same
+    character to any parser."""
+    return UNSAFE.sub(lambda m: m.group() if m.group() in "\n\t\r" else _json_escape(m), document)
 
 
 def plain(text: object, style: str = "", justify: str | None = None) -> Text:
@@ -47,3 +106,30 @@ def plain(text: object, style: str = "", justify: str | None = None) -> Text:
     from rich.text import Text
 
     return Text(terminal_safe(text), style=style, justify=justify)  # type: ignore[arg-type]
+
+
+_SEQUENCE = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, erasing
+    r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f]).*?(?:\x07|\x1b\\|\x9c|$)"  # OSC, DCS, APC...
+    r"|\x1b[ -/]*[0-~]?",  # any other escape (and a lone ESC)
+    re.DOTALL,
+)
+_COLOURS = re.compile(r"\x1b\[[0-9;:]*m")
+"""SGR: the only sequence the output pane keeps (it styles text and moves nothing)."""
+
+
+def job_output(line: str) -> Text:
+    """One line the job printed, for the TUI's output pane: its colours as Rich styles, every
+    other escape sequence dropped (cursor moves, erasing, OSC 52 clipboard writes, titles,
+    hyperlinks), every other unsafe character escaped."""
+    from rich.text import Text
+
+    parts = []
+    position = 0
+    for match in _SEQUENCE.finditer(line):
+        parts.append(terminal_safe(line[position : match.start()], keep_newlines=True))
+        if _COLOURS.fullmatch(match.group()):
+            parts.append(match.group())
+        position = match.end()
+    parts.append(terminal_safe(line[position:], keep_newlines=True))
+    return Text.from_ansi("".join(parts), no_wrap=True, end="")

@@ -145,6 +145,9 @@ class ExitStatus(TextEnum):
     """Stopped from memtui (SIGTERM from the TUI's quit): the agent wrote no final frame."""
     DETACHED = "detached"
     """`memtui detach`: the agent left, the job carries on."""
+    UNRECORDED = "unrecorded"
+    """No final frame, and the agent recorded why its recording stopped early (a full disk):
+    how the job ended is not known; its `AgentError` (`RECORDING_STOPPED`) says why."""
 
 
 class Phase(str, Enum):
@@ -373,6 +376,20 @@ class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
     """False when its bound stopped it: the holders named are real, more may exist."""
 
 
+LATE_SEARCH = 64
+"""How far back a late value may point: the agent never keeps more steps pending."""
+MAX_LATE = 4 * LATE_SEARCH
+"""The most late values one frame carries. The agent's are at most `LATE_SEARCH` loss and scale
+values plus a few deferred health checks (`health.MAX_DEFERRED`); a reader refuses a longer
+list before building it, as it does every other list."""
+MAX_LATE_ALERTS = 64
+"""The most alerts one late value carries (a step's deferred health check raises a few)."""
+MAX_LATE_BATCHES = 4
+"""Late values with alerts a reader folds into one step (the agent sends one per step, from
+its health check); later ones for that step are dropped, so a crafted stream naming one step
+over and over costs each step a few copies of its alerts, never one per frame."""
+
+
 class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
     """Values of an earlier step that were still on the GPU when its frame was written.
 
@@ -386,7 +403,7 @@ class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
     step: int
     loss: float | None = None
     scale: float | None = None
-    alerts: list[Alert] = []
+    alerts: Annotated[list[Alert], msgspec.Meta(max_length=MAX_LATE_ALERTS)] = []
 
 
 class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
@@ -429,7 +446,7 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     activations_from: int | None = None
     """The measured step whose activation figures this one repeats and carries; None with
     `activations_measured` False means they are not known (measured in part, or off)."""
-    late: list[StepLate] = []
+    late: Annotated[list[StepLate], msgspec.Meta(max_length=MAX_LATE)] = []
     """Device values of earlier steps that reached the host since (see `StepLate`)."""
     leaks: Annotated[list[Leak], _BOUNDED] = []
     """Holders whose memory grows, as a census at this close found them (see `Leak`)."""
@@ -437,30 +454,54 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     """The census this close ran, if any: its cost is part of the step's time."""
 
 
-LATE_SEARCH = 64
-"""How far back a late value may point: the agent never keeps more steps pending."""
-
-
-def apply_late(steps: list[Step], late: list[StepLate]) -> list[tuple[int, Alert]]:
+def apply_late(
+    steps: list[Step], late: list[StepLate], batches: dict[int, int] | None = None
+) -> list[tuple[int, Alert]]:
     """Fold late device values into the steps they name, in place (one fold for every reader).
 
     Returns the alerts that arrived late, with their step, for readers that index alerts. A
-    value for a step the reader no longer holds (trimmed history) is ignored.
+    value for a step the reader no longer holds (trimmed history, or older than the last
+    `LATE_SEARCH` steps) is ignored.
+
+    Linear in what it is given: the last `LATE_SEARCH` steps are indexed once per call, the
+    values of one step are gathered first and the step is rebuilt once. A step keeps at most
+    `MAX_ITEMS` alerts and takes late alerts from at most `MAX_LATE_BATCHES` calls, counted in
+    `batches` (step number -> calls so far; the caller keeps it across calls, this function
+    forgets the steps that have left the window).
     """
     added: list[tuple[int, Alert]] = []
+    if not late:
+        return added
+    first = max(0, len(steps) - LATE_SEARCH)
+    recent = {steps[index].step: index for index in range(first, len(steps))}  # latest wins
+    batches = {} if batches is None else batches
+    for number in [number for number in batches if number not in recent]:
+        del batches[number]
+    gathered: dict[int, tuple[float | None, float | None, list[Alert]]] = {}
     for values in late:
-        for index in range(len(steps) - 1, max(-1, len(steps) - 1 - LATE_SEARCH), -1):
-            step = steps[index]
-            if step.step != values.step:
-                continue
-            steps[index] = msgspec.structs.replace(
-                step,
-                loss=values.loss if values.loss is not None else step.loss,
-                scale=values.scale if values.scale is not None else step.scale,
-                alerts=[*step.alerts, *values.alerts],
-            )
-            added.extend((values.step, alert) for alert in values.alerts)
-            break
+        index = recent.get(values.step)
+        if index is None:
+            continue
+        loss, scale, alerts = gathered.get(index, (None, None, []))
+        gathered[index] = (
+            values.loss if values.loss is not None else loss,
+            values.scale if values.scale is not None else scale,
+            alerts,
+        )
+        if values.alerts and batches.get(values.step, 0) < MAX_LATE_BATCHES:
+            room = MAX_ITEMS - len(steps[index].alerts) - len(alerts)
+            alerts.extend(values.alerts[: max(0, room)])
+    for index, (loss, scale, alerts) in gathered.items():
+        step = steps[index]
+        if alerts:
+            batches[step.step] = batches.get(step.step, 0) + 1
+        steps[index] = msgspec.structs.replace(
+            step,
+            loss=loss if loss is not None else step.loss,
+            scale=scale if scale is not None else step.scale,
+            alerts=[*step.alerts, *alerts] if alerts else step.alerts,
+        )
+        added.extend((step.step, alert) for alert in alerts)
     return added
 
 
@@ -484,6 +525,10 @@ class Tick(msgspec.Struct, tag="tick", frozen=True, omit_defaults=True):
     step: int = 0
     host: Host = Host()
 
+
+RECORDING_STOPPED = "recording"
+"""`AgentError.component` of the failure that stopped the recording (a full disk): the agent's
+last frame in the file when it could still write one, and what viewers are told."""
 
 VIEWER_CLOSED = "viewer"
 """`AgentError.component` of the last frame a job sends a viewer it refuses (too many viewers)
@@ -518,7 +563,7 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     alerts: Annotated[list[Alert], _BOUNDED] = []
     requested: int | None = None
     alloc_events: AllocEvents | None = None
-    late: list[StepLate] = []
+    late: Annotated[list[StepLate], msgspec.Meta(max_length=MAX_LATE)] = []
     """Device values of the last steps, read as the job ended (see `StepLate`)."""
     leaks: Annotated[list[Leak], _BOUNDED] = []
     """The leaks named during the run, as a census found them when the job ended."""

@@ -133,6 +133,8 @@ class FrameDecoder:
         self.skipped_bytes = 0
         self.damaged = 0
         self.first_damage: str | None = None
+        self.hole_bytes = 0
+        """Bytes of holes skipped (`skip_hole`), counted in `skipped_bytes` too."""
 
     @property
     def pending(self) -> int:
@@ -172,6 +174,34 @@ class FrameDecoder:
             self._pos = PREAMBLE.size
             self.bytes_consumed += PREAMBLE.size
         yield from self._frames()
+
+    def skip_hole(self, count: int) -> None:
+        """The next `count` bytes of input are a hole of a sparse file, skipped unread.
+
+        A hole is where the file system stores nothing (it reads as zeros): the agent never
+        writes one, so none holds a frame, and a frame that reaches into one is damaged. With
+        `resync` the hole is one damaged region, the bytes buffered before it (a frame it cuts)
+        with it, and the next frame after it is searched for as after any damage; this costs
+        nothing per byte of the hole, where reading its zeros cost its whole apparent size.
+
+        Raises:
+            WireError: without `resync`, or before the first frame (nothing to resume from).
+        """
+        if count <= 0:
+            return
+        at = self.bytes_consumed + self.pending
+        reason = f"a hole of {count:,} bytes at byte {at:,} (a sparse file: nothing stored there)"
+        if not (self._resync and self._seen_preamble and self.frames):
+            raise WireError(f"corrupt frame {self.frames + 1}: {reason}")
+        if not self._seeking:
+            self.damaged += 1
+            if self.first_damage is None:
+                self.first_damage = reason
+        self._seeking = True
+        self._skip(self.pending)
+        self.skipped_bytes += count
+        self.bytes_consumed += count
+        self.hole_bytes += count
 
     def finish(self) -> Iterator[schema.Message]:
         """No more input: with `resync`, skip a damaged length that runs past the end and

@@ -455,3 +455,50 @@ def test_removing_the_agent_inside_a_forward_never_breaks_it(
     result = run_python(REMOVED_MID_CALL, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "JOB OK" in result.stdout
+
+
+class _Text(str):
+    """A job's own string type (weakly referenceable, unlike a plain str)."""
+
+
+def test_signatures_hold_bounded_data_never_the_jobs_strings() -> None:
+    """A job passing a new 1 MiB string per step grew by 515 MiB: every remembered signature
+    kept its string alive. Now a remembered step keeps none of the job's objects (a long
+    string is its length and hash, a short one a copy of our own), and still tells two calls
+    apart."""
+    import gc
+    import weakref
+
+    import torch
+
+    from memtui_agent.steps import activation_policy
+    from memtui_agent.steps.activation_policy import call_signature
+
+    module = torch.nn.Linear(2, 2)
+    policy = ActivationPolicy(schema.ActivationMode.AUTO, audit_every=10_000)
+    policy.measure_next(0)
+    kept: list[weakref.ref[_Text]] = []
+    signatures = []
+    for step in range(1, 21):
+        prompt = _Text(str(step) * (1 << 20))
+        short = _Text("train")
+        kept += [weakref.ref(prompt), weakref.ref(short)]
+        signature = call_signature(module, (prompt,), {"mode": short, short: 1})
+        signatures.append(signature)
+        policy.begin(schema.Piles(weights=100))
+        armed = policy.root_call(signature, step, must_measure=False)
+        policy.close(step, _figures(step, 1 if armed else 0))
+        del prompt, short
+    gc.collect()
+    assert all(ref() is None for ref in kept)  # none of the job's strings is alive
+    texts = [value for s in signatures for value in _leaves(s) if isinstance(value, str)]
+    assert texts and all(len(text) <= activation_policy.MAX_KEPT_CHARS for text in texts)
+    assert len(set(signatures)) == 20  # every step's string differs, and so do the keys
+    again = call_signature(module, (_Text("1" * (1 << 20)),), {"mode": "train", "train": 1})
+    assert again == signatures[0]
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]

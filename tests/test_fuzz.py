@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from memtui.input.recording_file import RecordingError
 from memtui.model.recording import Recording, apply, read_recording
-from memtui.reports.report import build_report, render_text
+from memtui.reports.report import build_report, render_text, report_of
+from memtui.reports.report_format import strict_json
+from memtui.terminal_text import UNSAFE
 from memtui_protocol import schema, wire
 from memtui_protocol.schema import ExitStatus
 
@@ -595,6 +597,14 @@ ALERTS = st.builds(
     where=st.none() | st.text(max_size=10),
     group=st.none() | st.integers(-5, 50),
 )
+LATES = st.builds(
+    schema.StepLate,
+    step=st.integers(-5, 12),
+    loss=st.none() | FLOATS,
+    scale=st.none() | FLOATS,
+    alerts=st.lists(ALERTS, max_size=3),
+)
+"""Late device values naming any step, the ones the reader holds among them (issue 27, H1)."""
 STEPS = st.builds(
     schema.Step,
     step=st.integers(-5, 2**40),
@@ -616,6 +626,8 @@ STEPS = st.builds(
     scale=st.none() | FLOATS,
     alerts=st.lists(ALERTS, max_size=3),
     top_activations=st.lists(st.builds(schema.ModuleBytes, st.integers(-3, 20), SIZES), max_size=3),
+    late=st.lists(LATES, max_size=4),
+    optimizer=st.none() | st.text(max_size=12),
 )
 OTHER_MESSAGES = st.one_of(
     STEPS,
@@ -640,6 +652,7 @@ OTHER_MESSAGES = st.one_of(
         piles=st.none() | PILES,
         alerts=st.lists(ALERTS, max_size=2),
         requested=st.none() | SIZES,
+        late=st.lists(LATES, max_size=4),
     ),
 )
 
@@ -659,6 +672,11 @@ def test_report_renders_any_recording_the_reader_accepts(
     json.dumps(report)
     render_text(result)
     render_text(result, binary=False)
+    # Recorded text (hypothesis' text holds every control and format character) reaches JSON
+    # escaped, and reads back as recorded (issue 27, R1).
+    document = strict_json(report_of(result))
+    assert not [char for char in document if char != "\n" and UNSAFE.fullmatch(char)]
+    assert json.loads(document) == json.loads(msgspec.json.encode(report_of(result)))
 
 
 # ----- the CLI on damaged files --------------------------------------------------------------
@@ -807,3 +825,124 @@ def test_report_on_a_non_utf8_string_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     assert len(result.stderr.splitlines()) == 1
     assert result.returncode == 3
+
+
+# ----- issue 27: late floods, reused references, sparse files --------------------------------
+
+LATE_FLOODS = st.lists(
+    st.lists(
+        st.tuples(st.integers(1, 70), st.integers(0, schema.MAX_LATE_ALERTS)),
+        max_size=schema.MAX_LATE,
+    ),
+    min_size=1,
+    max_size=12,
+)
+"""Frames of late values: (the step each names, how many alerts it carries)."""
+
+
+@settings(FUZZ, max_examples=60)
+@given(floods=LATE_FLOODS)
+def test_late_values_fold_in_work_bounded_by_what_they_carry(
+    floods: list[list[tuple[int, int]]],
+) -> None:
+    """However late values name steps, the fold copies a bounded multiple of the alerts the
+    stream carries, and no step holds more than `MAX_ITEMS`."""
+    alert = schema.Alert(kind="nonfinite_loss", message="late")
+    recording = Recording(path=Path("fuzz"), hello=MESSAGES[0])  # type: ignore[arg-type]
+    given = 0
+    copied = [0]
+    replace = msgspec.structs.replace
+
+    def counting(struct: Any, **changes: Any) -> Any:
+        copied[0] += len(changes.get("alerts", ()))
+        return replace(struct, **changes)
+
+    msgspec.structs.replace = counting  # type: ignore[assignment]
+    try:
+        for number in range(1, 71):
+            apply(recording, _step(number))
+        for frame, flood in enumerate(floods, start=71):
+            late = [schema.StepLate(step=step, alerts=[alert] * count) for step, count in flood]
+            given += sum(count for _step, count in flood)
+            apply(recording, msgspec.structs.replace(_step(frame), late=late))
+    finally:
+        msgspec.structs.replace = replace  # type: ignore[assignment]
+    assert all(len(step.alerts) <= schema.MAX_ITEMS for step in recording.steps)
+    assert copied[0] <= schema.MAX_LATE_BATCHES * (given + 1), (copied[0], given)
+
+
+SNAPSHOT_SHAPES = st.tuples(
+    st.integers(1, 400),  # blocks per segment (one block object reused)
+    st.integers(1, 200),  # segments (one segment object reused)
+    st.integers(0, 400),  # trace events (one event reused)
+    st.integers(0, 8),  # devices sharing one trace list
+    st.integers(1, 20_000),  # characters of the one reused file name
+    st.sampled_from(["active_allocated", "inactive", "active_pending_free"]),
+)
+
+
+@settings(FUZZ, max_examples=25, deadline=None)
+@given(shape=SNAPSHOT_SHAPES)
+def test_snapshots_of_reused_references_read_in_memory_bounded_by_their_size(
+    tmp_path_factory: pytest.TempPathFactory, shape: tuple[int, int, int, int, int, str]
+) -> None:
+    """Pickle memo references make a small file stand for a large tree: the summary's memory
+    stays a small multiple of the file, or the file is refused in one line (issue 27, H2)."""
+    from memtui.input.torch_snapshot import SnapshotError, load_snapshot
+
+    blocks, segments, events, devices, name, state = shape
+    frames = [{"filename": "f" * name + ".py", "line": 1, "name": "g"}]
+    block = {"size": 4096, "state": state, "frames": frames}
+    segment = {"device": 0, "total_size": 4096 * blocks, "blocks": [block] * blocks}
+    event = {"action": "oom", "size": 1, "device_free": 0, "frames": frames}
+    trace = [event] * events
+    data = {"segments": [segment] * segments, "device_traces": [trace] * devices}
+    path = tmp_path_factory.mktemp("snap") / "reused.pickle"
+    path.write_bytes(pickle.dumps(data, protocol=4))
+
+    def load() -> None:
+        try:
+            load_snapshot(path)
+        except SnapshotError as exc:
+            assert "\n" not in str(exc)
+
+    assert _peak_bytes(load) < 8 * 2**20 + 64 * path.stat().st_size
+
+
+HOLES = st.lists(
+    st.tuples(st.integers(1, 2**34), st.integers(0, len(FRAMES) - 1)), min_size=1, max_size=4
+)
+"""(bytes of hole, then how many of the fixture's frames) after a valid hello."""
+
+
+@settings(FUZZ, max_examples=40)
+@given(holes=HOLES)
+def test_sparse_recordings_cost_the_bytes_they_store(scratch: Path, holes: list[Any]) -> None:
+    """Holes of up to 16 GiB between frames: the reader skips them unread (issue 27, H4)."""
+    with open(scratch, "wb") as handle:
+        handle.truncate(0)
+        handle.write(DATA[:HELLO_END])
+        for size, count in holes:
+            handle.seek(handle.tell() + size)
+            handle.write(b"".join(FRAMES[1 : 1 + count]))
+    read = [0]
+    pread = os.pread
+
+    def counting(fd: int, size: int, offset: int) -> bytes:
+        data = pread(fd, size, offset)
+        read[0] += len(data)
+        return data
+
+    os.pread = counting  # type: ignore[assignment]
+    try:
+        try:
+            result: Recording | RecordingError = read_recording(scratch)
+        except RecordingError as exc:
+            result = exc
+    finally:
+        os.pread = pread  # type: ignore[assignment]
+    info = scratch.stat()
+    stored = info.st_blocks * 512
+    assert read[0] <= stored + 4096, (read[0], stored)
+    if isinstance(result, Recording) and info.st_size - stored > 1 << 20:  # a real hole
+        assert result.warning is not None and "holes of a sparse file" in result.warning

@@ -14,6 +14,7 @@ goes on.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -49,6 +50,14 @@ class LostDescriptor(OSError):
             "again; nothing more is written (never into the job's own files)"
         )
 
+
+FULL = {
+    errno.ENOSPC: "disk full (ENOSPC)",
+    errno.EDQUOT: "disk quota exceeded (EDQUOT)",
+    errno.EFBIG: "file size limit reached (EFBIG)",
+}
+"""The write errors that mean the recording cannot grow, and the words its last frame says
+(short: that frame has to fit in the slack of the file's last block)."""
 
 Item = schema.Message | ClosedStep
 """What the emitter takes: a message as it is, or a closed step whose frame it builds."""
@@ -143,7 +152,8 @@ class Emitter:
         if isinstance(item, ClosedStep):
             return self._frame(item)
         if isinstance(item, schema.End):
-            return msgspec.structs.replace(item, late=[*item.late, *self._late_values(wait=True)])
+            late = [*item.late, *self._late_values(wait=True)][: schema.MAX_LATE]
+            return msgspec.structs.replace(item, late=late)
         return item
 
     def _frame(self, closed: ClosedStep) -> schema.Step:
@@ -188,10 +198,11 @@ class Emitter:
                         self._file = None
                         error = LostDescriptor(self._recording)
                 except OSError as exc:
+                    self._last_words(exc)
                     self._close_file()
                     error = exc
             if error is not None:
-                self._on_error("recording", error)
+                self._on_error(schema.RECORDING_STOPPED, error)
         self._last_frame = time.monotonic()
         if self._server is None:
             return
@@ -220,6 +231,34 @@ class Emitter:
             view = view[written:]
         self.frames_written += 1
         self.bytes_written += len(data)
+
+    def _last_words(self, exc: OSError) -> None:
+        """The file cannot grow (a full disk, a quota, a size limit): record why, if it fits.
+
+        The torn frame is cut off (back to the end of the last whole frame, which may free the
+        block it took), then one small `AgentError` saying why the recording stops is written:
+        it fits in the slack of the file's last block nearly always, so a reader can say "the
+        disk was full" instead of "killed". If even that fails, the file ends at its last whole
+        frame and the reader judges by the folder's free space.
+        """
+        why = FULL.get(exc.errno or 0)
+        owned = self._file
+        if why is None or owned is None or owned.fd is None or not owned.ours():
+            return
+        descriptor = owned.fd
+        frame = wire.encode(
+            schema.AgentError(time=time.time(), component=schema.RECORDING_STOPPED, message=why)
+        )
+        try:
+            os.ftruncate(descriptor, self.bytes_written)
+            os.lseek(descriptor, self.bytes_written, os.SEEK_SET)
+            if os.write(descriptor, frame) != len(frame):
+                os.ftruncate(descriptor, self.bytes_written)
+        except OSError:
+            try:
+                os.ftruncate(descriptor, self.bytes_written)
+            except OSError:
+                pass
 
     def _close_file(self) -> None:
         owned, self._file = self._file, None

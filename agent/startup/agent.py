@@ -383,14 +383,19 @@ class Agent:
         return recorder.unfinished() if recorder is not None else None
 
     def disable_in_fork_child(self) -> None:
-        """Called in a forked child: hooks become no-ops, nothing is written or sent."""
+        """Called in a forked child: nothing is written or sent, and the hooks leave this
+        process (the parent keeps its own), so an agent of its own can start there cleanly."""
         self._forked_child = True
         if self.metrics is not None:
             self.metrics.forget_in_child()
+        self.emitter = None
         if self.tracker is not None:
             for component in self.tracker.enabled:
                 self.tracker.enabled[component] = False
-        self.emitter = None
+            try:
+                self.tracker.remove()
+            except Exception:
+                pass  # disabled, which is enough for a worker that never trains
 
 
 def _env_int(name: str) -> int | None:

@@ -208,7 +208,17 @@ def _exit_code_of(exc: BaseException) -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) must not feed or write the parent's recording."""
+    """A forked child (a DataLoader worker) must not feed or write the parent's recording; it
+    is followed like any child a monitored process starts, and recorded if it trains
+    (`children.py`). The lock is new: another thread of the parent may have held it."""
+    global _lock
+    _lock = threading.Lock()
     agent = _agent
-    if agent is not None:
-        agent.disable_in_fork_child()
+    if agent is None or agent.pid == os.getpid():
+        return
+    try:
+        from memtui_agent.startup import children
+
+        children.after_fork(agent)
+    except Exception:
+        agent.disable_in_fork_child()  # at the least, as before

@@ -9,8 +9,10 @@ The configuration travels as the environment variables of `AgentConfig.to_env` (
 read by `AgentConfig.from_env`: memtui_protocol/config.py).
 
 MEMTUI_AGENT_OWNER is set by the first process that starts an agent, so its children
-(spawned DataLoader workers) do not start duplicates; a child that is a new rank (another
-`LOCAL_RANK`, as Lightning's DDP launcher starts them) does.
+(spawned DataLoader workers) do not start duplicates at torch's import; a child that is a new
+rank (another `LOCAL_RANK`, as Lightning's DDP launcher starts them) does. The other children are
+followed (`children.py`): one that trains (a trainer a driver starts, a Pool worker) starts its
+agent at the end of its first optimizer step and records as `proc-N`.
 """
 
 from __future__ import annotations
@@ -212,9 +214,22 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
             the process (via `atexit`). The runner, which sees exceptions itself, passes False.
     """
     owner = os.environ.get(OWNER_VARIABLE)
-    if owner and owner != str(os.getpid()) and not is_launched_rank(sys.argv, dict(os.environ)):
-        return False
     config = config_from_environment()
+    if owner and owner != str(os.getpid()) and not is_launched_rank(sys.argv, dict(os.environ)):
+        # Started by a monitored process (a worker, a trainer a driver launched): followed
+        # from its first optimizer step on, if it ever takes one (`children.py`).
+        def follow() -> None:
+            try:
+                from memtui_agent.startup import children
+
+                children.follow_when_training(
+                    config, f"started by pid {owner}", install_exit_handlers
+                )
+            except Exception as exc:  # never into the user's import of torch
+                print(f"memtui: not following this process ({exc})", file=sys.stderr)
+
+        when_torch_imported(follow)
+        return False
 
     def start_agent() -> None:
         from memtui_agent.startup import api
@@ -237,11 +252,11 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
 
     when_torch_imported(start_agent)
     if install_exit_handlers:
-        _install_exit_handlers()
+        record_process_end()
     return True
 
 
-def _install_exit_handlers() -> None:
+def record_process_end() -> None:
     """Record the end of a process that no runner wraps (`memtui run -- COMMAND`).
 
     An uncaught exception reaches `sys.excepthook`. A `SystemExit` never does and atexit cannot

@@ -148,6 +148,12 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 def _describe(value: Any, depth: int, budget: list[int]) -> Any:
     """One argument's part of a signature, spending `budget[0]` items at most.
 
+    The signature holds bounded data only, never the job's objects: a signature is remembered
+    for hundreds of steps, and a job passing a new 1 MiB string per step (a prompt, a file
+    name, a batch's text) grew by 515 MiB while signatures kept them alive. Tensors become their
+    shape, dtype, device and grad flag; scalars become `_scalar`'s bounded copy; other objects
+    their type.
+
     A module-level function, not a closure over itself: a recursive closure is a reference
     cycle, garbage for the job's collector at every root call.
     """
@@ -158,13 +164,48 @@ def _describe(value: Any, depth: int, budget: list[int]) -> Any:
         return object()  # too much to compare: this call never repeats
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype, value.device, value.requires_grad)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+    scalar = _scalar(value)
+    if scalar is not _NOT_SCALAR:
+        return scalar
     if depth < 3 and isinstance(value, (list, tuple)):
         return tuple(_describe(item, depth + 1, budget) for item in value)
     if depth < 3 and isinstance(value, dict):
-        return tuple((key, _describe(item, depth + 1, budget)) for key, item in value.items())
+        return tuple((_key(key), _describe(item, depth + 1, budget)) for key, item in value.items())
     return type(value)
+
+
+MAX_KEPT_CHARS = 64
+"""A string argument up to this long is kept as itself (a mode name, a short key); a longer one
+as its type, length and hash, which tell two strings apart just as well for a candidate key
+(the verdict confirms every repeat with the step's own counters)."""
+MAX_KEPT_BITS = 64
+_NOT_SCALAR = object()
+
+
+def _scalar(value: Any) -> Any:
+    """A plain value's bounded stand-in (an int, float, bool, None or short str of the base
+    type, never a subclass instance the job owns), or `_NOT_SCALAR`."""
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        if len(value) <= MAX_KEPT_CHARS:
+            return str.__getitem__(value, slice(None))  # a str of our own for a subclass
+        return (str, len(value), str.__hash__(value))
+    if isinstance(value, int):
+        if value.bit_length() <= MAX_KEPT_BITS:
+            return int.__index__(value)
+        return (int, value.bit_length(), int.__hash__(value))
+    if isinstance(value, float):
+        return float.__float__(value)
+    return _NOT_SCALAR
+
+
+def _key(key: Any) -> Any:
+    """A dict key's bounded stand-in: a plain value as `_scalar` keeps it, else its type."""
+    scalar = _scalar(key)
+    return type(key) if scalar is _NOT_SCALAR else scalar
 
 
 class ActivationPolicy:

@@ -213,7 +213,10 @@ class StepCloser:
     def late_health(self, wait: bool = False) -> list[schema.StepLate]:
         """Alerts of earlier steps whose GPU checks reached the host since (none on CPU)."""
         found = self.health.collect(self.named_parameters, self.registry.name, wait)
-        return [schema.StepLate(step=step, alerts=alerts) for step, alerts in found]
+        return [
+            schema.StepLate(step=step, alerts=alerts[: schema.MAX_LATE_ALERTS])
+            for step, alerts in found
+        ]
 
     def named_parameters(self) -> list[tuple[str, Any]]:
         """Every watched parameter once, with its qualified name (for alarms)."""

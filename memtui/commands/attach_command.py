@@ -6,6 +6,8 @@ where it can be (`attach_target`), otherwise answered by the job's bootstrap.
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,14 @@ from memtui.commands.attach_target import (
 from memtui.commands.bytecode import write_bytecode
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.attach import Action, Answer
-from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars
+from memtui_protocol.runtime_dir import (
+    RuntimeDirError,
+    check_private_dir,
+    ensure_private_dir,
+    live_sidecars,
+    process_create_time,
+    runtime_dir,
+)
 from memtui_protocol.schema import NanCheck
 
 EXIT_REFUSED = 1
@@ -82,6 +91,60 @@ def launcher_refusal(pid: int, below: JobBelow, headless: bool) -> str:
         f"pid {pid} is the launcher of its child pid {below.pid}, which already runs a memtui "
         f"agent, {where}: memtui attach {below.pid}"
     )
+
+
+PENDING_SUFFIX = ".attach"
+"""`<pid>.attach` in the runtime folder: an attach that is waiting for the job's next step.
+There is no sidecar before the agent starts, and `memtui detach` must still find it."""
+
+
+def mark_pending(pid: int) -> None:
+    """Remember that `pid` holds a waiting attach (with its start time: pids are reused)."""
+    created = process_create_time(pid)
+    if created is None:
+        return
+    try:
+        path = ensure_private_dir() / f"{pid}{PENDING_SUFFIX}"
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        descriptor = os.open(path, flags, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"{created!r}\n")
+    except OSError:
+        pass  # detach then refuses as before; nothing else depends on it
+
+
+def attach_pending(pid: int) -> bool:
+    """Whether `pid` (the same process, not a reuse) holds an attach still waiting."""
+    path = runtime_dir() / f"{pid}{PENDING_SUFFIX}"
+    try:
+        check_private_dir(path.parent)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        text = os.read(descriptor, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(descriptor)
+    try:
+        created = float(text)
+    except ValueError:
+        return False
+    now = process_create_time(pid)
+    return now is not None and abs(now - created) < 1.0
+
+
+def clear_pending(pid: int) -> None:
+    try:
+        (runtime_dir() / f"{pid}{PENDING_SUFFIX}").unlink()
+    except OSError:
+        pass
 
 
 def job_name(argv: list[str]) -> str:
@@ -175,9 +238,10 @@ def attach_headless(pid: int, output: str | None, seconds: float, **options: Any
         return refuse(str(exc))
     recording = terminal_safe(str(answer.get("recording")))
     if answer["state"] is Answer.ARMED:
+        mark_pending(pid)
         print(
             f"memtui: pid {pid}: the agent is in place and starts recording to {recording} at "
-            "the job's next step",
+            f"the end of the job's next optimizer step (memtui detach {pid} cancels it)",
             file=sys.stderr,
         )
     elif answer["state"] is Answer.RUNNING:
@@ -200,6 +264,7 @@ def attach_for_viewer(pid: int, output: str | None, seconds: float, **options: A
     except AttachRefused as exc:
         return refuse(str(exc))
     if answer["state"] is Answer.ARMED:
+        mark_pending(pid)
         return refuse(
             f"pid {pid} ran no step within {seconds:.0f} s; the agent starts at its next step "
             "(memtui attach again then, or memtui detach to cancel)"
@@ -214,7 +279,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     try:
         target = check_target(pid, need_torch=False)
         agent = running_agent(pid)
-        if agent is None:
+        if agent is None and not attach_pending(pid):
             below = job_below(pid)
             if below is not None and below.agent is not None:
                 raise AttachRefused(
@@ -237,6 +302,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     if answer is None:
         print(f"memtui: cannot detach: pid {pid} did not answer", file=sys.stderr)
         return EXIT_REFUSED
+    clear_pending(pid)  # detached, cancelled or refused: no attach waits there any more
     message = terminal_safe(str(answer.get("message")))
     if answer["state"] is Answer.REFUSED:
         print(f"memtui: cannot detach: {message}", file=sys.stderr)
@@ -244,7 +310,7 @@ def detach(pid: int, seconds: float = STARTED_SECONDS) -> int:
     if answer["state"] is Answer.DETACHING:
         print(f"memtui: pid {pid}: the agent stops at the job's next forward", file=sys.stderr)
         return 0
-    recording = agent.get("recording")
+    recording = agent.get("recording") if agent is not None else None  # None: a waiting attach
     if not recording:
         print(f"memtui: detached from pid {pid} ({message}); the job carries on", file=sys.stderr)
         return 0

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from memtui.errors import UsageError, UserError
 from memtui.exit_codes import EXIT_PARTIAL, EXIT_USAGE
-from memtui.terminal_text import terminal_safe
+from memtui.terminal_text import json_safe, terminal_safe
 from memtui_protocol.config import DEFAULT_METRICS_ADDR, AgentConfig
 from memtui_protocol.estimate import Autocast, OptimizerKind
 from memtui_protocol.schema import ActivationMode, NanCheck
@@ -24,7 +24,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of usage plus error."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"memtui: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        print(
+            f"memtui: error: {terminal_safe(message)} (see '{self.prog} --help')", file=sys.stderr
+        )
         raise SystemExit(EXIT_USAGE)
 
 
@@ -585,7 +587,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
     except (ValueError, ModelCountError) as exc:
         raise UsageError(str(exc)) from None
-    print(json.dumps(result.as_dict()) if args.json else render_text(result, args.model))
+    if args.json:
+        print(json_safe(json.dumps(result.as_dict())))
+    else:
+        print(terminal_safe(render_text(result, args.model), keep_newlines=True))
     return 0
 
 
@@ -634,7 +639,7 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
     result = build_result(request, runs, sharding, args.device_memory)
     if args.json:
-        print(json.dumps(result))
+        print(json_safe(json.dumps(result)))
     else:
         print(terminal_safe(render_model_text(result), keep_newlines=True))
     return 0

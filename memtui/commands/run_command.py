@@ -2,7 +2,9 @@
 
 Scripts and modules go through `python -m memtui_agent.startup.runner` (exact exit codes and
 exception phases); any other command gets the bootstrap `sitecustomize` on PYTHONPATH, which arms
-the agent in every Python process of the command that imports torch. The job's stdin, stdout and
+the agent in every Python process of the command that imports torch. Scripts and modules get it
+too, for the processes they start: a trainer a driver launches, a worker that trains
+(`memtui_agent/startup/children.py`) is recorded once it trains. The job's stdin, stdout and
 stderr are its own: in headless mode they pass through untouched.
 """
 
@@ -128,10 +130,11 @@ def build_job(
             command = list(target)
             display = list(target)
             name = first
-            existing = env.get("PYTHONPATH")
-            bootstrap = str(bootstrap_dir())
-            env["PYTHONPATH"] = bootstrap + (os.pathsep + existing if existing else "")
             through_bootstrap = True
+    # Every mode: the bootstrap arms the processes the job starts (a trainer a driver launches,
+    # a spawned worker), which are recorded once they train; the runner arms itself.
+    existing = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + existing if existing else "")
     recording = None
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
@@ -166,10 +169,8 @@ def build_job(
         session=session,
     )
     env.update(config.to_env())
-    notes = None
-    if through_bootstrap:
-        notes = make_notes_file()
-        env[NOTES_VARIABLE] = str(notes)
+    notes = make_notes_file()
+    env[NOTES_VARIABLE] = str(notes)
     return JobSpec(
         command=command,
         display=display,
@@ -254,6 +255,47 @@ def _refuse_unsafe(recording: Path) -> None:
             raise UsageError(reason)
 
 
+PROCESS_INDEX_FILE = ".process-index"
+"""The session folder's process counter (`memtui_agent.startup.autostart.PROCESS_INDEX_FILE`)."""
+
+
+def replace_previous(recording: Path) -> None:
+    """Remove what an earlier run left under this run's `-o`, before the job starts.
+
+    A rerun with the same `-o` whose job never wrote a recording (it failed before importing
+    torch, or the agent could not start) used to leave the earlier run's file in place, and the
+    summary and the viewer then showed that run as this one ("job ok (exit code 3)"). So the
+    earlier recording and its `.log` are removed now; in a session folder, every process's
+    and rank's recording, their logs and the process counter (this run's processes count from
+    0 again). Only our own regular files are removed (`refusal` lets nothing else through).
+
+    Raises:
+        UsageError: one of them cannot be removed.
+    """
+    from memtui.reports.rank_report import session_files
+
+    earlier = [recording.with_name(recording.name + ".log")]
+    folders = [recording] if recording.is_dir() else [Path(f"{recording}-ranks")]
+    if not recording.is_dir():
+        earlier.append(recording)
+    for folder in folders:  # a session folder, or the ranks a launcher started beside a file
+        if folder.is_dir() and not folder.is_symlink():
+            recordings = [path for _label, path in session_files(folder)]
+            earlier += recordings + [path.with_name(path.name + ".log") for path in recordings]
+            earlier.append(folder / PROCESS_INDEX_FILE)
+    for path in earlier:
+        if refusal(path) is not None:
+            continue  # not ours to remove: the agent refuses that name in one line
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise UsageError(
+                f"-o {recording}: cannot replace the earlier {path.name} ({exc.strerror or exc})"
+            ) from None
+
+
 def exit_code_of(returncode: int) -> int:
     """A child killed by signal N exits the shell way: 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -262,6 +304,11 @@ def exit_code_of(returncode: int) -> int:
 def run_headless(job: JobSpec) -> int:
     """Run the job with its own stdio; print where the recording is and a summary after."""
     if job.recording is not None:
+        try:
+            replace_previous(job.recording)
+        except UsageError:
+            take_notes(job)  # removes the notes file
+            raise
         print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)
     try:
         child = subprocess.Popen(job.command, env=job.env)
@@ -290,7 +337,7 @@ def run_headless(job: JobSpec) -> int:
     code = exit_code_of(returncode)
     for line in take_notes(job):
         print(line, file=sys.stderr)
-    print(summary_line(job, code), file=sys.stderr)
+    print(terminal_safe(summary_line(job, code), keep_newlines=True), file=sys.stderr)
     return code
 
 
@@ -306,13 +353,21 @@ def incomplete_reason(recording: Path) -> str:
     The agent cannot record that its own recording failed, so the folder's free space is the
     evidence: a full disk is the common cause (the agent says which on the job's stderr).
     """
+    full = folder_full(recording)
+    if full is None:
+        return "no final frame (see the job's stderr)"
+    if full:
+        return "disk full"
+    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+
+
+def folder_full(recording: Path) -> bool | None:
+    """Whether the recording's folder has no room for another frame (None: cannot tell)."""
     try:
         info = os.statvfs(recording.parent)
     except OSError:
-        return "no final frame (see the job's stderr)"
-    if info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0:
-        return "disk full"
-    return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
+        return None
+    return info.f_bavail * info.f_frsize < FULL_BELOW or info.f_favail == 0
 
 
 STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
@@ -353,7 +408,10 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
-        lines.append(f"memtui: the other ranks recorded in {others}  (memtui report {others})")
+        lines.append(
+            f"memtui: the job's other ranks and processes recorded in {others}  "
+            f"(memtui report {others})"
+        )
     return "\n".join(lines)
 
 
@@ -395,7 +453,9 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
     )
-    status = ending_words(recording.how_it_ended(stopped), path, code, recording.end)
+    status = ending_words(
+        recording.how_it_ended(stopped), path, code, recording.end, recording.recording_stopped
+    )
     return Outcome(status, len(recording.steps), piles, alert_tally(recording))
 
 
@@ -406,20 +466,33 @@ an uncaught KeyboardInterrupt reproduces."""
 
 
 def ending_words(
-    ending: Ending, path: Path, code: int | None, end: schema.End | None = None
+    ending: Ending,
+    path: Path,
+    code: int | None,
+    end: schema.End | None = None,
+    unrecorded: str | None = None,
 ) -> str:
     """`how_it_ended`'s answer as the summary words it: stopped from memtui in full, Ctrl-C as
-    interrupted (the agent's `End` says KeyboardInterrupt, or no final frame and exit 130), and
-    a job that exited by itself (`code` under 128) without a final frame is not called killed."""
+    interrupted (the agent's `End` says KeyboardInterrupt, or no final frame and exit 130); a
+    recording the agent said it stopped (`unrecorded`: a full disk) with the agent's reason;
+    a job that exited by itself (`code` under 128), or one process of a session (`code`
+    unknown) in a full folder, without a final frame is not called killed."""
     if ending is ExitStatus.STOPPED:
         return STOPPED_BY_MEMTUI
     if (end is not None and end.interrupted) or (
         ending is ExitStatus.KILLED and code == SIGINT_CODE
     ):
         return INTERRUPTED
+    if ending is ExitStatus.UNRECORDED:
+        from memtui.model.job_state import unrecorded_words
+
+        words = terminal_safe(unrecorded_words(unrecorded))
+        return f"exited, {words}" if code is not None and code < 128 else words
     if ending is ExitStatus.KILLED and code is not None and code < 128:
         return f"exited, recording incomplete: {incomplete_reason(path)}"
-    return str(ending)
+    if ending is ExitStatus.KILLED and code is None and folder_full(path):
+        return "recording incomplete: disk full (ENOSPC); how the process ended is not known"
+    return terminal_safe(ending)  # a status this memtui does not know is recorded text
 
 
 def _session_summary(folder: Path, code: int) -> str:
@@ -436,11 +509,11 @@ def _session_summary(folder: Path, code: int) -> str:
     if not files:
         lines[0] += "; none written (no Python process imported torch, or no agent started)"
     for label, path in files[:MAX_SUMMARY_RECORDINGS]:
-        name = f"rank {label}" if label.isdigit() else label
+        name = f"rank {label}" if label.isdigit() else terminal_safe(label)
         try:
             outcome = outcome_of(path, None)  # each process's own code is unknown
         except RecordingError as exc:
-            lines.append(f"memtui:   {name}: unreadable: {exc}")
+            lines.append(f"memtui:   {name}: unreadable: {terminal_safe(exc)}")
             continue
         alerts = outcome.alerts.line(None)
         lines.append(

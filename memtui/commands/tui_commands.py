@@ -15,6 +15,7 @@ from memtui.commands.run_command import (
     JobSpec,
     launches_ranks,
     make_private_file,
+    replace_previous,
     summary_line,
     take_notes,
     take_private_file,
@@ -125,6 +126,12 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     from memtui.commands.job_start import AgentStart, wait_for_agent
     from memtui.input.job_process import JobProcess, recording_log_path
 
+    if job_spec.recording is not None:
+        try:
+            replace_previous(job_spec.recording)
+        except UsageError:
+            take_notes(job_spec)  # removes the notes file
+            raise
     log_path = recording_log_path(job_spec.recording)
     error_file = make_private_file("memtui-error-")
     config = AgentConfig.from_env(job_spec.env).replace(error_file=str(error_file))
@@ -159,7 +166,8 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
         print(terminal_safe(error.rstrip("\n"), keep_newlines=True), file=sys.stderr)
     for line in take_notes(job_spec):
         print(line, file=sys.stderr)
-    print(summary_line(job_spec, code, stopped=job.stopped), file=sys.stderr)
+    summary = summary_line(job_spec, code, stopped=job.stopped)
+    print(terminal_safe(summary, keep_newlines=True), file=sys.stderr)
     if log_path is not None and log_path.exists():
         print(f"memtui: job output kept in {log_path}", file=sys.stderr)
     return code

@@ -64,3 +64,23 @@ def _kind(mode: int) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
     return "not a plain file"
+
+
+def first_hole(fd: int, size: int, start: int = 0) -> int | None:
+    """Where the first hole of a sparse file starts at or after `start` (None: none before
+    `size`, or the file system cannot tell). A hole reads as zeros without being stored: a file
+    of 8 GiB apparent size may hold 44 KiB, and reading it whole costs its apparent size."""
+    seek_hole = getattr(os, "SEEK_HOLE", None)
+    if seek_hole is None or start >= size:
+        return None
+    try:
+        here = os.lseek(fd, 0, os.SEEK_CUR)
+    except OSError:
+        return None
+    try:
+        hole = os.lseek(fd, start, seek_hole)
+    except OSError:
+        return None  # not supported here: read as a plain file
+    finally:
+        os.lseek(fd, here, os.SEEK_SET)
+    return hole if hole < size else None

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memtui.errors import UserError
-from memtui.input.frame_stream import CHUNK, Sink, StreamEnd, pump
+from memtui.input.frame_stream import CHUNK, Sink, StreamEnd, file_chunks, pump
 from memtui_protocol import schema, wire
 
 
@@ -54,8 +54,9 @@ class ReplaySource:
             handle = open_input(self.path)
         except InputFileError as exc:
             return str(exc)
+        decoder = wire.FrameDecoder(resync=True)
         with handle:
-            return pump(lambda: handle.read(CHUNK), wire.FrameDecoder(resync=True), sink, stop)
+            return pump(file_chunks(handle.fileno(), decoder), decoder, sink, stop)
 
 
 class LiveSource:

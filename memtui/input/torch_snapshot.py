@@ -12,6 +12,7 @@ versions wrote, whose blocks keep their frames under `history` instead of `frame
 
 from __future__ import annotations
 
+import heapq
 import io
 import os
 import pickle
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui.errors import UserError
-from memtui.input.input_files import InputFileError, open_input
+from memtui.input.input_files import InputFileError, first_hole, open_input
 from memtui_protocol import schema
 from memtui_protocol.units import format_bytes
 
@@ -44,6 +45,18 @@ of reused references cannot cost minutes and gigabytes."""
 INT_RANGE = (-(1 << 63), 1 << 64)
 """Sizes, addresses, line numbers and times all fit in 64 bits; 10**400 is not a size."""
 NOT_SNAPSHOT = "not a PyTorch memory snapshot"
+MAX_DEVICES = 256
+"""torch numbers CUDA devices with an 8-bit index; a snapshot naming more is not one."""
+MAX_SIZE = 1 << 63
+"""Sizes, counts and free bytes are non-negative and fit an int64, as the allocator keeps them."""
+MAX_OOMS = 16
+"""OOM events kept per device (all are counted): the first ones are the ones that matter."""
+MAX_ACTIONS = 64
+"""Distinct trace action names counted per device; torch has about ten, the rest are `other`."""
+MAX_FRAME_TEXT = 512
+"""Characters of a frame's file name and function name shown; a longer one is cut."""
+MAX_SNAPSHOT_BYTES = 4 << 30
+"""Snapshots are read whole (a pickle cannot be resumed): a larger file is refused in one line."""
 
 
 class SnapshotError(UserError):
@@ -85,6 +98,9 @@ class DeviceSummary:
     top_allocations: tuple[Allocation, ...]
     trace_actions: dict[str, int]
     ooms: tuple[OomEvent, ...]
+    """The first `MAX_OOMS` OOM events of the trace."""
+    oom_events: int = 0
+    """Every OOM event of the trace, counted."""
 
     @property
     def fragmentation(self) -> float:
@@ -185,39 +201,77 @@ def _check_tree(data: Any, budget: int) -> None:
     """Walk the unpickled data without recursion: refuse what is too deep, self-referencing,
     too large as a tree, or holds an integer no snapshot field can hold.
 
+    The walk keeps one iterator per level, never a container's children all at once, so its
+    own memory is bounded by the depth whatever the data's width (a list of a million reused
+    references used to put a million entries on the walk's stack).
+
     Raises:
         SnapshotError: with the reason, for one line.
     """
-    stack: list[tuple[Any, int]] = [(data, 0)]
-    seen = 0
+    seen = _check_item(data, 0, budget)
+    stack: list[Any] = [_children(data)] if _children(data) is not None else []
     while stack:
-        item, depth = stack.pop()
-        seen += 1
-        if seen > budget:
-            raise SnapshotError(
-                f"{NOT_SNAPSHOT} (its data repeats references into more than {budget:,} items)"
-            )
-        if isinstance(item, bool) or item is None or isinstance(item, (str, bytes, float)):
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
             continue
-        if isinstance(item, int):
-            if not INT_RANGE[0] <= item < INT_RANGE[1]:
-                raise SnapshotError(f"{NOT_SNAPSHOT} (an integer outside 64 bits)")
+        seen = _check_item(item, seen, budget)
+        children = _children(item)
+        if children is None:
             continue
-        if depth >= MAX_DEPTH:
+        if len(stack) >= MAX_DEPTH:
             raise SnapshotError(
                 f"{NOT_SNAPSHOT} (nested more than {MAX_DEPTH} deep, or refers to itself)"
             )
-        if isinstance(item, dict):
-            stack.extend((value, depth + 1) for pair in item.items() for value in pair)
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend((value, depth + 1) for value in item)
-        else:
-            raise SnapshotError(f"{NOT_SNAPSHOT} (holds a {type(item).__name__})")
+        stack.append(children)
+
+
+_END = object()
+
+
+def _check_item(item: Any, seen: int, budget: int) -> int:
+    """Count `item` against the budget and check its type; the new count."""
+    seen += 1
+    if seen > budget:
+        raise SnapshotError(
+            f"{NOT_SNAPSHOT} (its data repeats references into more than {budget:,} items)"
+        )
+    if isinstance(item, bool) or item is None or isinstance(item, (str, bytes, float)):
+        return seen
+    if isinstance(item, int):
+        if not INT_RANGE[0] <= item < INT_RANGE[1]:
+            raise SnapshotError(f"{NOT_SNAPSHOT} (an integer outside 64 bits)")
+        return seen
+    if not isinstance(item, (dict, list, tuple, set, frozenset)):
+        raise SnapshotError(f"{NOT_SNAPSHOT} (holds a {type(item).__name__})")
+    return seen
+
+
+def _children(item: Any) -> Any:
+    """An iterator over a container's keys and values (None for a scalar)."""
+    if isinstance(item, dict):
+        return (value for pair in item.items() for value in pair)
+    if isinstance(item, (list, tuple, set, frozenset)):
+        return iter(item)
+    return None
 
 
 def _read(path: Path) -> Any:
     try:
         with open_input(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_SNAPSHOT_BYTES:
+                limit = format_bytes(MAX_SNAPSHOT_BYTES)
+                raise SnapshotError(
+                    f"{path}: {format_bytes(size)}, larger than the {limit} memtui reads as a "
+                    "snapshot"
+                )
+            hole = first_hole(handle.fileno(), size)
+            if hole is not None:
+                raise SnapshotError(
+                    f"{path}: {NOT_SNAPSHOT} (a sparse file: nothing is stored from byte {hole:,} "
+                    "on; torch writes snapshots whole)"
+                )
             data = handle.read()
     except InputFileError as exc:
         raise SnapshotError(str(exc)) from None
@@ -236,61 +290,138 @@ def _read(path: Path) -> Any:
     return loaded
 
 
+# ----- typed fields: every value is checked before it is used ------------------------------
+
+
+def _size(value: Any, what: str) -> int:
+    """A size, count or byte figure: an int (not a bool, not digits in a string) in int64."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_SIZE:
+        raise SnapshotError(f"{NOT_SNAPSHOT} ({what} is {_shown(value)}, not a size)")
+    return value
+
+
+def _optional_size(value: Any, what: str) -> int | None:
+    return None if value is None else _size(value, what)
+
+
+def _device(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_DEVICES:
+        raise SnapshotError(
+            f"{NOT_SNAPSHOT} ({what} is {_shown(value)}, not a device 0-{MAX_DEVICES - 1})"
+        )
+    return value
+
+
+def _address(value: Any) -> int | None:
+    """An address when it is one (older blocks carry none; anything else is not shown)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        return None
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A wrong value, named in an error line without printing a huge one."""
+    if isinstance(value, (str, bytes)):
+        return f"a {type(value).__name__} of {len(value):,} characters"
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return f"a {type(value).__name__}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "negative" if value < 0 else "too large"
+    return (
+        repr(value) if value is None or isinstance(value, (bool, float)) else type(value).__name__
+    )
+
+
+def _cut(text: str) -> str:
+    return (
+        text
+        if len(text) <= MAX_FRAME_TEXT
+        else text[: MAX_FRAME_TEXT - 1] + "\N{HORIZONTAL ELLIPSIS}"
+    )
+
+
 def _segments_and_traces(data: Any) -> tuple[str, list[Any], list[Any], dict[str, Any] | None]:
     if isinstance(data, dict) and isinstance(data.get("segments"), list):
         traces = data.get("device_traces") or []
         settings = data.get("allocator_settings")
         if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
             raise SnapshotError(f"{NOT_SNAPSHOT} (device_traces is not a list per device)")
+        if len(traces) > MAX_DEVICES:
+            raise SnapshotError(
+                f"{NOT_SNAPSHOT} (traces for {len(traces):,} devices; at most {MAX_DEVICES})"
+            )
         return "dict", data["segments"], traces, settings if isinstance(settings, dict) else None
     if isinstance(data, list):
         return "segment list", data, [], None
     raise SnapshotError(f"{NOT_SNAPSHOT} (no segments)")
 
 
-def _check_segment(index: int, segment: Any) -> None:
+def _check_segment(index: int, segment: Any) -> int:
+    """The segment's device, once its shape and every block's size and state are checked."""
     blocks = segment.get("blocks") if isinstance(segment, dict) else None
     if not (
         isinstance(blocks, list)
-        and isinstance(segment.get("total_size"), int)
-        and isinstance(segment.get("device", 0), int)
-        and all(isinstance(b, dict) and isinstance(b.get("size"), int) for b in blocks)
+        and "total_size" in segment
+        and all(isinstance(b, dict) and "size" in b for b in blocks)
         and all(isinstance(b.get("state"), str) for b in blocks)
     ):
         raise SnapshotError(f"{NOT_SNAPSHOT} (segment {index} lacks total_size or sized blocks)")
+    where = f"segment {index}"
+    _size(segment["total_size"], f"{where}'s total_size")
+    for key in ("allocated_size", "active_size"):
+        _optional_size(segment.get(key), f"{where}'s {key}")
+    for block in blocks:
+        _size(block["size"], f"a block size in {where}")
+    return _device(segment.get("device", 0), f"{where}'s device")
 
 
 def first_python_frame(frames: Any) -> str | None:
-    """`filename:line name` of the innermost Python frame; torch records innermost first."""
+    """`filename:line name` of the innermost Python frame; torch records innermost first.
+
+    Frames of another shape are passed over; names are cut to `MAX_FRAME_TEXT` characters."""
     for frame in frames if isinstance(frames, list) else []:
-        if isinstance(frame, dict) and str(frame.get("filename", "")).endswith(".py"):
-            return f"{frame['filename']}:{frame.get('line', '?')} {frame.get('name', '?')}"
+        if not isinstance(frame, dict):
+            continue
+        filename = frame.get("filename")
+        if isinstance(filename, str) and filename.endswith(".py"):
+            line = frame.get("line")
+            name = frame.get("name")
+            shown_line = line if isinstance(line, int) and not isinstance(line, bool) else "?"
+            shown_name = _cut(name) if isinstance(name, str) else "?"
+            return f"{_cut(filename)}:{shown_line} {shown_name}"
     return None
 
 
-def _block_frames(block: dict[str, Any]) -> tuple[Any, int]:
+def _block_frames(block: dict[str, Any], where: str) -> tuple[Any, int]:
     """Frames and requested bytes in either format (as `_memory_viz._block_extra` reads them)."""
     if "frames" in block:
-        return block["frames"], int(block.get("requested_size", block["size"]))
+        return block["frames"], _size(block.get("requested_size", block["size"]), where)
     history = block.get("history")
     if isinstance(history, list) and history and isinstance(history[0], dict):
-        return history[0].get("frames", []), int(history[0].get("real_size", block["size"]))
-    return [], int(block.get("requested_size", block["size"]))
+        return history[0].get("frames", []), _size(
+            history[0].get("real_size", block["size"]), where
+        )
+    return [], _size(block.get("requested_size", block["size"]), where)
 
 
 def _summarize_device(
     device: int, segments: list[dict[str, Any]], trace: list[Any]
 ) -> DeviceSummary:
+    """One device's totals in one pass, keeping a bounded amount of what it passes: the
+    `TOP_ALLOCATIONS` largest blocks, `MAX_OOMS` OOM events and `MAX_ACTIONS` action names.
+    A frame is turned into text only for what is kept (a reused million-character file name
+    used to be copied into every block's text)."""
     allocated = active = inactive = largest_free = blocks = 0
-    live: list[Allocation] = []
+    top: list[tuple[int, int, dict[str, Any], int | None]] = []  # (size, order, block, address)
+    order = 0
     for segment in segments:
         offset = 0
         seg_allocated = seg_active = 0
         for block in segment["blocks"]:
             blocks += 1
             size, state = block["size"], block["state"]
-            address = block.get("address")
-            if address is None and isinstance(segment.get("address"), int):
+            address = _address(block.get("address"))
+            if address is None and _address(segment.get("address")) is not None:
                 address = segment["address"] + offset  # old blocks carry no address
             offset += size
             if state == "inactive":
@@ -300,30 +431,57 @@ def _summarize_device(
             seg_active += size
             if state == "active_allocated":
                 seg_allocated += size
-                frames, requested = _block_frames(block)
-                live.append(Allocation(size, requested, address, first_python_frame(frames)))
+                order += 1
+                entry = (size, -order, block, address)
+                if len(top) < TOP_ALLOCATIONS:
+                    heapq.heappush(top, entry)
+                elif entry[:2] > top[0][:2]:
+                    heapq.heapreplace(top, entry)
         # Trust the allocator's own totals where present; older snapshots lack them.
-        allocated += int(segment.get("allocated_size", seg_allocated))
-        active += int(segment.get("active_size", seg_active))
-    live.sort(key=lambda item: -item.size)
-    events = [event for event in trace if isinstance(event, dict)]
-    ooms = tuple(
-        OomEvent(int(e.get("size", 0)), e.get("device_free"), first_python_frame(e.get("frames")))
-        for e in events
-        if e.get("action") == "oom"
-    )
+        own_allocated, own_active = segment.get("allocated_size"), segment.get("active_size")
+        allocated += own_allocated if own_allocated is not None else seg_allocated
+        active += own_active if own_active is not None else seg_active
+    live = []
+    for size, _order, block, address in sorted(top, key=lambda e: e[:2], reverse=True):
+        frames, requested = _block_frames(block, f"a requested size on device {device}")
+        live.append(Allocation(size, requested, address, first_python_frame(frames)))
+    ooms: list[OomEvent] = []
+    oom_count = 0
+    actions: Counter[str] = Counter()
+    for event in trace:
+        if not isinstance(event, dict):
+            continue
+        action = event.get("action")
+        if not isinstance(action, str):
+            action = "(no action)"
+        if action not in actions and len(actions) >= MAX_ACTIONS:
+            action = "(other)"
+        actions[action] += 1
+        if action != "oom":
+            continue
+        oom_count += 1
+        size = _size(event.get("size", 0), f"an oom event's size on device {device}")
+        free = _optional_size(
+            event.get("device_free"), f"an oom event's device_free on device {device}"
+        )
+        if len(ooms) < MAX_OOMS:
+            ooms.append(OomEvent(size, free, first_python_frame(event.get("frames"))))
+    reserved = sum(segment["total_size"] for segment in segments)
+    if max(reserved, allocated, active, inactive) >= MAX_SIZE:
+        raise SnapshotError(f"{NOT_SNAPSHOT} (device {device}'s totals do not fit in 64 bits)")
     return DeviceSummary(
         device=device,
         segments=len(segments),
-        reserved=sum(segment["total_size"] for segment in segments),
+        reserved=reserved,
         allocated=allocated,
         active=active,
         inactive=inactive,
         largest_free_block=largest_free,
         blocks=blocks,
-        top_allocations=tuple(live[:TOP_ALLOCATIONS]),
-        trace_actions=dict(Counter(str(event.get("action")) for event in events)),
-        ooms=ooms,
+        top_allocations=tuple(live),
+        trace_actions=dict(actions),
+        ooms=tuple(ooms),
+        oom_events=oom_count,
     )
 
 
@@ -331,6 +489,8 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
     """Read and summarize a snapshot file, per device.
 
     An empty snapshot still has device 0 (with zeros), so every viewer has a step to show.
+    Every field is checked for its type and range before it is used (a size is an int of
+    int64, a device 0-255), so a wrong one is the one line below, never a traceback.
 
     Raises:
         SnapshotError: missing, unreadable, not a pickle, a pickle naming any non-builtin global,
@@ -340,11 +500,9 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
     data = _read(path)
     try:
         layout, segments, traces, settings = _segments_and_traces(data)
-        for index, segment in enumerate(segments):
-            _check_segment(index, segment)
         by_device: dict[int, list[dict[str, Any]]] = {}
-        for segment in segments:
-            by_device.setdefault(segment.get("device", 0), []).append(segment)
+        for index, segment in enumerate(segments):
+            by_device.setdefault(_check_segment(index, segment), []).append(segment)
         numbers = sorted(set(by_device) | {n for n, trace in enumerate(traces) if trace}) or [0]
         devices = tuple(
             _summarize_device(n, by_device.get(n, []), traces[n] if n < len(traces) else [])
@@ -352,7 +510,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> SnapshotSummary:
         )
     except SnapshotError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
-    except (TypeError, ValueError, AttributeError, OverflowError) as exc:  # a wrong field
+    except (TypeError, ValueError, AttributeError, OverflowError, KeyError) as exc:
         raise SnapshotError(f"{path}: {NOT_SNAPSHOT} (malformed: {exc})") from None
     return SnapshotSummary(path, layout, devices, settings, path.stat().st_mtime)
 
@@ -368,8 +526,8 @@ def describe_device(device: DeviceSummary, binary: bool = True) -> str:
     )
     for top in device.top_allocations[:1]:
         text += f"; largest allocation {size(top.size)}" + (f" at {top.frame}" if top.frame else "")
-    if device.ooms:
-        text += f"; {len(device.ooms)} out-of-memory event(s) in the trace"
+    if device.oom_events:
+        text += f"; {device.oom_events} out-of-memory event(s) in the trace"
     return text
 
 

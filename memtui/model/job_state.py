@@ -47,18 +47,28 @@ def exit_status_of(text: str) -> Ending:
         return text
 
 
-def how_it_ended(end: schema.End | None, *, stopped: bool = False, running: bool = False) -> Ending:
+def how_it_ended(
+    end: schema.End | None,
+    *,
+    stopped: bool = False,
+    running: bool = False,
+    unrecorded: str | None = None,
+) -> Ending:
     """How the job of a stream that has a hello ended (the one rule every reader applies).
 
     The agent's last word wins: its `End.status`. Without one, memtui may know more than the
     stream: it stopped the job itself (`stopped`: quit from the TUI, SIGTERM), or the caller saw
     the process still alive (`running`: a recording still being written); otherwise the process
-    died without a final frame, which is what DESIGN.md calls killed.
+    died without a final frame, which is what DESIGN.md calls killed, unless the agent
+    recorded that its recording stopped early (`unrecorded`: why, a full disk): then how the
+    job ended is not known, and the stream says why.
     """
     if end is not None:
         return exit_status_of(end.status)
     if stopped:
         return ExitStatus.STOPPED
+    if unrecorded is not None:  # the agent said why its recording stopped: not a kill
+        return ExitStatus.UNRECORDED
     return ExitStatus.RUNNING if running else ExitStatus.KILLED
 
 
@@ -68,6 +78,7 @@ def ending_text(
     *,
     exit_code: int | None,
     disconnected: str | None,
+    unrecorded: str | None = None,
 ) -> str:
     """How the job ended, in one line for the header and the ranks table.
 
@@ -81,6 +92,8 @@ def ending_text(
             return f"ended{code}{reason}"
         if ending is ExitStatus.STOPPED:
             return f"stopped from memtui (SIGTERM){code}"
+        if ending is ExitStatus.UNRECORDED:
+            return f"{unrecorded_words(unrecorded)}{code}"
         return f"killed{code}, no final frame{reason}"
     code = f" (exit {end.code})" if end.code is not None else ""
     if ending is ExitStatus.DETACHED:  # `memtui detach`: the agent left, the job goes on
@@ -94,3 +107,9 @@ def ending_text(
     where = f" in {end.phase}" if end.phase else ""
     step = f" at step {end.step}" if end.step is not None else ""
     return f"ended: {ending}{code}{step}{where}: {detail}"
+
+
+def unrecorded_words(reason: str | None) -> str:
+    """What an `UNRECORDED` ending says: the recording stopped, and the agent's reason."""
+    stopped = f"recording stopped: {reason}" if reason else "recording stopped"
+    return f"{stopped}; how the job ended is not known"

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memtui.input.frame_stream import CHUNK, damage_warning, pump
+from memtui.input.frame_stream import damage_warning, file_chunks, pump
 from memtui.input.input_files import InputFileError, open_input
 from memtui.input.recording_file import RecordingError, writer_alive
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
@@ -77,6 +77,10 @@ class Recording:
     """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
     leaks: LeakBook = field(default_factory=LeakBook)
     """The holders the job's censuses named, census by census, and the job's last count."""
+    recording_stopped: str | None = None
+    """Why the agent's recording stopped early, as the agent said it (a full disk), if it did."""
+    late_batches: dict[int, int] = field(default_factory=dict)
+    """Late values with alerts folded into each recent step (`schema.apply_late` bounds them)."""
 
     def module_name(self, module_id: int) -> str:
         """Qualified module name for an id; activations outside any module get a label."""
@@ -87,7 +91,9 @@ class Recording:
         when its process is alive on this host (a recording still being written), else killed.
         `stopped`: memtui itself stopped the job (the recording cannot say so)."""
         running = self.end is None and not stopped and writer_alive(self.hello)
-        return how_it_ended(self.end, stopped=stopped, running=running)
+        return how_it_ended(
+            self.end, stopped=stopped, running=running, unrecorded=self.recording_stopped
+        )
 
 
 def apply(recording: Recording, message: schema.Message) -> None:
@@ -120,6 +126,8 @@ def apply(recording: Recording, message: schema.Message) -> None:
         recording.names_dropped += max(0, len(message.names) - room)
     elif isinstance(message, schema.AgentError):
         recording.agent_errors.append(message)
+        if message.component == schema.RECORDING_STOPPED and recording.recording_stopped is None:
+            recording.recording_stopped = message.message
     elif isinstance(message, schema.End):
         _add_late(recording, message.late, message.time)
         recording.end = message
@@ -135,7 +143,7 @@ def _add_late(recording: Recording, late: list[schema.StepLate], time: float) ->
     """Device values of earlier steps (a CUDA loss) that arrived with a later frame."""
     recording.alerts.extend(
         StepAlert.of(number, alert, time)
-        for number, alert in schema.apply_late(recording.steps, late)
+        for number, alert in schema.apply_late(recording.steps, late, recording.late_batches)
     )
 
 
@@ -164,7 +172,7 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
 
     try:
         with open_input(path) as handle:
-            warning = pump(lambda: handle.read(CHUNK), decoder, take, threading.Event())
+            warning = pump(file_chunks(handle.fileno(), decoder), decoder, take, threading.Event())
     except InputFileError as exc:
         raise RecordingError(str(exc)) from None
     except OSError as exc:

@@ -269,7 +269,8 @@ class Session:
         or when no agent ever spoke (nothing to call killed)."""
         if self.job_state() is not JobState.ENDED or self.hello is None:
             return None
-        return how_it_ended(self.end, stopped=self.stopped)
+        stopped_early = self.recording.recording_stopped if self.recording is not None else None
+        return how_it_ended(self.end, stopped=self.stopped, unrecorded=stopped_early)
 
     def status_text(self) -> str:
         """live / paused / waiting, or how the job ended with its exit status."""
@@ -279,7 +280,11 @@ class Session:
         if state is not JobState.ENDED:
             return str(state)
         return ending_text(
-            self.ending(), self.end, exit_code=self.exit_code, disconnected=self.disconnected
+            self.ending(),
+            self.end,
+            exit_code=self.exit_code,
+            disconnected=self.disconnected,
+            unrecorded=self.recording.recording_stopped if self.recording is not None else None,
         )
 
     def state_text(self) -> str:

@@ -20,7 +20,7 @@ from memtui.errors import UserError
 from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, StepAlert, read_recording
 from memtui.model.step_rows import activations_known, known_total, pile_figure
-from memtui.terminal_text import terminal_safe
+from memtui.terminal_text import json_safe, terminal_safe
 from memtui_protocol.safe_open import RefusedPath, write_new
 from memtui_protocol.schema import Pile, Piles, Step
 
@@ -178,9 +178,9 @@ def render_csv(recording: Recording) -> str:
 
 def render(recording: Recording, fmt: str) -> str:
     """The export of `recording` in `fmt` (a key of `FORMATS`), as text."""
-    if fmt == "csv":
-        return render_csv(recording)
-    return json.dumps(chrome_trace(recording), separators=(",", ":")) + "\n"
+    if fmt == "csv":  # a CSV is read in terminals too: recorded controls escaped, as in reports
+        return terminal_safe(render_csv(recording), keep_newlines=True)
+    return json_safe(json.dumps(chrome_trace(recording), separators=(",", ":"))) + "\n"
 
 
 def default_output(path: str | os.PathLike[str], fmt: str) -> Path:

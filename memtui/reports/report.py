@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from memtui.model.alloc_rows import events_dict, events_text
+from memtui.model.job_state import unrecorded_words
 from memtui.model.recording import Recording, StepAlert, alert_rows
 from memtui.model.step_rows import (
     NOT_KNOWN,
@@ -152,6 +153,8 @@ def exit_report(recording: Recording) -> ExitEntry:
 
 def missing_end_reason(recording: Recording) -> str:
     """Why a finished recording has no final frame, as far as the file can tell."""
+    if recording.recording_stopped is not None:  # the agent said so (a full disk)
+        return unrecorded_words(recording.recording_stopped)
     if recording.warning:
         return f"the recording ends early ({recording.warning}); no final frame"
     return "no final frame: the process was killed"

@@ -193,4 +193,7 @@ class Report(msgspec.Struct, kw_only=True):
 
 def strict_json(document: Any) -> str:
     """`document` (structs, dicts, lists, numbers) as indented strict JSON: NaN/Inf -> null."""
-    return msgspec.json.format(msgspec.json.encode(document), indent=2).decode("utf-8")
+    from memtui.terminal_text import json_safe
+
+    encoded = msgspec.json.format(msgspec.json.encode(document), indent=2).decode("utf-8")
+    return json_safe(encoded)  # C1, bidi and zero-width characters as \u escapes

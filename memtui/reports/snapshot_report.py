@@ -12,7 +12,7 @@ from functools import partial
 from typing import Any
 
 from memtui.input.torch_snapshot import DeviceSummary, SnapshotSummary, load_snapshot
-from memtui.terminal_text import terminal_safe
+from memtui.terminal_text import json_safe, terminal_safe
 from memtui_protocol.units import format_bytes
 
 
@@ -42,6 +42,7 @@ def device_report(device: DeviceSummary) -> dict[str, Any]:
             {"size": oom.size, "device_free": oom.device_free, "frame": oom.frame}
             for oom in device.ooms
         ],
+        "oom_events_total": device.oom_events,
     }
 
 
@@ -83,7 +84,10 @@ def render_snapshot_text(summary: SnapshotSummary, binary: bool = True) -> str:
         if device.trace_actions:
             counts = ", ".join(f"{k} {v}" for k, v in sorted(device.trace_actions.items()))
             lines.append(f"  trace: {sum(device.trace_actions.values())} events ({counts})")
-        lines.append(f"  oom events: {len(device.ooms)}")
+        shown = (
+            f" (the first {len(device.ooms)} above)" if device.oom_events > len(device.ooms) else ""
+        )
+        lines.append(f"  oom events: {device.oom_events}{shown}")
     return "\n".join(lines)
 
 
@@ -91,7 +95,7 @@ def report_snapshot(path: str | os.PathLike[str], as_json: bool, binary: bool = 
     """`memtui report` for a snapshot file: prints the report, returns the exit code."""
     summary = load_snapshot(path)
     if as_json:
-        print(json.dumps(build_snapshot_report(summary), indent=2, default=str))
+        print(json_safe(json.dumps(build_snapshot_report(summary), indent=2, default=str)))
     else:
         print(terminal_safe(render_snapshot_text(summary, binary), keep_newlines=True))
     return 0

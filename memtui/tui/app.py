@@ -24,6 +24,7 @@ from memtui.model.job_state import QuitChoice
 from memtui.model.session import AlertMiss, Session
 from memtui.model.view_model import ViewModel
 from memtui.model.view_state import ViewState
+from memtui.terminal_text import job_output
 from memtui.tui.allocations import AllocationsTable
 from memtui.tui.ranks import RanksTable
 from memtui.tui.screens import AlertScreen, ConfirmDetach, ConfirmQuit, HelpScreen
@@ -242,7 +243,7 @@ class MemtuiApp(App[int]):
             if lines:
                 output = self.query_one("#output", RichLog)
                 for line in lines:
-                    output.write(line)
+                    output.write(job_output(line))  # its colours, none of its other escapes
             if self._job_code is None:
                 self._job_code = self.job.poll()
                 if self._job_code is not None:

@@ -95,7 +95,8 @@ class JobHeader(Static):
             return Text("memtui · connecting…")
         width = max(self.size.width - 2, 10)
         ended = view.status is JobState.ENDED
-        first = Text(f" {view.state} ", style="bold reverse" if ended else "bold reverse green")
+        state = f" {terminal_safe(view.state)} "  # the End's status and phase are recorded text
+        first = Text(state, style="bold reverse" if ended else "bold reverse green")
         step = "no steps yet"
         if view.step is not None:
             step = f"step {view.step} of {view.steps_total}"
@@ -129,7 +130,7 @@ class PilesPanel(FlowPanel[PilesView]):
         lines = [plain(line, style="dim") for line in view.distributed_lines]
         if not view.activations_measured:  # its own line: it must not wrap into the others
             lines.insert(0, Text(_activations_label(view.activations_from), style="dim"))
-        return [Text(" · ".join(extra), style="dim"), *lines]
+        return [plain(" · ".join(extra), style="dim"), *lines]  # the optimizer's recorded name
 
     def render(self) -> Text | Group:
         view = self.view

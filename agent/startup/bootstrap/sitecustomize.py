@@ -77,7 +77,19 @@ def _load_user_sitecustomize(path: list[str]) -> types.ModuleType | None:
     return module
 
 
+RUNNER = "memtui_agent.startup.runner"
+
+
+def _is_memtui_runner() -> bool:
+    """`python -m memtui_agent.startup.runner`: `memtui run script.py` itself, which arms its
+    agent on its own (the processes it starts are armed here)."""
+    argv = list(getattr(sys, "orig_argv", ()))  # any Python may run this file: plain code
+    return any(argv[i] == "-m" and argv[i + 1] == RUNNER for i in range(len(argv) - 1))
+
+
 def _arm() -> None:
+    if _is_memtui_runner():
+        return
     try:
         from memtui_agent.startup import autostart
     except Exception as exc:
