@@ -125,14 +125,19 @@ def _stop_as_child_ends() -> None:
 
 
 def name_unrecorded(message: str) -> None:
-    """Say once that a process trained unrecorded: in `memtui run`'s notes, else on stderr."""
+    """Say once that a process trained unrecorded: in `memtui run`'s notes, else on stderr.
+
+    The bootstrap's `_note` says its lines the same way; it cannot share this one, since it
+    runs in interpreters where memtui is not installed."""
     path = os.environ.get(NOTES_VARIABLE)
     try:
         if not path:
             print(f"memtui: {message}", file=sys.stderr)
             return
         line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        descriptor = os.open(path, flags)
         try:
             os.write(descriptor, line.encode("utf-8", "replace"))
         finally:
