@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,16 @@ def _run(job: str, tmp: Path, *options: str) -> Run:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
     tmp = tmp_path_factory.mktemp("growing")
-    found = {}
-    for path in sorted(JOBS.glob("*.py")):
-        if path.stem == "common":
-            continue
-        found[(path.stem, "default")] = _run(path.stem, tmp)
-        found[(path.stem, "every")] = _run(path.stem, tmp, "--activations", "every")
-    return found
+    jobs = [path.stem for path in sorted(JOBS.glob("*.py")) if path.stem != "common"]
+    modes = {"default": (), "every": ("--activations", "every")}
+    # Two at a time: each run is one process on one core, and CI has two.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {
+            (job, mode): pool.submit(_run, job, tmp, *options)
+            for job in jobs
+            for mode, options in modes.items()
+        }
+        return {key: future.result() for key, future in started.items()}
 
 
 def _jobs(runs: dict[tuple[str, str], Run]) -> list[str]:

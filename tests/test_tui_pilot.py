@@ -360,7 +360,9 @@ def test_q_stops_the_source_thread(tui: Any, live_messages: Messages) -> None:
 
 
 def test_ctrl_q_stops_the_source_thread(tui: Any, live_messages: Messages) -> None:
-    source = tui.source(live_messages, live=True, lifetime=1.0)
+    # Long enough that the source cannot end by itself before ctrl+q on a loaded machine (with
+    # 1 s it did, under a full suite beside other work, and the app then stopped nothing).
+    source = tui.source(live_messages, live=True, lifetime=10.0)
     app = MemtuiApp(source)
 
     async def scenario() -> None:
