@@ -31,6 +31,17 @@ from memtui_protocol import schema
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+@pytest.fixture(autouse=True)
+def _own_runtime_folder(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test's jobs and viewers meet in a runtime folder of their own (`MEMTUI_RUNTIME_DIR`,
+    inherited by the processes a test starts): the suite runs in two workers at once, and one
+    test's live job must never be another's `attach --list`. Tests of the default folder set or
+    delete the variable themselves."""
+    monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(tmp_path_factory.mktemp("runtime") / "rt"))
+
+
 def _load_fixture_module(filename: str, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, FIXTURES / filename)
     assert spec is not None and spec.loader is not None
