@@ -190,7 +190,7 @@ def _activations_label(source: int | None) -> str:
             f"activations {NOT_KNOWN}: this step was not measured, nor confirmed as a repeat "
             "of a measured step"
         )
-    return f"≈ activations from step {source} (a repeat of its shapes)"
+    return f"≈ activations from step {source} (a repeat, proven by its counters)"
 
 
 class GapPanel(FlowPanel[GapView]):
