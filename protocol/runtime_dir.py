@@ -18,6 +18,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from memtui_protocol.os_text import carried
+
 SIDECAR_SUFFIX = ".json"
 SOCKET_SUFFIX = ".sock"
 MAX_SIDECAR_BYTES = 64 * 1024
@@ -75,13 +77,29 @@ def ensure_private_dir(path: Path | None = None) -> Path:
 def _usable(path: Path) -> None:
     """Give the owner back the rights a job's umask took (a job that ran `umask(0o777)` made
     this folder 000, and every later job lost its socket): the mode is set explicitly to
-    0700, on the folder itself, never through a link."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    0700, on the folder itself, never through a link.
+
+    A folder of mode 000 cannot be opened for reading by its owner (only root ignores modes),
+    so it is then opened with `O_PATH`, which needs no right on the folder itself, checked
+    through that descriptor, and given its mode through `/proc/self/fd/N`, which names the
+    opened folder and nothing a link planted at `path` since could point to (`fchmod` refuses
+    an `O_PATH` descriptor).
+    """
+    flags = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        descriptor = os.open(path, os.O_RDONLY | flags)
+        by_path = False
+    except PermissionError:
+        descriptor = os.open(path, getattr(os, "O_PATH", os.O_RDONLY) | flags)
+        by_path = True
     try:
         info = os.fstat(descriptor)
         _check_private(path, info)
         if stat.S_IMODE(info.st_mode) != 0o700:
-            os.fchmod(descriptor, 0o700)
+            if by_path:
+                os.chmod(f"/proc/self/fd/{descriptor}", 0o700)
+            else:
+                os.fchmod(descriptor, 0o700)
     finally:
         os.close(descriptor)
 
@@ -118,7 +136,11 @@ def write_sidecar(directory: Path, name: str, content: Sidecar) -> Path:
         descriptor = os.open(temporary, flags, 0o600, dir_fd=folder)
         with os.fdopen(descriptor, "wb") as handle:
             os.fchmod(descriptor, 0o600)  # explicit: the job's umask may be anything
-            handle.write(msgspec.json.encode(content))
+            try:
+                encoded = msgspec.json.encode(content)
+            except UnicodeEncodeError:  # argv or a path with a byte that is not UTF-8
+                encoded = msgspec.json.encode(carried(content))
+            handle.write(encoded)
         os.replace(temporary, final, src_dir_fd=folder, dst_dir_fd=folder)
     finally:
         os.close(folder)

@@ -6,9 +6,12 @@ and hand the kernel the link's target): the folder is opened once (`O_DIRECTORY|
 the file created relative to that descriptor with `O_CREAT|O_EXCL|O_NOFOLLOW`, so the kernel
 refuses an existing name and never follows a link, a FIFO is never opened (it would block), and
 the folder cannot be swapped for a link between a check and the create. A name that already holds
-a regular file of ours (a rerun with the same `-o`) is unlinked and created anew, which replaces
-the name only, never the file another link points to. Anything else there (a link, a folder, a
-FIFO, another user's file) is refused with one line.
+a regular file of ours is replaced only when the caller's `Replace` allows it: an earlier
+recording no process still writes (a rerun with the same `-o`), a job log memtui wrote, any file of
+ours under `--force` (`memtui_protocol.written` holds the proofs); the name is unlinked and created
+anew, which replaces the name only, never the file another link points to. Anything else there
+(a link, a folder, a FIFO, another user's file, a file memtui cannot prove it wrote) is refused
+with one line.
 
 A session folder (one recording per process) must also be private: ours, and writable by nobody
 else, or anyone who can write there could plant names the job then writes.
@@ -24,6 +27,8 @@ import os
 import stat
 from pathlib import Path
 
+from memtui_protocol.written import Replace, open_existing, replace_refusal
+
 FLAGS = (
     os.O_WRONLY
     | os.O_CREAT
@@ -38,6 +43,10 @@ FOLDER_FLAGS = (
 MODE = 0o600
 """Recordings hold the job's command line and working directory: private to the user."""
 FOLDER_MODE = 0o700
+PASSABLE_FOLDER_MODE = 0o711
+"""A session folder of a job that serves metrics: other users may pass through it to the
+`file_sd` targets in `prometheus/` (a system Prometheus runs as its own user), never list it or
+write to it; every recording in it stays 0600."""
 
 
 class RefusedPath(OSError):
@@ -73,14 +82,17 @@ def refusal(path: Path | str) -> str | None:
     return _describe(path, info)
 
 
-def folder_refusal(path: Path | str, info: os.stat_result) -> str | None:
-    """Why a session folder is not private (None: ours, and writable by nobody else)."""
+def folder_refusal(
+    path: Path | str, info: os.stat_result, what: str = "the session folder"
+) -> str | None:
+    """Why a session folder (or another folder `what` names) is not ours alone to write (None:
+    ours, and writable by nobody else)."""
     if info.st_uid != os.geteuid():
-        return f"{path}: the session folder belongs to uid {info.st_uid}, not to you; refusing it"
+        return f"{path}: {what} belongs to uid {info.st_uid}, not to you; refusing it"
     if info.st_mode & 0o022:
         mode = stat.S_IMODE(info.st_mode)
         return (
-            f"{path}: the session folder is writable by other users (mode {mode:o}); "
+            f"{path}: {what} is writable by other users (mode {mode:o}); "
             "refusing it (chmod go-w it, or choose another -o)"
         )
     return None
@@ -111,13 +123,76 @@ def open_folder(path: Path | str, *, private: bool = False) -> int:
     return descriptor
 
 
-def create_in(folder: int, name: str, shown: Path | str, mode: int = MODE) -> int:
+def remove_in(folder: int, name: str, shown: Path | str, replaces: Replace) -> str | None:
+    """Unlink `name` in the open `folder` when `replaces` allows what it holds.
+
+    Returns None when the name is free now (removed, or nothing was there), else the one line
+    saying why it was left (a link, a folder, another user's file, a file memtui cannot prove
+    it wrote, one a process still writes). Only the name goes: another link to the file keeps it.
+    """
+    shown = Path(shown)
+    try:
+        info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    reason = _describe(shown, info)
+    if reason is not None:
+        return reason
+    try:
+        descriptor = open_existing(folder, name)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{shown}: cannot check ({exc.strerror or exc}); refusing to replace it"
+    try:
+        now = os.fstat(descriptor)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            return f"{shown}: changed while it was checked; refusing to replace it"
+        try:
+            reason = replace_refusal(descriptor, str(shown), replaces)
+        except OSError as exc:
+            reason = f"{shown}: cannot read ({exc.strerror or exc}); refusing to replace it"
+        if reason is not None:
+            return reason
+        try:
+            os.unlink(name, dir_fd=folder)  # the name only, while the writer's lock is ours
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(descriptor)
+    return None
+
+
+def remove_written(path: Path | str, replaces: Replace) -> str | None:
+    """`remove_in` for a path: its folder opened once, never through a link."""
+    path = Path(path)
+    try:
+        folder = open_folder(path.parent)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return str(exc) if isinstance(exc, RefusedPath) else f"{path}: {exc.strerror or exc}"
+    try:
+        return remove_in(folder, path.name, path, replaces)
+    finally:
+        os.close(folder)
+
+
+def create_in(
+    folder: int,
+    name: str,
+    shown: Path | str,
+    mode: int = MODE,
+    replaces: Replace = Replace.NOTHING,
+) -> int:
     """A new, empty file `name` in the open folder `folder`, mode `mode`: its descriptor.
 
-    `shown` is the path said in a refusal.
+    `shown` is the path said in a refusal; `replaces` what an existing name may hold for it to
+    be replaced (`remove_in`).
 
     Raises:
-        RefusedPath: the name holds a link, a non-regular file or another user's file.
+        RefusedPath: the name holds a link, a non-regular file, another user's file, or a
+            file `replaces` does not allow.
         OSError: the folder is not writable, the disk is full.
     """
     shown = Path(shown)
@@ -125,17 +200,9 @@ def create_in(folder: int, name: str, shown: Path | str, mode: int = MODE) -> in
         try:
             descriptor = os.open(name, FLAGS, mode, dir_fd=folder)
         except FileExistsError:
-            try:
-                info = os.stat(name, dir_fd=folder, follow_symlinks=False)
-            except FileNotFoundError:
-                continue  # removed meanwhile: try again
-            reason = _describe(shown, info)
+            reason = remove_in(folder, name, shown, replaces)
             if reason is not None:
                 raise RefusedPath(errno.EEXIST, reason) from None
-            try:
-                os.unlink(name, dir_fd=folder)  # our own earlier file: replace the name only
-            except FileNotFoundError:
-                pass
             continue
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
@@ -154,10 +221,17 @@ def create_in(folder: int, name: str, shown: Path | str, mode: int = MODE) -> in
     raise RefusedPath(errno.EEXIST, f"{shown}: keeps being recreated; refusing to write there")
 
 
-def create_private(path: Path | str, *, private_folder: bool = False, mode: int = MODE) -> int:
+def create_private(
+    path: Path | str,
+    *,
+    private_folder: bool = False,
+    mode: int = MODE,
+    replaces: Replace = Replace.NOTHING,
+) -> int:
     """A new, empty file at `path`, mode 0600 (or `mode`), opened for writing: its descriptor.
 
     `private_folder`: `path` is in a session folder, which must be ours alone (`open_folder`).
+    `replaces`: what an existing file there may be for it to be replaced (`create_in`).
 
     Raises:
         RefusedPath: the folder or the name is not one we may write (one line).
@@ -168,24 +242,30 @@ def create_private(path: Path | str, *, private_folder: bool = False, mode: int 
         raise RefusedPath(errno.EISDIR, f"{path}: is not a file name")
     folder = open_folder(path.parent, private=private_folder)
     try:
-        return create_in(folder, path.name, path, mode)
+        return create_in(folder, path.name, path, mode, replaces)
     finally:
         os.close(folder)
 
 
-def write_new(path: Path | str, data: bytes) -> None:
+def write_new(path: Path | str, data: bytes, replaces: Replace = Replace.NOTHING) -> None:
     """Write `data` to a new file at `path` (mode 0600), by `create_private`'s rules.
 
     Raises:
         RefusedPath, OSError: as `create_private`.
     """
-    descriptor = create_private(path)
+    descriptor = create_private(path, replaces=replaces)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(descriptor, view) :]
     finally:
         os.close(descriptor)
+
+
+def session_folder_mode(metrics: bool) -> int:
+    """The mode a new session folder gets: 0700, or 0711 for a job whose ranks write Prometheus
+    targets into it (`PASSABLE_FOLDER_MODE`)."""
+    return PASSABLE_FOLDER_MODE if metrics else FOLDER_MODE
 
 
 def make_folder(path: Path | str, mode: int = FOLDER_MODE) -> None:

@@ -312,6 +312,9 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
     world_size: int | None = None
     budget: int | None = None
     process_create_time: float | None = None
+    launch: str | None = None
+    """The scheduler's launch this process belongs to (`memtui_protocol.launch`): a task of the
+    same `srun` step keeps this recording when it starts into the same session folder."""
 
 
 class Names(msgspec.Struct, tag="names", frozen=True):

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import msgspec
 
 from memtui_protocol import schema
+from memtui_protocol.os_text import carried
 
 MAGIC = b"MEMTUI\x1a\n"
 PREAMBLE = struct.Struct("<8sHH")
@@ -54,7 +55,10 @@ def encode(message: schema.Message) -> bytes:
     Raises:
         FrameTooLarge: the payload is over `MAX_FRAME_BYTES`.
     """
-    payload = _encoder.encode(message)
+    try:
+        payload = _encoder.encode(message)
+    except UnicodeEncodeError:  # a byte the OS smuggled into a str (os_text): carried escaped
+        payload = _encoder.encode(carried(message))
     if len(payload) > MAX_FRAME_BYTES:
         raise FrameTooLarge(
             f"a {type(message).__name__} frame of {len(payload):,} bytes is over the "

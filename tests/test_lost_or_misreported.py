@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from memtui.commands.run_command import PROCESS_INDEX_FILE
+from memtui.input.job_process import log_first_line
+from memtui_agent.startup.autostart import PROCESS_INDEX_FILE
 from memtui_protocol import schema, wire
 
 MEMTUI = [sys.executable, "-m", "memtui"]
@@ -54,7 +55,9 @@ def test_a_rerun_that_records_nothing_does_not_show_the_earlier_run(tmp_path: Pa
     """The earlier run's file is replaced as the new run starts: its summary used to read
     `job ok (exit code 3)` from the earlier run's recording."""
     out = _recording(tmp_path / "run.memtui")
-    (tmp_path / "run.memtui.log").write_text("earlier output\n")
+    # The earlier TUI run's log, proven memtui's by its first line (a user's file there stays:
+    # tests/test_files_we_wrote.py).
+    (tmp_path / "run.memtui.log").write_bytes(log_first_line() + b"earlier output\n")
     script = tmp_path / "fails.py"
     script.write_text("raise SystemExit(3)\n")
     result = _memtui("run", "--headless", "-o", str(out), str(script), cwd=tmp_path)
@@ -65,6 +68,8 @@ def test_a_rerun_that_records_nothing_does_not_show_the_earlier_run(tmp_path: Pa
 
 
 def test_a_rerun_into_a_session_folder_starts_it_afresh(tmp_path: Path) -> None:
+    """The earlier run's recordings go; the process counter stays (issue 32: a process of this
+    run never takes a number an earlier one had, so no sibling's claim can be undone)."""
     folder = tmp_path / "session"
     folder.mkdir()
     _recording(folder / "proc-0.memtui")
@@ -78,13 +83,8 @@ def test_a_rerun_into_a_session_folder_starts_it_afresh(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 3, result.stderr
     assert "0 recording(s)" in result.stderr and "ok after" not in result.stderr
-    assert sorted(path.name for path in folder.iterdir()) == ["notes.txt"]
-
-
-def test_the_process_counter_name_is_the_agents() -> None:
-    from memtui_agent.startup import autostart
-
-    assert PROCESS_INDEX_FILE == autostart.PROCESS_INDEX_FILE
+    assert sorted(path.name for path in folder.iterdir()) == [PROCESS_INDEX_FILE, "notes.txt"]
+    assert (folder / PROCESS_INDEX_FILE).read_text() == "7"
 
 
 # ----- L4: a full disk ------------------------------------------------------------------------
@@ -304,7 +304,9 @@ def test_a_child_that_trains_but_cannot_be_recorded_is_named(tmp_path: Path) -> 
     named = [line for line in result.stderr.splitlines() if "trained but was not recorded" in line]
     assert len(named) == 2, result.stderr  # each by its pid, once, in memtui's own output
     assert len({line.split(" pid ")[1].split()[0] for line in named}) == 2
-    assert all("FileExistsError" in line for line in named)
+    # A file where the folder goes: refused as the folder rule says (issue 32 made the folder
+    # with its mode explicit instead of os.makedirs, whose FileExistsError said it before).
+    assert all("is not a folder" in line for line in named), named
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from memtui_agent.output.socket_server import (
 from memtui_protocol import schema, wire
 from memtui_protocol.safe_open import RefusedPath, create_private
 from memtui_protocol.schema import ExitStatus
+from memtui_protocol.written import Replace
 
 TRAIN = """
 import os, signal, sys
@@ -241,8 +242,9 @@ def test_a_planted_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -
         create_private(link)
     assert target.read_bytes() == b"keep me"
     own = tmp_path / "own.memtui"
-    own.write_bytes(b"old run")
-    os.close(create_private(own))  # a rerun with the same -o replaces our own file
+    own.write_bytes(wire.preamble() + wire.encode(_hello()))  # an earlier run's recording
+    # a rerun with the same -o replaces our own earlier recording
+    os.close(create_private(own, replaces=Replace.RECORDING))
     assert own.read_bytes() == b"" and (own.stat().st_mode & 0o777) == 0o600
 
 

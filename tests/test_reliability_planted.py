@@ -45,6 +45,7 @@ from memtui.model.recording import read_recording
 from memtui_protocol.attach import Action
 from memtui_protocol.runtime_dir import ensure_private_dir
 from memtui_protocol.safe_open import RefusedPath, create_private, make_folder, write_new
+from memtui_protocol.written import Replace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEMO = FIXTURES / "demo.memtui"
@@ -193,16 +194,16 @@ def test_rerun_replaces_only_our_own_file_by_name(tmp_path: Path) -> None:
     own.write_bytes(b"old run")
     other_name = tmp_path / "hardlink"
     os.link(own, other_name)  # another name for the same file: it keeps the old content
-    write_new(own, b"new run")
+    write_new(own, b"new run", Replace.OWN_FILE)  # what --force allows
     assert own.read_bytes() == b"new run" and other_name.read_bytes() == b"old run"
 
 
 # ----- S2: memtui export ------------------------------------------------------------------------
 
 
-def _export(folder: Path, output: str) -> subprocess.CompletedProcess[str]:
+def _export(folder: Path, output: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*MEMTUI, "export", str(DEMO), "--format", "csv", "-o", output],
+        [*MEMTUI, "export", str(DEMO), "--format", "csv", "-o", output, *extra],
         cwd=folder, env=_env(folder), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
@@ -221,11 +222,21 @@ def test_export_refuses_what_is_planted_in_one_line(tmp_path: Path, kind: str) -
     _untouched(tmp_path)
 
 
-def test_export_writes_a_new_file_and_replaces_its_own(tmp_path: Path) -> None:
+def test_export_writes_a_new_file_and_replaces_one_only_with_force(tmp_path: Path) -> None:
+    """Issue 32: an existing output is refused in one line, even an earlier export (nothing
+    proves it is still what memtui wrote); `--force` replaces it."""
     name = tmp_path / "out.csv"
-    for _ in range(2):  # the second run replaces the first one's file
-        result = _export(tmp_path, str(name))
-        assert result.returncode == 0, result.stderr
+    result = _export(tmp_path, str(name))
+    assert result.returncode == 0, result.stderr
+    name.write_text("the user's edits\n")
+    again = _export(tmp_path, str(name))
+    assert again.returncode == 1, again.stderr
+    assert again.stderr.strip().splitlines() == [
+        f"memtui: error: {name}: exists; refusing to overwrite it (--force replaces it)"
+    ]
+    assert name.read_text() == "the user's edits\n"
+    forced = _export(tmp_path, str(name), "--force")
+    assert forced.returncode == 0, forced.stderr
     assert name.read_text().startswith("step,")
     assert stat.S_IMODE(name.stat().st_mode) == 0o600
 

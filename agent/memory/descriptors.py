@@ -16,6 +16,8 @@ import os
 import socket
 import stat
 
+from memtui_protocol.written import hold_as_writer
+
 Identity = tuple[int, int]
 
 
@@ -78,6 +80,7 @@ class OwnedFd:
             os.close(descriptor)
             return False
         os.set_blocking(descriptor, True)
+        hold_as_writer(descriptor)  # the job's close of our number dropped the writer's lock
         self.fd = descriptor
         return True
 

@@ -57,7 +57,10 @@ class GpuEvents:
         import torch
 
         from memtui_protocol.safe_open import create_private
+        from memtui_protocol.written import Replace
 
         snapshot = torch.cuda.memory._snapshot()
-        with os.fdopen(create_private(path), "wb") as handle:
+        # A snapshot is torch's pickle, with nothing of memtui's in it to prove who wrote it:
+        # an earlier run's (a regular file of ours beside the recording) is replaced, as before.
+        with os.fdopen(create_private(path, replaces=Replace.OWN_FILE), "wb") as handle:
             pickle.dump(snapshot, handle)

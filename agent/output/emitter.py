@@ -30,6 +30,7 @@ from memtui_agent.steps.frame import ClosedStep, build_step
 from memtui_agent.steps.late_values import LateValues, read_values
 from memtui_protocol import schema, wire
 from memtui_protocol.safe_open import create_private
+from memtui_protocol.written import Replace, hold_as_writer
 
 QUEUE_LIMIT = 10_000
 TICK_SECONDS = 1.0
@@ -105,7 +106,13 @@ class Emitter:
         opening = wire.preamble() + wire.encode(hello)
         if recording is not None:
             try:
-                self._file = OwnedFd(create_private(recording, private_folder=private_folder))
+                descriptor = create_private(
+                    recording, private_folder=private_folder, replaces=Replace.RECORDING
+                )
+                # Held until the file is closed, before a byte is in it: a rerun or a sibling
+                # task never takes a recording it finds locked for an earlier one.
+                hold_as_writer(descriptor)
+                self._file = OwnedFd(descriptor)
                 self._write(opening)
             except OSError as exc:
                 self._close_file()

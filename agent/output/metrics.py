@@ -26,6 +26,7 @@ from typing import Any
 from memtui_agent.output.scrape_target import ScrapeTarget, write_target
 from memtui_protocol import metrics, schema
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.os_text import os_text
 from memtui_protocol.schema import AlertKind
 
 _SESSION_MEMBER = re.compile(r"^(?:rank|proc)-\d+\.memtui$")
@@ -246,8 +247,8 @@ def start_metrics(
     local_rank = hello.local_rank if hello.local_rank is not None else 0
     port = config.metrics_port + local_rank if config.metrics_port else 0
     labels = {
-        "job": job_label(config, list(hello.argv)),
-        "host": hello.hostname or _socket.gethostname(),
+        "job": os_text(job_label(config, list(hello.argv))),  # the path may not be UTF-8
+        "host": hello.hostname or os_text(_socket.gethostname()),
         "rank": str(rank),
         "local_rank": str(local_rank),
         "world_size": str(hello.world_size or 1),

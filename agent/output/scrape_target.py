@@ -5,12 +5,19 @@ rank that serves metrics announces itself with one small JSON file: its address 
 every series carries (`job, host, rank, local_rank, world_size`), which also land on
 Prometheus' own `up` series for the target, so a rank whose endpoint died is still named.
 
-Session folders are often shared (NFS, a 1777 scratch folder), so the file is written the way
-recordings are: a temporary name created with O_CREAT|O_EXCL|O_NOFOLLOW (never through a link
-someone planted), then renamed over the final name, which replaces a directory entry and never
-writes through a link; Prometheus never reads a half-written file. The folder must be a real
-directory, not a link. Mode 0644: the file holds only an address and labels, and a system
-Prometheus runs as its own user.
+Session folders are often shared (NFS, a 1777 scratch folder), and beside a single recording
+`prometheus/` sits in whatever folder the recording is in. So the folder is trusted by the rule
+session folders follow: opened once without following a link, it must be ours and writable by
+nobody else (one another user made first could hold a target of theirs that points our
+Prometheus elsewhere, or be swapped under us); else nothing is written, said once. The file is
+written relative to that opened folder: a temporary name created with O_CREAT|O_EXCL|O_NOFOLLOW,
+then renamed over the final name, which replaces a directory entry and never writes through a
+link; Prometheus never reads a half-written file.
+
+A system Prometheus runs as its own user (Debian's `prometheus`), so what it reads is readable by
+others, explicitly whatever the job's umask: the folder 0755, each target 0644 (an address and
+labels, nothing else). The session folder of a job with `--metrics-port` is 0711: others may pass
+through it to `prometheus/`, never list it; every recording stays 0600.
 
 Removed when the rank ends cleanly, and only if the name still holds the file this process
 wrote (a rerun into the same folder may have replaced it). A killed rank leaves its file: then
@@ -19,14 +26,24 @@ Prometheus reports `up == 0` for it and `memtui cluster` lists the rank as stopp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
 from pathlib import Path
 
-from memtui_protocol.safe_open import RefusedPath, create_private, refusal
+from memtui_protocol.safe_open import (
+    FOLDER_FLAGS,
+    RefusedPath,
+    create_in,
+    folder_refusal,
+    open_folder,
+    refusal,
+)
+from memtui_protocol.written import Replace
 
 TARGET_MODE = 0o644
+TARGETS_FOLDER_MODE = 0o755
 
 
 class ScrapeTarget:
@@ -46,40 +63,74 @@ class ScrapeTarget:
             pass
 
 
-def _real_folder(folder: Path) -> None:
-    """Make `folder` if missing; refuse a link or a non-directory there."""
+def open_targets_folder(folder: Path) -> int:
+    """A descriptor of `folder` (made 0755 if missing), which must be ours and writable by
+    nobody else: the rule of session folders.
+
+    Raises:
+        RefusedPath: a link, not a folder, another user's folder, or one others may write.
+        OSError: it cannot be made or opened.
+    """
+    parent = open_folder(folder.parent)
     try:
-        os.mkdir(folder, 0o755)
-    except FileExistsError:
-        pass
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode):
-        raise RefusedPath(0, f"{folder}: is not a directory (a link?); refusing to write there")
+        made = True
+        try:
+            os.mkdir(folder.name, TARGETS_FOLDER_MODE, dir_fd=parent)
+        except FileExistsError:
+            made = False
+        try:
+            descriptor = os.open(folder.name, FOLDER_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise RefusedPath(
+                    exc.errno, f"{folder}: is not a folder (a link?); refusing to write there"
+                ) from None
+            raise
+    finally:
+        os.close(parent)
+    try:
+        info = os.fstat(descriptor)
+        problem = folder_refusal(folder, info, "the Prometheus target folder")
+        if problem is not None:
+            raise RefusedPath(errno.EPERM, problem)
+        if made or stat.S_IMODE(info.st_mode) != TARGETS_FOLDER_MODE:
+            os.fchmod(descriptor, TARGETS_FOLDER_MODE)  # whatever the umask took away
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
 
 
 def write_target(path: Path, address: str, labels: dict[str, str]) -> ScrapeTarget:
     """Write the `file_sd` document for one target at `path`.
 
     Raises:
-        OSError: the folder cannot be made or written, or the name is refused (`RefusedPath`).
+        OSError: the folder cannot be made or written, or is refused (`RefusedPath`).
     """
-    _real_folder(path.parent)
-    reason = refusal(path)
-    if reason is not None:
-        raise RefusedPath(0, reason)
     document = json.dumps([{"targets": [address], "labels": labels}], indent=1) + "\n"
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    descriptor = create_private(temporary, mode=TARGET_MODE)
+    folder = open_targets_folder(path.parent)
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(document)
-            os.fchmod(handle.fileno(), TARGET_MODE)  # whatever the umask took away
-            info = os.fstat(handle.fileno())
-        os.rename(temporary, path)
-    except BaseException:
+        reason = refusal(path)  # the folder is ours alone: nobody else can plant it meanwhile
+        if reason is not None:
+            raise RefusedPath(errno.EEXIST, reason)
+        temporary = f".{path.name}.{os.getpid()}.tmp"
+        # A leftover of a killed process whose pid this one has: ours alone to replace (the
+        # folder is ours, nobody else writes in it).
+        descriptor = create_in(
+            folder, temporary, path.parent / temporary, TARGET_MODE, Replace.OWN_FILE
+        )
         try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(document)
+                os.fchmod(handle.fileno(), TARGET_MODE)  # whatever the umask took away
+                info = os.fstat(handle.fileno())
+            os.rename(temporary, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=folder)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(folder)
     return ScrapeTarget(path, (info.st_dev, info.st_ino))

@@ -23,6 +23,8 @@ from memtui_agent.memory.memory_readers import close_readers
 from memtui_agent.steps.failures import first_line, is_oom, requested_bytes
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.launch import launch_identity
+from memtui_protocol.os_text import os_text
 from memtui_protocol.runtime_dir import (
     Sidecar,
     ensure_private_dir,
@@ -79,15 +81,18 @@ class Agent:
             format_version=schema.FORMAT_VERSION,
             agent_version=_agent_version(),
             pid=self.pid,
-            argv=self.argv,
+            # What the OS handed Python may hold bytes that are not UTF-8 (os_text): the
+            # hello, the sidecar and the metrics' labels carry them escaped, never fail on them.
+            argv=[os_text(word) for word in self.argv],
             started=_dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(),
             started_unix=started,
             torch=str(torch.__version__),
             device=_device_description(torch),
             python=platform.python_version(),
-            hostname=_socket.gethostname(),
-            cwd=os.getcwd(),
-            recording=str(self.record) if self.record is not None else None,
+            hostname=os_text(_socket.gethostname()),
+            cwd=os_text(os.getcwd()),
+            recording=os_text(str(self.record)) if self.record is not None else None,
+            launch=launch_identity(os.environ),
             rank=_env_int("RANK"),
             local_rank=_env_int("LOCAL_RANK"),
             world_size=_env_int("WORLD_SIZE"),
@@ -137,7 +142,7 @@ class Agent:
                     str(self.pid),
                     Sidecar(
                         pid=self.pid,
-                        argv=self.argv,
+                        argv=hello.argv,
                         started=hello.started,
                         started_unix=started,
                         socket=str(self.socket_path),

@@ -28,7 +28,12 @@ from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 from memtui_protocol.config import AgentConfig
-from memtui_protocol.safe_open import RefusedPath, make_folder, open_folder
+from memtui_protocol.safe_open import (
+    RefusedPath,
+    make_folder,
+    open_folder,
+    session_folder_mode,
+)
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
 OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
@@ -122,7 +127,9 @@ def is_launched_rank(argv: list[str], environ: dict[str, str]) -> bool:
     return local.isdigit() and local != environ.get(OWNER_RANK_VARIABLE, "0")
 
 
-def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | None:
+def record_path_for_rank(
+    record: str | None, environ: dict[str, str], metrics: bool = False
+) -> str | None:
     """A session folder (an existing directory) gets one recording per process.
 
     A multi-rank job (`WORLD_SIZE` > 1) always records into a session folder, made here if the
@@ -131,7 +138,9 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
 
     Ranks are named by their global rank (`rank-3.memtui`), other processes by a process index
     (`proc-0.memtui`, `proc-1.memtui`, in the order their agents start), so every process of a
-    multi-process job writes its own file and none overwrites another's.
+    multi-process job writes its own file and none overwrites another's. `metrics`: the ranks
+    write Prometheus targets into a folder made here, which other users may then pass through
+    (`session_folder_mode`).
     """
     rank = environ.get("RANK")
     if not rank and environ.get("NODE_RANK", "0") == "0":
@@ -142,7 +151,7 @@ def record_path_for_rank(record: str | None, environ: dict[str, str]) -> str | N
         # every rank at once, so they make a session folder instead (beside a file, if one
         # is already there). Made 0700 whatever the job's umask.
         record = record + "-ranks" if os.path.lexists(record) else record
-        make_folder(record)
+        make_folder(record, session_folder_mode(metrics))
     if not record or not _is_folder(record):
         return record
     if rank and rank.isdigit():
@@ -238,7 +247,8 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
             return  # torchrun itself trains nothing; its workers get their own agents
         try:
             try:
-                record = record_path_for_rank(config.record, dict(os.environ))
+                metrics = config.metrics_port is not None
+                record = record_path_for_rank(config.record, dict(os.environ), metrics)
             except OSError as exc:  # a session folder we may not write: run unrecorded
                 print(f"memtui: not recording this process: {exc}", file=sys.stderr)
                 record = None

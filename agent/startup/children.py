@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.safe_open import make_folder, session_folder_mode
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
 """The file `memtui run` names for what its processes could not say themselves (the bootstrap
@@ -68,18 +69,19 @@ def joined_message(steps_before: int | None, pid: int, origin: str) -> str:
     )
 
 
-def record_path(record: str | None) -> str | None:
+def record_path(record: str | None, metrics: bool = False) -> str | None:
     """Where a process the agent joined records: the next `proc-N` of the session folder, or
     of `<recording>-ranks/` beside a single recording (which is another process's file).
 
     Never `rank-N`: a worker inherits its rank's `RANK`, and that file is the rank's own.
+    `metrics`: the folder, if made here, may be passed through by a Prometheus of another user.
     """
     if record is None:
         return None
     from memtui_agent.startup.autostart import claim_process_index
 
     folder = record if os.path.isdir(record) else record + "-ranks"
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    make_folder(folder, session_folder_mode(metrics))  # its mode explicit, whatever the umask
     return os.path.join(folder, f"proc-{claim_process_index(folder)}.memtui")
 
 
@@ -87,7 +89,7 @@ def _start(config: AgentConfig, install_exit_handlers: bool) -> Any:
     """On the training thread: the agent, recording this process; None if it did not start."""
     from memtui_agent.startup import api, autostart
 
-    record = record_path(config.record)
+    record = record_path(config.record, config.metrics_port is not None)
     if install_exit_handlers and not api.exit_owned:
         autostart.record_process_end()
     agent = api.start(config=config.replace(record=record, argv=None))

@@ -163,8 +163,10 @@ def recording_path(target: Target, output: str | None) -> Path:
     Raises:
         AttachRefused: the name holds a link, a non-regular file or another user's file.
     """
+    from memtui.commands.earlier_run import Standing, examine
     from memtui.commands.run_command import default_recording_name
     from memtui_protocol.safe_open import refusal
+    from memtui_protocol.written import Replace
 
     path = Path(output) if output else default_recording_name(job_name(target.argv))
     path = path.absolute()
@@ -173,6 +175,13 @@ def recording_path(target: Target, output: str | None) -> Path:
         raise AttachRefused(problem)
     if not path.parent.is_dir():
         raise AttachRefused(f"{path.parent}: no such folder")
+    # The injected agent replaces only an earlier recording no process still writes: say so
+    # here, before anything touches the job (memtui never overwrites a file it did not write).
+    found = examine(path, Replace.RECORDING)
+    if found.standing is Standing.UNPROVEN:
+        raise AttachRefused(f"{path}: exists and is not a memtui recording; choose another -o")
+    if found.standing is Standing.LIVE:
+        raise AttachRefused(f"{path}: a running job still records there; choose another -o")
     return path
 
 

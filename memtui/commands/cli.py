@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     target = run.add_mutually_exclusive_group()
     target.add_argument("-o", "--output", metavar="PATH", help="recording file to write")
     target.add_argument("--no-record", action="store_true", help="write no recording")
+    _force_flag(
+        run,
+        "-o may replace a file that is not a memtui recording (and, in the TUI, a "
+        "PATH.log memtui did not write)",
+    )
     run.add_argument("--budget", type=_size, metavar="SIZE", help="memory budget, e.g. 24GB")
     run.add_argument(
         "--nan-check",
@@ -186,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="output file, '-' for stdout (default: beside the recording, with its name: "
         "run.memtui -> run.trace.json or run.csv); with tensorboard the folder the runs go into",
     )
+    _force_flag(export, "replace OUT if it exists (an existing file is refused without it)")
 
     cluster = commands.add_parser(
         "cluster",
@@ -283,9 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="recording file to write (default: memtui-demo-<time>.memtui here)",
     )
+    _force_flag(demo, "-o may replace a file that is not a memtui recording")
     _activations_flag(demo)
     demo.add_argument("demo_args", nargs="*", help="arguments for the demo job (see below)")
     return parser
+
+
+def _force_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """`-f/--force`: memtui never overwrites a file it did not write unless told so."""
+    parser.add_argument("-f", "--force", action="store_true", help=what)
 
 
 def _activations_flag(parser: argparse.ArgumentParser) -> None:
@@ -363,7 +375,7 @@ def split_job_argv(
 
 DEMO_PACE = {"--steps": "60", "--sleep": "0.15"}
 """The demo's pace in the TUI: slow enough to watch live (about 20 s on a 2-core CPU)."""
-DEMO_FLAGS = {"--headless", "-h", "--help"}
+DEMO_FLAGS = {"--headless", "-h", "--help", "-f", "--force"}
 DEMO_VALUE_FLAGS = {"-o", "--output", "--activations"}
 DEMO_STEPS = 30
 """The demo job's own default (`memtui_agent.demo.tiny_lm`), what a headless demo runs."""
@@ -405,7 +417,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     write_bytecode()  # the job imports the agent: compiled once, not at every start
     target = list(args.target)
-    job = build_job(target, args.module, args.output, args.no_record, agent_config(args))
+    job = build_job(
+        target, args.module, args.output, args.no_record, agent_config(args), args.force
+    )
     if args.headless:
         return run_headless(job)
     from memtui.commands.tui_commands import run_tui
@@ -433,7 +447,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     output = args.output or str(default_recording_name("demo"))
     if not args.headless:
         extra = demo_pace(extra)
-    job = build_job(extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args))
+    job = build_job(
+        extra, "memtui_agent.demo.tiny_lm", output, False, agent_config(args), args.force
+    )
     if args.headless:
         return run_headless(job)
     from memtui.commands.tui_commands import run_tui
@@ -549,14 +565,10 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """`memtui export PATH --format chrome-trace|csv|tensorboard [-o OUT]`."""
-    if args.format == "tensorboard":
-        from memtui.reports.tensorboard_export import run_tensorboard_export
+    """`memtui export PATH --format chrome-trace|csv|tensorboard [-o OUT] [--force]`."""
+    from memtui.reports.export import export_command
 
-        return run_tensorboard_export(args.path, args.output)
-    from memtui.reports.export import run_export
-
-    return run_export(args.path, args.format, args.output)
+    return export_command(args.path, args.format, args.output, args.force)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from memtui.input.cluster_query import ClusterSnapshot, RankFigures, snapshot
 from memtui.input.prometheus_api import TIMEOUT_SECONDS, PrometheusClient
 from memtui.model.cluster import cluster_view, rank_state
 from memtui.terminal_text import terminal_safe
+from memtui_protocol.os_text import os_text
 from memtui_protocol.runtime_dir import RuntimeDirError, live_sidecars
 
 
@@ -48,7 +49,7 @@ def run_cluster(
 def local_sockets(found: ClusterSnapshot) -> dict[int, tuple[int, str]]:
     """rank -> (pid, socket) for the ranks running on this host whose agent serves a socket
     of this user's (the sidecar's pid is the one Prometheus reports)."""
-    here = socket.gethostname()
+    here = os_text(socket.gethostname())  # as the agent wrote it in the host label
     pids = {figures.pid: figures.rank for figures in found.ranks if figures.host == here}
     if not any(pid is not None for pid in pids):
         return {}

@@ -15,6 +15,7 @@ import itertools
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,10 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memtui import errors
+from memtui.commands.earlier_run import replace_previous
 from memtui.terminal_text import terminal_safe
 from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
-from memtui_protocol.safe_open import folder_refusal, make_folder, refusal
+from memtui_protocol.metrics import TARGETS_FOLDER
+from memtui_protocol.safe_open import folder_refusal, make_folder, refusal, session_folder_mode
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
 
@@ -53,6 +56,8 @@ class JobSpec:
     session: str = ""
     """This `memtui run`'s token (`AgentConfig.session`): ranks' sidecars carry it, so attach
     groups them and the TUI finds the socket of a job it runs without a recording."""
+    force: bool = False
+    """`--force`: `-o` may replace a file that is not a memtui recording."""
 
 
 def bootstrap_dir() -> Path:
@@ -96,11 +101,14 @@ def build_job(
     output: str | None,
     no_record: bool,
     config: AgentConfig | None = None,
+    force: bool = False,
 ) -> JobSpec:
     """Turn the parsed command line into the child's argv and environment.
 
     `config` holds the agent's options; the recording, argv and session token are filled in
-    here and the whole config goes to the job as `AgentConfig.to_env()`.
+    here and the whole config goes to the job as `AgentConfig.to_env()`. `force`: `-o` may
+    replace a file that is not a memtui recording (checked as the job starts,
+    `earlier_run.replace_previous`).
 
     Raises:
         UsageError: nothing to run, a missing script, a command not found, a bad output path.
@@ -136,34 +144,25 @@ def build_job(
     existing = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(bootstrap_dir()) + (os.pathsep + existing if existing else "")
     recording = None
+    config = config or AgentConfig()
     if not no_record:
         recording = Path(output) if output else default_recording_name(name)
-        _refuse_unsafe(recording)
-        distributed = launches_ranks(target, module)
-        # A launcher starts ranks; any other command may start several Python processes (in
-        # turn or side by side): each records its own file in a session folder.
-        per_process = distributed or through_bootstrap
-        if per_process and not output:
-            recording = recording.with_suffix("")
-        if not recording.is_dir() and not recording.parent.exists():
-            raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
-        if per_process and not recording.is_dir():
-            # The session folder must exist before the processes start.
-            if os.path.lexists(recording):
-                who, unit = (
-                    ("a distributed launcher", "rank") if distributed else ("-- COMMAND", "process")
-                )
-                raise UsageError(
-                    f"-o {recording}: is a file; {who} needs a session folder "
-                    f"(one recording per {unit})"
-                )
-            make_folder(recording)
-        # Absolute, never resolved: a link planted at the name must reach the agent as a link,
-        # which it refuses to follow (memtui_protocol.safe_open).
-        recording = recording.absolute()
+        try:
+            recording = _session_or_file(
+                recording,
+                target,
+                module,
+                output,
+                through_bootstrap,
+                config.metrics_port is not None,
+            )
+            if config.metrics_port is not None:
+                _say_if_unreachable(recording)
+        except OSError as exc:  # a name too long, a folder we may not search: one line
+            raise UsageError(f"-o {terminal_safe(recording)}: {exc.strerror or exc}") from None
     # One token per `memtui run`: every rank's sidecar carries it, so attach groups them.
     session = uuid.uuid4().hex
-    config = (config or AgentConfig()).replace(
+    config = config.replace(
         record=str(recording) if recording is not None else None,
         argv=tuple(display),
         session=session,
@@ -178,7 +177,66 @@ def build_job(
         recording=recording,
         notes=notes,
         session=config.session or "",
+        force=force,
     )
+
+
+def _say_if_unreachable(recording: Path) -> None:
+    """`--metrics-port`: say once if a Prometheus running as its own user (Debian's
+    `prometheus`) cannot reach the `prometheus/` folder the ranks' target files go into: the
+    first folder on the way that other users may not pass through (memtui changes no folder's
+    mode but the session folders it makes)."""
+    folder = recording if recording.is_dir() else recording.parent
+    for step in (folder, *folder.parents):
+        info = os.stat(step)
+        if not info.st_mode & stat.S_IXOTH:
+            mode = stat.S_IMODE(info.st_mode)
+            print(
+                f"memtui: note: {terminal_safe(step)} (mode {mode:o}) cannot be passed "
+                "through by other users: a Prometheus running as its own user will not read "
+                f"{terminal_safe(folder / TARGETS_FOLDER)} (chmod o+x {terminal_safe(step)})",
+                file=sys.stderr,
+            )
+            return
+
+
+def _session_or_file(
+    recording: Path,
+    target: list[str],
+    module: str | None,
+    output: str | None,
+    through_bootstrap: bool,
+    metrics: bool = False,
+) -> Path:
+    """The recording's path, absolute; a session folder made where the job needs one.
+
+    Raises:
+        UsageError: a path the agent would refuse, a missing folder, a file for a folder.
+        OSError: the path cannot be checked (too long, a folder we may not search).
+    """
+    _refuse_unsafe(recording)
+    distributed = launches_ranks(target, module)
+    # A launcher starts ranks; any other command may start several Python processes (in
+    # turn or side by side): each records its own file in a session folder.
+    per_process = distributed or through_bootstrap
+    if per_process and not output:
+        recording = recording.with_suffix("")
+    if not recording.is_dir() and not recording.parent.exists():
+        raise UsageError(f"-o {recording}: folder {recording.parent} does not exist")
+    if per_process and not recording.is_dir():
+        # The session folder must exist before the processes start.
+        if os.path.lexists(recording):
+            who, unit = (
+                ("a distributed launcher", "rank") if distributed else ("-- COMMAND", "process")
+            )
+            raise UsageError(
+                f"-o {recording}: is a file; {who} needs a session folder "
+                f"(one recording per {unit})"
+            )
+        make_folder(recording, session_folder_mode(metrics))
+    # Absolute, never resolved: a link planted at the name must reach the agent as a link,
+    # which it refuses to follow (memtui_protocol.safe_open).
+    return recording.absolute()
 
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
@@ -255,47 +313,6 @@ def _refuse_unsafe(recording: Path) -> None:
             raise UsageError(reason)
 
 
-PROCESS_INDEX_FILE = ".process-index"
-"""The session folder's process counter (`memtui_agent.startup.autostart.PROCESS_INDEX_FILE`)."""
-
-
-def replace_previous(recording: Path) -> None:
-    """Remove what an earlier run left under this run's `-o`, before the job starts.
-
-    A rerun with the same `-o` whose job never wrote a recording (it failed before importing
-    torch, or the agent could not start) used to leave the earlier run's file in place, and the
-    summary and the viewer then showed that run as this one ("job ok (exit code 3)"). So the
-    earlier recording and its `.log` are removed now; in a session folder, every process's
-    and rank's recording, their logs and the process counter (this run's processes count from
-    0 again). Only our own regular files are removed (`refusal` lets nothing else through).
-
-    Raises:
-        UsageError: one of them cannot be removed.
-    """
-    from memtui.reports.rank_report import session_files
-
-    earlier = [recording.with_name(recording.name + ".log")]
-    folders = [recording] if recording.is_dir() else [Path(f"{recording}-ranks")]
-    if not recording.is_dir():
-        earlier.append(recording)
-    for folder in folders:  # a session folder, or the ranks a launcher started beside a file
-        if folder.is_dir() and not folder.is_symlink():
-            recordings = [path for _label, path in session_files(folder)]
-            earlier += recordings + [path.with_name(path.name + ".log") for path in recordings]
-            earlier.append(folder / PROCESS_INDEX_FILE)
-    for path in earlier:
-        if refusal(path) is not None:
-            continue  # not ours to remove: the agent refuses that name in one line
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise UsageError(
-                f"-o {recording}: cannot replace the earlier {path.name} ({exc.strerror or exc})"
-            ) from None
-
-
 def exit_code_of(returncode: int) -> int:
     """A child killed by signal N exits the shell way: 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -305,8 +322,8 @@ def run_headless(job: JobSpec) -> int:
     """Run the job with its own stdio; print where the recording is and a summary after."""
     if job.recording is not None:
         try:
-            replace_previous(job.recording)
-        except UsageError:
+            replace_previous(job.recording, job.force, writes_log=False)
+        except errors.UsageError:
             take_notes(job)  # removes the notes file
             raise
         print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)

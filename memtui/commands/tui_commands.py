@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memtui.commands.earlier_run import replace_previous
 from memtui.commands.run_command import (
     JobSpec,
     launches_ranks,
     make_private_file,
-    replace_previous,
     summary_line,
     take_notes,
     take_private_file,
@@ -128,7 +128,7 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
 
     if job_spec.recording is not None:
         try:
-            replace_previous(job_spec.recording)
+            replace_previous(job_spec.recording, job_spec.force, writes_log=True)
         except UsageError:
             take_notes(job_spec)  # removes the notes file
             raise

@@ -3,7 +3,9 @@
 Headless runs leave the job's stdio alone; with the TUI on screen the job's output cannot go to
 the terminal, so it is read here line by line (progress bars redrawn with carriage returns keep
 their latest state), kept in a bounded buffer for the output pane, and written unchanged to
-`<recording>.log` so nothing the job printed is lost.
+`<recording>.log` so nothing the job printed is lost. The log's first line is memtui's own
+(`JOB_LOG_MARKER`): it proves the file is memtui's, so a rerun replaces it and nothing else (a
+user's file or a shell redirect under that name is never touched, `memtui_protocol.written`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import deque
 from pathlib import Path
 
 from memtui_protocol.safe_open import create_private
+from memtui_protocol.written import JOB_LOG_MARKER, Replace, hold_as_writer
 
 MAX_LINES = 5000
 
@@ -24,6 +27,12 @@ MAX_LINES = 5000
 def recording_log_path(recording: Path | None) -> Path | None:
     """`<recording>.log`: where the job's output is kept beside its recording."""
     return recording.with_name(recording.name + ".log") if recording is not None else None
+
+
+def log_first_line() -> bytes:
+    """The line memtui writes before the job's output, the proof the log is memtui's."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    return JOB_LOG_MARKER + f" from here on, unchanged (started {started})\n".encode()
 
 
 class JobProcess:
@@ -38,7 +47,11 @@ class JobProcess:
         self._log = None
         if log_path is not None:
             try:  # never through a planted link (see memtui_protocol.safe_open)
-                self._log = os.fdopen(create_private(log_path), "wb")
+                descriptor = create_private(log_path, replaces=Replace.JOB_LOG)
+                hold_as_writer(descriptor)  # a rerun leaves a log that is still written
+                self._log = os.fdopen(descriptor, "wb")
+                self._log.write(log_first_line())
+                self._log.flush()
             except OSError as exc:
                 self.lines.append(f"memtui: job output not saved: {exc}")
         self.process = subprocess.Popen(

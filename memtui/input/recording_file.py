@@ -8,8 +8,7 @@ from pathlib import Path
 from memtui.errors import UserError
 from memtui.input.frame_stream import CHUNK
 from memtui.input.input_files import InputFileError, open_input
-from memtui_protocol import schema, wire
-from memtui_protocol.runtime_dir import pid_alive
+from memtui_protocol import schema, wire, written
 
 
 class RecordingError(UserError):
@@ -49,6 +48,7 @@ def writer_alive(hello: schema.Hello) -> bool:
 
     The one rule behind "running" versus "killed": `memtui report` says `job running` by it,
     and `memtui replay` follows such a recording as it grows, ending where the report would
-    say killed (the process gone, no final frame).
+    say killed (the process gone, no final frame). The rule itself is the protocol's
+    (`memtui_protocol.written.writer_alive`), which a rerun's cleanup also asks.
     """
-    return hello.hostname == os.uname().nodename and pid_alive(hello.pid, hello.process_create_time)
+    return written.writer_alive(hello)

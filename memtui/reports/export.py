@@ -21,8 +21,9 @@ from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, StepAlert, read_recording
 from memtui.model.step_rows import activations_known, known_total, pile_figure
 from memtui.terminal_text import json_safe, terminal_safe
-from memtui_protocol.safe_open import RefusedPath, write_new
+from memtui_protocol.safe_open import RefusedPath, refusal, write_new
 from memtui_protocol.schema import Pile, Piles, Step
+from memtui_protocol.written import Replace
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
 """Each format and the suffix of its default output file."""
@@ -188,21 +189,62 @@ def default_output(path: str | os.PathLike[str], fmt: str) -> Path:
     return Path(path).with_suffix(FORMATS[fmt])
 
 
-def run_export(path: str, fmt: str, output: str | None) -> int:
+FORCE_HINT = "--force replaces it"
+
+
+def export_command(path: str, fmt: str, output: str | None, force: bool) -> int:
+    """`memtui export PATH --format FMT [-o OUT] [--force]`, every format: the one place that
+    decides whether the output may be written over; the exit code.
+
+    An existing output is refused in one line unless `--force`, even one an earlier export
+    wrote: nothing in a CSV or a trace proves it is still what memtui wrote (a user may have
+    edited it, or saved their own work under that name), so it is the user's to replace.
+    TensorBoard's format writes new event files into a folder and never replaces one; a file
+    where its folder should be is refused, `--force` or not.
+    """
+    if fmt == "tensorboard":
+        from memtui.reports import tensorboard_export
+
+        if output != "-":
+            folder = Path(output) if output else tensorboard_export.default_output(Path(path))
+            if os.path.lexists(folder) and not folder.is_dir():
+                raise UserError(
+                    f"{folder}: exists and is not a folder; --format tensorboard writes a "
+                    "folder of runs (choose another -o)"
+                )
+        return tensorboard_export.run_tensorboard_export(path, output)
+    return run_export(path, fmt, output, force)
+
+
+def _refuse_existing(target: Path, force: bool) -> None:
+    """One line for an output name that holds something export may not write over."""
+    reason = refusal(target)  # a link, a FIFO, a folder, another user's file: never
+    if reason is not None:
+        raise UserError(reason)
+    if not force and os.path.lexists(target):
+        raise UserError(f"{target}: exists; refusing to overwrite it ({FORCE_HINT})")
+
+
+def run_export(path: str, fmt: str, output: str | None, force: bool = False) -> int:
     """`memtui export`: write the file (or stdout for `-o -`); returns the exit code.
 
     A damaged recording exports its valid prefix and exits 3 with a warning, like `report`.
+    `force`: an existing regular file of ours at the output is replaced (`export_command`).
     """
-    recording = read_recording(path)
-    text = render(recording, fmt)
-    if output == "-":
-        sys.stdout.write(text)
-    else:
+    target = None
+    if output != "-":
         target = Path(output) if output else default_output(path, fmt)
         if target.resolve() == Path(path).resolve():
             raise UserError(f"{target}: would overwrite the recording")
+        _refuse_existing(target, force)
+    recording = read_recording(path)
+    text = render(recording, fmt)
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        replaces = Replace.OWN_FILE if force else Replace.NOTHING
         try:  # never through a planted link, never blocked on a FIFO (safe_open)
-            write_new(target, text.encode("utf-8"))
+            write_new(target, text.encode("utf-8"), replaces)
         except RefusedPath as exc:
             raise UserError(str(exc)) from None
         except OSError as exc:
