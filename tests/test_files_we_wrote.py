@@ -38,6 +38,7 @@ from memtui.commands.run_command import build_job
 from memtui.input.job_process import JobProcess, log_first_line
 from memtui.model.recording import read_recording
 from memtui_agent.output.scrape_target import write_target
+from memtui_agent.startup.autostart import record_path_for_rank
 from memtui_protocol import schema, wire
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.launch import launch_identity
@@ -364,6 +365,71 @@ def test_tasks_started_one_at_a_time_into_one_folder_keep_every_recording(tmp_pa
     assert report.returncode == 0, report.stderr
     steps = sorted(len(rank["steps"]) for rank in json.loads(report.stdout)["ranks"].values())
     assert steps == sorted([5, trained])
+
+
+def test_a_task_of_the_same_launch_runs_beside_a_live_file_another_launch_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`srun memtui run -o run.memtui train.py`: every task but the first finds the file live.
+    A task of that launch runs and records beside it; a job of another launch is refused."""
+    recording = _recording(tmp_path / "run.memtui", launch="slurm 7.0")
+    held = _held(recording)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    replace_previous(recording)
+    assert "records beside it in run.memtui-ranks/" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_STEP_ID", "1")
+    with pytest.raises(RerunError, match="still records there"):
+        replace_previous(recording)
+    assert recording.exists()
+    os.close(held)
+
+
+def test_a_sibling_tasks_agent_records_beside_the_file_by_its_task_rank(tmp_path: Path) -> None:
+    recording = _recording(tmp_path / "run.memtui", launch="slurm 7.0")
+    environ = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3"}
+    chosen = record_path_for_rank(str(recording), environ)
+    assert chosen == str(tmp_path / "run.memtui-ranks" / "rank-3.memtui")
+    assert record_path_for_rank(str(tmp_path / "new.memtui"), environ) == str(
+        tmp_path / "new.memtui"
+    )  # the first task records into the file itself
+
+
+@pytest.mark.slow
+def test_srun_tasks_with_one_file_each_record_their_own(tmp_path: Path) -> None:
+    """`srun memtui run --headless -o run.memtui train.py`: task 0 records into the file, task 1
+    (started while task 0 trains) runs its job too and records into `run.memtui-ranks/`."""
+    (tmp_path / "job.py").write_text(SIBLING_JOB)
+    recording = tmp_path / "run.memtui"
+
+    def task(name: str, procid: int) -> subprocess.Popen[str]:
+        env = _env(tmp_path, SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID=str(procid))
+        return subprocess.Popen(
+            [*MEMTUI, "run", "--headless", "-o", str(recording), "job.py", name],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    first = task("a", 0)
+    try:
+        deadline = time.monotonic() + 240  # a safety net; the test waits for the event
+        while not (tmp_path / "a.ready").exists():
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "task a never reached its third step"
+            time.sleep(0.1)
+        second = task("b", 1)
+        _, second_err = second.communicate(timeout=240)
+        assert second.returncode == 0, second_err
+        assert "records beside it in run.memtui-ranks/" in second_err, second_err
+        (tmp_path / "stop").touch()
+        stdout, stderr = first.communicate(timeout=240)
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                process.kill()
+    assert first.returncode == 0, stderr
+    assert len(read_recording(recording).steps) == len(stdout.splitlines())
+    beside = read_recording(tmp_path / "run.memtui-ranks" / "rank-1.memtui")
+    assert len(beside.steps) == 5
 
 
 # ----- 4. text that is not UTF-8 ---------------------------------------------------------------

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.launch import launch_identity
 from memtui_protocol.safe_open import (
     RefusedPath,
     make_folder,
@@ -146,12 +147,18 @@ def record_path_for_rank(
     if not rank and environ.get("NODE_RANK", "0") == "0":
         rank = environ.get("LOCAL_RANK")  # launchers that set only LOCAL_RANK (Lightning)
     world = environ.get("WORLD_SIZE", "")
-    if record and not _is_folder(record) and world.isdigit() and int(world) > 1:
+    multi_rank = world.isdigit() and int(world) > 1
+    # A task of a scheduler's launch (`srun memtui run -o run.memtui train.py`, one `memtui run`
+    # per task) that finds the file already there: a sibling task records into it (`memtui run`
+    # let this one start only then), so this one records beside it, never into it.
+    sibling = launch_identity(environ) is not None and os.path.lexists(record or "")
+    if record and not _is_folder(record) and (multi_rank or sibling):
         # Ranks of a launcher `memtui run` did not recognise: one file would be written by
         # every rank at once, so they make a session folder instead (beside a file, if one
         # is already there). Made 0700 whatever the job's umask.
         record = record + "-ranks" if os.path.lexists(record) else record
         make_folder(record, session_folder_mode(metrics))
+        rank = rank or environ.get("SLURM_PROCID")
     if not record or not _is_folder(record):
         return record
     if rank and rank.isdigit():

@@ -183,6 +183,15 @@ def _plan_file(recording: Path, force: bool, outputs: set[tuple[int, int]], plan
         raise RerunError(found.reason or f"{recording}: refusing to overwrite it")
     if found.standing is Standing.LIVE:
         hello = found.head.hello if found.head is not None else None
+        ours = launch_identity(os.environ)
+        if ours is not None and hello is not None and hello.launch == ours:
+            # A sibling task of this launch (`srun memtui run -o FILE ...`): the job runs, and
+            # its agent records beside the file (`<recording>-ranks/`), never into it.
+            plan.notes.append(
+                f"{recording}: a task of this launch ({ours}) records there; this task "
+                f"records beside it in {recording.name}-ranks/"
+            )
+            return
         who = f" (pid {hello.pid} on {hello.hostname or 'this host'})" if hello else ""
         raise RerunError(
             f"-o {recording}: a running job{who} still records there; choose another -o"
