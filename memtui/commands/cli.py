@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,10 +31,40 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+MAX_WAIT_SECONDS = 86_400.0
+"""The longest `attach`/`detach --timeout`: a day (a job's step may be slow, never that slow)."""
+
+
+def _cluster_timeout_limit() -> float:
+    from memtui.input.prometheus_api import MAX_TIMEOUT_SECONDS
+
+    return MAX_TIMEOUT_SECONDS
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
     return int(text)
+
+
+def _seconds(maximum: float | Callable[[], float]) -> Callable[[str], float]:
+    """An argparse type for a duration: a finite number of seconds above 0, at most `maximum`
+    (NaN, infinities, negatives and 1e309 are refused here, not deep in a socket call).
+    `maximum` may be a function, so the module that owns the limit is imported only when the
+    flag is given."""
+
+    def parse(text: str) -> float:
+        limit = maximum() if callable(maximum) else maximum
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not 0 < value <= limit:  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, at most {limit:g}")
+        return value
+
+    parse.__name__ = "seconds"  # what argparse names in its own messages
+    return parse
 
 
 def _size(text: str) -> int:
@@ -137,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attach.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds(MAX_WAIT_SECONDS),
         default=120.0,
         metavar="S",
         help="seconds to wait for the job's next step, where an injected agent starts",
@@ -157,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     detach.add_argument("pid", type=int, help="the job's pid")
     detach.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="seconds to wait for the job"
+        "--timeout",
+        type=_seconds(MAX_WAIT_SECONDS),
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for the job",
     )
 
     replay = commands.add_parser("replay", help="open a recording in the TUI")
@@ -206,10 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print the JSON document and exit")
     cluster.add_argument(
         "--timeout",
-        type=float,
-        default=5.0,
+        type=_seconds(_cluster_timeout_limit),
         metavar="S",
-        help="seconds each request to Prometheus may take (default 5)",
+        help="seconds all of Prometheus' answers may take together, one deadline "
+        "(default 5; in the TUI, per refresh)",
     )
 
     estimate = commands.add_parser(
@@ -562,8 +597,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     """`memtui cluster --prometheus URL [--job NAME] [--once|--json]`."""
     from memtui.commands.cluster_command import run_cluster
+    from memtui.input.prometheus_api import TIMEOUT_SECONDS
 
-    return run_cluster(args.prometheus, args.job, args.once, args.json, args.timeout)
+    timeout = TIMEOUT_SECONDS if args.timeout is None else args.timeout
+    return run_cluster(args.prometheus, args.job, args.once, args.json, timeout)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
