@@ -547,8 +547,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
     from memtui.input.torch_snapshot import looks_like_snapshot
     from memtui.model.recording import read_recording
-    from memtui.reports.report import render_text, report_of
-    from memtui.reports.report_format import strict_json
+    from memtui.reports.report import render_text
+    from memtui.reports.report_json import write_report_json
 
     if looks_like_snapshot(args.path):
         from memtui.reports.snapshot_report import report_snapshot
@@ -558,7 +558,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         return report_session(Path(args.path), args.json, binary=not args.decimal)
     recording = read_recording(args.path)
     if args.json:
-        print(strict_json(report_of(recording)))
+        write_report_json(recording, sys.stdout.write)  # streamed: its steps are not held
     else:
         print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
     if recording.warning:
