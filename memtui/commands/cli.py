@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,16 +36,108 @@ MAX_WAIT_SECONDS = 86_400.0
 """The longest `attach`/`detach --timeout`: a day (a job's step may be slow, never that slow)."""
 
 
+def _gpus_limit() -> int:
+    from memtui.reports.estimate import MAX_GPUS
+
+    return MAX_GPUS
+
+
 def _cluster_timeout_limit() -> float:
     from memtui.input.prometheus_api import MAX_TIMEOUT_SECONDS
 
     return MAX_TIMEOUT_SECONDS
 
 
+def _shown(text: str) -> str:
+    """A value quoted in an error: cut when long (a 400-digit number is not read anyway)."""
+    return repr(text if len(text) <= 64 else text[:40] + "...")
+
+
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    if not (text.isascii() and text.isdigit()) or len(text) > 5 or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {_shown(text)}")
     return int(text)
+
+
+MAX_PID = 2**31 - 1
+
+
+def _pid(text: str) -> int:
+    """A process id: ASCII digits, 1 to 2**31 - 1 (`str.isdigit` alone takes '²')."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not 0 < int(text) <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"not a process id: {_shown(text)}")
+    return int(text)
+
+
+def _whole(flag: str, low: int, high: Callable[[], int]) -> Callable[[str], int]:
+    """An argparse type for a whole number from `low` to `high()` (`--gpus`; the limit's module
+    is imported only when the flag is given)."""
+
+    def parse(text: str) -> int:
+        digits = text[1:] if text.startswith("-") else text
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 19:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {_shown(text)}")
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least {low}, not {value}")
+        if value > high():
+            raise argparse.ArgumentTypeError(f"{flag} must be at most {high():,}, not {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def _module(text: str) -> str:
+    """`-m MODULE`: a dotted name of identifiers, as Python's own `-m` takes (anything else
+    would start a job only for Python to say it has no such module)."""
+    if not _dotted(text):
+        raise argparse.ArgumentTypeError(f"not a module name: {_shown(text)}")
+    return text
+
+
+def _dotted(text: str) -> bool:
+    return 0 < len(text) <= 1000 and all(part.isidentifier() for part in text.split("."))
+
+
+def _spec(flag: str) -> Callable[[str], str]:
+    """`--model`/`--batch MODULE:CALLABLE`, checked here: a malformed one is refused before a
+    child interpreter is started to import it (the child checks it again)."""
+
+    def parse(text: str) -> str:
+        module, sep, attribute = text.partition(":")
+        if not (sep and _dotted(module) and _dotted(attribute)):
+            raise argparse.ArgumentTypeError(
+                f"{flag} expects module:callable, e.g. mypkg.models:build, not {_shown(text)}"
+            )
+        return text
+
+    parse.__name__ = "module:callable"
+    return parse
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9._:%-]{1,255}")
+
+
+def _address(text: str) -> str:
+    """`--metrics-addr`: an IPv4 or IPv6 address or a host name (no brackets, no port)."""
+    if _ADDRESS.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"not an address to bind: {_shown(text)} (e.g. 127.0.0.1, 0.0.0.0, ::1)"
+        )
+    return text
+
+
+def _label(text: str) -> str:
+    """`--metrics-job`: a Prometheus label value shown in tables and dashboards: printable,
+    at most 256 characters."""
+    from memtui_protocol.shown_text import UNSAFE
+
+    if not text or len(text) > 256 or UNSAFE.search(text):
+        raise argparse.ArgumentTypeError(
+            f"not a job name: {_shown(text)} (1 to 256 printable characters)"
+        )
+    return text
 
 
 def _seconds(maximum: float | Callable[[], float]) -> Callable[[str], float]:
@@ -127,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--metrics-addr",
+        type=_address,
         default=DEFAULT_METRICS_ADDR,
         metavar="ADDR",
         help="address the metrics endpoint binds to (default 127.0.0.1: this machine only; "
@@ -134,18 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--metrics-job",
+        type=_label,
         metavar="NAME",
         help="the metrics' job label (default: the session folder's name, else the "
         "recording's or the script's)",
     )
-    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
+    run.add_argument(
+        "-m", dest="module", type=_module, metavar="MODULE", help="run a module like python -m"
+    )
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
     attach = commands.add_parser("attach", help="watch a running job live")
     attach.add_argument(
         "pid",
         nargs="?",
-        type=int,
+        type=_pid,
         help="the job's pid (default: the only live job; with several, a list to choose from)",
     )
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
@@ -180,13 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="an injected agent serves Prometheus metrics on PORT + LOCAL_RANK (as memtui run)",
     )
     attach.add_argument(
-        "--metrics-addr", metavar="ADDR", help="the address it binds to (default 127.0.0.1)"
+        "--metrics-addr",
+        type=_address,
+        metavar="ADDR",
+        help="the address it binds to (default 127.0.0.1)",
     )
 
     detach = commands.add_parser(
         "detach", help="stop the agent in a running job and remove its hooks; the job carries on"
     )
-    detach.add_argument("pid", type=int, help="the job's pid")
+    detach.add_argument("pid", type=_pid, help="the job's pid")
     detach.add_argument(
         "--timeout",
         type=_seconds(MAX_WAIT_SECONDS),
@@ -256,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     counted = estimate.add_mutually_exclusive_group(required=True)
     counted.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 1.5B, 10M")
     counted.add_argument(
-        "--model", metavar="MODULE:CALLABLE", help="count a model's parameters on the meta device"
+        "--model",
+        type=_spec("--model"),
+        metavar="MODULE:CALLABLE",
+        help="count a model's parameters on the meta device",
     )
     estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
     estimate.add_argument(
@@ -267,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--batch",
+        type=_spec("--batch"),
         metavar="MODULE:CALLABLE",
         help="the forward's keyword arguments: train --model two steps on fake tensors",
     )
@@ -289,7 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="with --batch: the GPU's memory, e.g. 80GB: verdict and what would fit",
     )
-    estimate.add_argument("--gpus", type=int, default=1, metavar="G", help="data-parallel GPUs")
+    estimate.add_argument(
+        "--gpus",
+        type=_whole("--gpus", 1, _gpus_limit),
+        default=1,
+        metavar="G",
+        help="data-parallel GPUs",
+    )
     estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
     estimate.add_argument(
         "--fsdp", action="store_true", help="with --batch: fully sharded (as ZeRO stage 3)"
@@ -616,7 +726,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
     try:
         trainable = None if args.trainable is None else parse_count(args.trainable)
-        if args.model:
+        if args.model is not None:
             params, counted = count_model(args.model)
             trainable = counted if trainable is None else trainable
         else:
@@ -727,6 +837,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a path the system refuses outright (a name too long): one line
+        named = f"{exc.filename}: " if exc.filename is not None else ""
+        reason = exc.strerror or str(exc)
+        print(f"memtui: error: {terminal_safe(named + reason)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

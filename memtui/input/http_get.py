@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import ssl
@@ -115,7 +115,11 @@ def _wait(sock: socket.socket, write: bool, deadline: float) -> None:
         pass
 
 
-def _addresses(host: str, port: int, deadline: float) -> list[tuple[object, ...]]:
+AddressInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, Any]
+"""One of `getaddrinfo`'s answers: family, type, protocol, name, socket address."""
+
+
+def _addresses(host: str, port: int, deadline: float) -> list[AddressInfo]:
     """`getaddrinfo` on a helper thread (libc's lookup has no timeout of its own)."""
     found: list[object] = []
 
