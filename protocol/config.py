@@ -20,6 +20,7 @@ from enum import Enum
 from typing import TypeVar
 
 from memtui_protocol.schema import ActivationMode, NanCheck
+from memtui_protocol.units import MAX_SIZE
 
 RECORD = "MEMTUI_RECORD"
 SOCKET = "MEMTUI_SOCKET"
@@ -142,11 +143,9 @@ class AgentConfig:
             except (ValueError, TypeError):
                 argv = None
         budget = None
-        if environ.get(BUDGET):
-            try:
-                budget = int(environ[BUDGET])
-            except ValueError:
-                budget = None
+        text = environ.get(BUDGET) or ""
+        if text.isascii() and text.isdigit() and len(text) <= 19:  # never a ValueError here
+            budget = int(text) if int(text) <= MAX_SIZE else None
         return cls(
             record=environ.get(RECORD) or None,
             socket=environ.get(SOCKET, "1") != "0",

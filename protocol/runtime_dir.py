@@ -11,6 +11,7 @@ and decoded into the `Sidecar` schema; one that fails is skipped and said in one
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import tempfile
 from pathlib import Path
@@ -191,11 +192,44 @@ def pid_alive(pid: int, create_time: float | None = None) -> bool:
     except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
-        return True
+        return not process_ending(pid)
+    if process_ending(pid):
+        return False  # a zombie, or killed: it will never write again
     if create_time is None:
         return True
     now = process_create_time(pid)
     return now is None or abs(now - create_time) < 1.0
+
+
+PF_EXITING = 0x4
+"""`/proc/PID/stat` flags (field 9): the process is in `do_exit`."""
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def process_ending(pid: int) -> bool:
+    """Whether `pid` will never run its own code again, though `kill(pid, 0)` still finds it:
+    a zombie (dead, not yet reaped by its parent: `memtui run` or a shell reaps it only when
+    it gets to it), a process in its exit, or one with SIGKILL pending (a process-group
+    SIGKILL a moment ago). False where /proc cannot tell (another OS): alive, as before."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as handle:
+            stat_line = handle.read()
+        # The command name (field 2) may hold spaces and parentheses: count after its end.
+        fields = stat_line[stat_line.rindex(b")") + 2 :].split()
+        state, flags = fields[0], int(fields[6])  # fields 3 and 9
+    except (OSError, ValueError, IndexError):
+        return False
+    if state in (b"Z", b"X", b"x") or flags & PF_EXITING:
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/status", "rb") as handle:
+            for line in handle:
+                pending = line.startswith((b"SigPnd:", b"ShdPnd:"))
+                if pending and int(line.split()[1], 16) & _SIGKILL_BIT:
+                    return True
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def process_create_time(pid: int) -> float | None:

@@ -280,3 +280,76 @@ def make_folder(path: Path | str, mode: int = FOLDER_MODE) -> None:
         os.fchmod(descriptor, mode)
     finally:
         os.close(descriptor)
+
+
+def open_or_make_folder_in(
+    parent: int, name: str, shown: Path | str, mode: int = FOLDER_MODE
+) -> int:
+    """The folder `name` inside the open folder `parent`, made with exactly `mode` when it is
+    missing: its descriptor (`O_DIRECTORY|O_NOFOLLOW`, relative to `parent`, so no name is
+    resolved first and a link planted there is never followed).
+
+    An export's folders (`export --format tensorboard`'s DIR and its runs): a planted link, a
+    FIFO or any other non-folder, and a folder of another user, are refused in one line.
+
+    Raises:
+        RefusedPath: as above.
+        OSError: `parent` is not writable, the disk is full.
+    """
+    shown = Path(shown)
+    if not name or name in (".", "..") or "/" in name:
+        raise RefusedPath(errno.EINVAL, f"{shown}: is not a folder name")
+    made = False
+    try:
+        os.mkdir(name, mode, dir_fd=parent)
+        made = True
+    except FileExistsError:
+        pass
+    try:
+        descriptor = os.open(name, FOLDER_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                reason = _describe(shown, info)
+            except OSError:
+                reason = None
+            raise RefusedPath(
+                exc.errno, reason or f"{shown}: is not a folder; refusing to write there"
+            ) from None
+        raise
+    try:
+        info = os.fstat(descriptor)
+        if info.st_uid != os.geteuid():
+            raise RefusedPath(
+                errno.EPERM, f"{shown}: belongs to another user; refusing to write into it"
+            )
+        if made:
+            os.fchmod(descriptor, mode)  # explicit: the umask must not decide
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def open_or_make_folder(path: Path | str, mode: int = FOLDER_MODE) -> int:
+    """`open_or_make_folder_in` for a path: its parent opened as `open_folder` does (the
+    user's own path up to there), then the last name relative to it.
+
+    Raises:
+        RefusedPath, OSError: as `open_or_make_folder_in`; the parent missing or a link.
+    """
+    path = Path(path)
+    if path.name in ("", ".", ".."):  # "." or "/": no last name to create
+        descriptor = open_folder(path)
+        if os.fstat(descriptor).st_uid != os.geteuid():
+            os.close(descriptor)
+            raise RefusedPath(
+                errno.EPERM, f"{path}: belongs to another user; refusing to write into it"
+            )
+        return descriptor
+    parent = open_folder(path.parent)
+    try:
+        return open_or_make_folder_in(parent, path.name, path, mode)
+    finally:
+        os.close(parent)

@@ -10,7 +10,11 @@ view (binary by default), never both.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+MAX_SIZE = 2**63 - 1
+"""The largest size memtui takes: every reader holds sizes as int64 (the recording's schema,
+the JSON report); a larger `--budget` once passed the CLI and then stopped the agent."""
 _UNITS = {
     "": 1,
     "b": 1,
@@ -38,13 +42,17 @@ def parse_size(text: str) -> int:
     Raises:
         ValueError: with a message naming the accepted forms.
     """
-    match = _SIZE.match(text)
+    match = _SIZE.match(text) if len(text) <= 64 else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
+        shown = text if len(text) <= 64 else text[:40] + "..."
         raise ValueError(
-            f"invalid size {text!r}: use bytes or a unit such as 24GB, 22.4GiB, 512MiB"
+            f"invalid size {shown!r}: use bytes or a unit such as 24GB, 22.4GiB, 512MiB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = Decimal(match.group(1)) * _UNITS[unit]  # exact: no float rounds 400 digits to inf
+    if value > MAX_SIZE:
+        raise ValueError(f"size {text!r} is too large: at most {MAX_SIZE:,} bytes (8 EiB)")
+    return int(value)
 
 
 def format_bytes(value: int | float | None, binary: bool = True, missing: str = "n/a") -> str:

@@ -1,11 +1,12 @@
-"""Prometheus metrics of one rank (`--metrics-port`), served by `prometheus_client`'s own server.
+"""Prometheus metrics of one rank (`--metrics-port`), in `prometheus_client`'s formats.
 
 The training thread's only work is the hand-off: the emitter gives every message it has just
 recorded to `MetricsExporter.offer`, which keeps a reference to the latest `Step` and, on the
 rare message that carries alerts or leaks, folds them into two small dictionaries. Nothing is
-formatted, locked or waited for there. A scrape runs on `prometheus_client`'s HTTP server
-thread: `collect()` reads those references once each and builds the metric families, so every
-series of one scrape comes from the same step, the one the recording holds.
+formatted, locked or waited for there. A scrape runs on the endpoint's one thread
+(`metrics_server.MetricsServer`: a few connections at a time, each with a deadline, so no client
+can grow the job's threads): `collect()` reads those references once each and builds the metric
+families, so every series of one scrape comes from the same step, the one the recording holds.
 
 `prometheus_client` is optional (`pip install 'memtui[metrics]'`) and imported only when a port
 is given: without one, this module is never imported and nothing is started. A missing package,
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from memtui_agent.output.metrics_server import MetricsServer
 from memtui_agent.output.scrape_target import ScrapeTarget, write_target
 from memtui_protocol import metrics, schema
 from memtui_protocol.config import AgentConfig
@@ -184,11 +186,13 @@ def _gauge(name: str, documentation: str, names: list[str], values: list[str], v
 class MetricsEndpoint:
     """The exporter, its HTTP server and its `file_sd` target file."""
 
-    def __init__(self, exporter: MetricsExporter, server: Any, target: ScrapeTarget | None):
+    def __init__(
+        self, exporter: MetricsExporter, server: MetricsServer, target: ScrapeTarget | None
+    ):
         self.exporter = exporter
         self.server = server
         self.target = target
-        self.port: int = server.server_address[1]
+        self.port: int = server.port
 
     @property
     def offer(self) -> Callable[[schema.Message], None]:
@@ -200,20 +204,13 @@ class MetricsEndpoint:
         file, so Prometheus stops scraping a rank that ended cleanly."""
         if self.target is not None:
             self.target.remove()
-        try:
-            self.server.shutdown()
-            self.server.server_close()
-        except OSError:
-            pass
+        self.server.close()
 
     def forget_in_child(self) -> None:
         """A forked child (a DataLoader worker) closes its copy of the listening socket, so the
         port is free once the rank itself exits; the parent's server is untouched."""
         self.target = None
-        try:
-            self.server.socket.close()
-        except OSError:
-            pass
+        self.server.forget_in_child()
 
 
 def job_label(config: AgentConfig, argv: list[str]) -> str:
@@ -235,7 +232,8 @@ def start_metrics(
     `prometheus_client` is missing or the port cannot be bound."""
     assert config.metrics_port is not None
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import choose_encoder
     except ImportError:
         note(
             "metrics",
@@ -258,18 +256,23 @@ def start_metrics(
     )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(exporter)  # a collector by protocol (`collect`, `describe`)
+
+    def render(accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)  # text, or OpenMetrics if asked for
+        return encoder(registry), content_type
+
     try:
-        server, _thread = start_http_server(port, addr=config.metrics_addr, registry=registry)
-    except OSError as exc:
+        server = MetricsServer(config.metrics_addr, port, render)
+    except (OSError, ValueError) as exc:  # in use, no such address (UnicodeError: a ValueError)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         note(
             "metrics",
             f"metrics port {port} on {config.metrics_addr} for rank {rank}: "
-            f"{exc.strerror or exc}; no /metrics for this rank, the job runs on and records "
-            "as before",
+            f"{reason}; no /metrics for this rank, the job runs on and records as before",
         )
         return None
-    _thread.name = "memtui-metrics"
-    bound = int(server.server_address[1])
+    server.start()
+    bound = server.port
     target = None
     if config.record:
         folder = Path(config.record).parent / metrics.TARGETS_FOLDER

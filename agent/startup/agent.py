@@ -32,6 +32,7 @@ from memtui_protocol.runtime_dir import (
     write_sidecar,
 )
 from memtui_protocol.schema import AlertKind, ExitStatus
+from memtui_protocol.shown_text import terminal_safe
 from memtui_protocol.units import format_bytes
 
 if TYPE_CHECKING:  # the agent imports torch only in `start()`
@@ -203,8 +204,8 @@ class Agent:
         message = f"{type(exc).__name__}: {exc}"
         try:
             print(
-                f"memtui: {component} failed and is off for the rest of this run ({message}); "
-                "the job continues",
+                f"memtui: {component} failed and is off for the rest of this run "
+                f"({terminal_safe(message)}); the job continues",
                 file=sys.stderr,
             )
         except Exception:
@@ -227,7 +228,7 @@ class Agent:
             return
         self._reported.add(component)
         try:
-            print(f"memtui: {message}", file=sys.stderr)
+            print(f"memtui: {terminal_safe(message)}", file=sys.stderr)  # quotes user text
         except Exception:
             pass
         self._stream(schema.AgentError(time=time.time(), component=component, message=message))

@@ -23,6 +23,7 @@ from typing import Any
 
 from memtui_protocol.config import DEFAULT_METRICS_ADDR, AgentConfig
 from memtui_protocol.schema import ActivationMode, NanCheck
+from memtui_protocol.shown_text import terminal_safe
 
 _lock = threading.Lock()
 _agent: Any = None
@@ -103,7 +104,8 @@ def start(
             agent = Agent(config)
             agent.start()
         except Exception as exc:
-            print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
+            why = terminal_safe(f"{type(exc).__name__}: {exc}")
+            print(f"memtui: agent not started ({why})", file=sys.stderr)
             return None
         _agent = agent
         if not _fork_hook_installed:

@@ -35,6 +35,7 @@ from memtui_protocol.safe_open import (
     open_folder,
     session_folder_mode,
 )
+from memtui_protocol.shown_text import terminal_safe
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
 OWNER_RANK_VARIABLE = "MEMTUI_AGENT_OWNER_RANK"
@@ -242,7 +243,7 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
                     config, f"started by pid {owner}", install_exit_handlers
                 )
             except Exception as exc:  # never into the user's import of torch
-                print(f"memtui: not following this process ({exc})", file=sys.stderr)
+                print(f"memtui: not following this process ({terminal_safe(exc)})", file=sys.stderr)
 
         when_torch_imported(follow)
         return False
@@ -257,7 +258,7 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
                 metrics = config.metrics_port is not None
                 record = record_path_for_rank(config.record, dict(os.environ), metrics)
             except OSError as exc:  # a session folder we may not write: run unrecorded
-                print(f"memtui: not recording this process: {exc}", file=sys.stderr)
+                print(f"memtui: not recording this process: {terminal_safe(exc)}", file=sys.stderr)
                 record = None
             in_folder = record is not None and record != config.record
             started = api.start(config=config.replace(record=record, record_in_folder=in_folder))
@@ -265,7 +266,8 @@ def arm_from_environment(install_exit_handlers: bool) -> bool:
                 os.environ[OWNER_VARIABLE] = str(os.getpid())
                 os.environ[OWNER_RANK_VARIABLE] = os.environ.get("LOCAL_RANK", "0")
         except Exception as exc:  # never into the user's import of torch
-            print(f"memtui: agent not started ({type(exc).__name__}: {exc})", file=sys.stderr)
+            why = terminal_safe(f"{type(exc).__name__}: {exc}")
+            print(f"memtui: agent not started ({why})", file=sys.stderr)
 
     when_torch_imported(start_agent)
     if install_exit_handlers:

@@ -25,6 +25,7 @@ from typing import Any
 
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.safe_open import make_folder, session_folder_mode
+from memtui_protocol.shown_text import terminal_safe
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
 """The file `memtui run` names for what its processes could not say themselves (the bootstrap
@@ -134,7 +135,7 @@ def name_unrecorded(message: str) -> None:
     path = os.environ.get(NOTES_VARIABLE)
     try:
         if not path:
-            print(f"memtui: {message}", file=sys.stderr)
+            print(f"memtui: {terminal_safe(message)}", file=sys.stderr)
             return
         line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
         # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,10 +32,132 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+MAX_WAIT_SECONDS = 86_400.0
+"""The longest `attach`/`detach --timeout`: a day (a job's step may be slow, never that slow)."""
+
+
+def _gpus_limit() -> int:
+    from memtui.reports.estimate import MAX_GPUS
+
+    return MAX_GPUS
+
+
+def _cluster_timeout_limit() -> float:
+    from memtui.input.prometheus_api import MAX_TIMEOUT_SECONDS
+
+    return MAX_TIMEOUT_SECONDS
+
+
+def _shown(text: str) -> str:
+    """A value quoted in an error: cut when long (a 400-digit number is not read anyway)."""
+    return repr(text if len(text) <= 64 else text[:40] + "...")
+
+
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {text!r}")
+    if not (text.isascii() and text.isdigit()) or len(text) > 5 or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a TCP port: {_shown(text)}")
     return int(text)
+
+
+MAX_PID = 2**31 - 1
+
+
+def _pid(text: str) -> int:
+    """A process id: ASCII digits, 1 to 2**31 - 1 (`str.isdigit` alone takes '²')."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not 0 < int(text) <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"not a process id: {_shown(text)}")
+    return int(text)
+
+
+def _whole(flag: str, low: int, high: Callable[[], int]) -> Callable[[str], int]:
+    """An argparse type for a whole number from `low` to `high()` (`--gpus`; the limit's module
+    is imported only when the flag is given)."""
+
+    def parse(text: str) -> int:
+        digits = text[1:] if text.startswith("-") else text
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 19:
+            raise argparse.ArgumentTypeError(f"{flag} takes a whole number, not {_shown(text)}")
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least {low}, not {value}")
+        if value > high():
+            raise argparse.ArgumentTypeError(f"{flag} must be at most {high():,}, not {value}")
+        return value
+
+    parse.__name__ = "whole number"
+    return parse
+
+
+def _module(text: str) -> str:
+    """`-m MODULE`: a dotted name of identifiers, as Python's own `-m` takes (anything else
+    would start a job only for Python to say it has no such module)."""
+    if not _dotted(text):
+        raise argparse.ArgumentTypeError(f"not a module name: {_shown(text)}")
+    return text
+
+
+def _dotted(text: str) -> bool:
+    return 0 < len(text) <= 1000 and all(part.isidentifier() for part in text.split("."))
+
+
+def _spec(flag: str) -> Callable[[str], str]:
+    """`--model`/`--batch MODULE:CALLABLE`, checked here: a malformed one is refused before a
+    child interpreter is started to import it (the child checks it again)."""
+
+    def parse(text: str) -> str:
+        module, sep, attribute = text.partition(":")
+        if not (sep and _dotted(module) and _dotted(attribute)):
+            raise argparse.ArgumentTypeError(
+                f"{flag} expects module:callable, e.g. mypkg.models:build, not {_shown(text)}"
+            )
+        return text
+
+    parse.__name__ = "module:callable"
+    return parse
+
+
+_ADDRESS = re.compile(r"[A-Za-z0-9._:%-]{1,255}")
+
+
+def _address(text: str) -> str:
+    """`--metrics-addr`: an IPv4 or IPv6 address or a host name (no brackets, no port)."""
+    if _ADDRESS.fullmatch(text) is None:
+        raise argparse.ArgumentTypeError(
+            f"not an address to bind: {_shown(text)} (e.g. 127.0.0.1, 0.0.0.0, ::1)"
+        )
+    return text
+
+
+def _label(text: str) -> str:
+    """`--metrics-job`: a Prometheus label value shown in tables and dashboards: printable,
+    at most 256 characters."""
+    from memtui_protocol.shown_text import UNSAFE
+
+    if not text or len(text) > 256 or UNSAFE.search(text):
+        raise argparse.ArgumentTypeError(
+            f"not a job name: {_shown(text)} (1 to 256 printable characters)"
+        )
+    return text
+
+
+def _seconds(maximum: float | Callable[[], float]) -> Callable[[str], float]:
+    """An argparse type for a duration: a finite number of seconds above 0, at most `maximum`
+    (NaN, infinities, negatives and 1e309 are refused here, not deep in a socket call).
+    `maximum` may be a function, so the module that owns the limit is imported only when the
+    flag is given."""
+
+    def parse(text: str) -> float:
+        limit = maximum() if callable(maximum) else maximum
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not 0 < value <= limit:  # NaN fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r}: give seconds above 0, at most {limit:g}")
+        return value
+
+    parse.__name__ = "seconds"  # what argparse names in its own messages
+    return parse
 
 
 def _size(text: str) -> int:
@@ -101,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--metrics-addr",
+        type=_address,
         default=DEFAULT_METRICS_ADDR,
         metavar="ADDR",
         help="address the metrics endpoint binds to (default 127.0.0.1: this machine only; "
@@ -108,18 +233,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--metrics-job",
+        type=_label,
         metavar="NAME",
         help="the metrics' job label (default: the session folder's name, else the "
         "recording's or the script's)",
     )
-    run.add_argument("-m", dest="module", metavar="MODULE", help="run a module like python -m")
+    run.add_argument(
+        "-m", dest="module", type=_module, metavar="MODULE", help="run a module like python -m"
+    )
     run.add_argument("target", nargs="*", help="script.py [args] | -- COMMAND [args]")
 
     attach = commands.add_parser("attach", help="watch a running job live")
     attach.add_argument(
         "pid",
         nargs="?",
-        type=int,
+        type=_pid,
         help="the job's pid (default: the only live job; with several, a list to choose from)",
     )
     attach.add_argument("--socket", metavar="PATH", help="a job's socket (e.g. SSH-forwarded)")
@@ -142,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attach.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds(MAX_WAIT_SECONDS),
         default=120.0,
         metavar="S",
         help="seconds to wait for the job's next step, where an injected agent starts",
@@ -154,15 +282,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="an injected agent serves Prometheus metrics on PORT + LOCAL_RANK (as memtui run)",
     )
     attach.add_argument(
-        "--metrics-addr", metavar="ADDR", help="the address it binds to (default 127.0.0.1)"
+        "--metrics-addr",
+        type=_address,
+        metavar="ADDR",
+        help="the address it binds to (default 127.0.0.1)",
     )
 
     detach = commands.add_parser(
         "detach", help="stop the agent in a running job and remove its hooks; the job carries on"
     )
-    detach.add_argument("pid", type=int, help="the job's pid")
+    detach.add_argument("pid", type=_pid, help="the job's pid")
     detach.add_argument(
-        "--timeout", type=float, default=120.0, metavar="S", help="seconds to wait for the job"
+        "--timeout",
+        type=_seconds(MAX_WAIT_SECONDS),
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for the job",
     )
 
     replay = commands.add_parser("replay", help="open a recording in the TUI")
@@ -212,10 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print the JSON document and exit")
     cluster.add_argument(
         "--timeout",
-        type=float,
-        default=5.0,
+        type=_seconds(_cluster_timeout_limit),
         metavar="S",
-        help="seconds each request to Prometheus may take (default 5)",
+        help="seconds all of Prometheus' answers may take together, one deadline "
+        "(default 5; in the TUI, per refresh)",
     )
 
     estimate = commands.add_parser(
@@ -227,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     counted = estimate.add_mutually_exclusive_group(required=True)
     counted.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 1.5B, 10M")
     counted.add_argument(
-        "--model", metavar="MODULE:CALLABLE", help="count a model's parameters on the meta device"
+        "--model",
+        type=_spec("--model"),
+        metavar="MODULE:CALLABLE",
+        help="count a model's parameters on the meta device",
     )
     estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
     estimate.add_argument(
@@ -238,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--batch",
+        type=_spec("--batch"),
         metavar="MODULE:CALLABLE",
         help="the forward's keyword arguments: train --model two steps on fake tensors",
     )
@@ -260,7 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="with --batch: the GPU's memory, e.g. 80GB: verdict and what would fit",
     )
-    estimate.add_argument("--gpus", type=int, default=1, metavar="G", help="data-parallel GPUs")
+    estimate.add_argument(
+        "--gpus",
+        type=_whole("--gpus", 1, _gpus_limit),
+        default=1,
+        metavar="G",
+        help="data-parallel GPUs",
+    )
     estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
     estimate.add_argument(
         "--fsdp", action="store_true", help="with --batch: fully sharded (as ZeRO stage 3)"
@@ -528,8 +673,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     """`memtui report PATH [--json]`."""
     from memtui.input.torch_snapshot import looks_like_snapshot
     from memtui.model.recording import read_recording
-    from memtui.reports.report import render_text, report_of
-    from memtui.reports.report_format import strict_json
+    from memtui.reports.report import render_text
+    from memtui.reports.report_json import write_report_json
 
     if looks_like_snapshot(args.path):
         from memtui.reports.snapshot_report import report_snapshot
@@ -539,7 +684,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         return report_session(Path(args.path), args.json, binary=not args.decimal)
     recording = read_recording(args.path)
     if args.json:
-        print(strict_json(report_of(recording)))
+        write_report_json(recording, sys.stdout.write)  # streamed: its steps are not held
     else:
         print(terminal_safe(render_text(recording, binary=not args.decimal), keep_newlines=True))
     if recording.warning:
@@ -574,8 +719,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     """`memtui cluster --prometheus URL [--job NAME] [--once|--json]`."""
     from memtui.commands.cluster_command import run_cluster
+    from memtui.input.prometheus_api import TIMEOUT_SECONDS
 
-    return run_cluster(args.prometheus, args.job, args.once, args.json, args.timeout)
+    timeout = TIMEOUT_SECONDS if args.timeout is None else args.timeout
+    return run_cluster(args.prometheus, args.job, args.once, args.json, timeout)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -591,7 +738,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
     try:
         trainable = None if args.trainable is None else parse_count(args.trainable)
-        if args.model:
+        if args.model is not None:
             params, counted = count_model(args.model)
             trainable = counted if trainable is None else trainable
         else:
@@ -702,6 +849,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # a path the system refuses outright (a name too long): one line
+        named = f"{exc.filename}: " if exc.filename is not None else ""
+        reason = exc.strerror or str(exc)
+        print(f"memtui: error: {terminal_safe(named + reason)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

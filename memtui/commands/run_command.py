@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import itertools
 import os
+import re
 import shutil
 import signal
 import stat
@@ -75,6 +76,7 @@ def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path
     now = now or _dt.datetime.now()
     stem = Path(target).stem or "job"
     stem = stem.rsplit(".", 1)[-1]
+    stem = re.sub(r"[^A-Za-z0-9_+=-]", "_", stem)[:64]  # a name from the command: no controls
     return Path.cwd() / f"memtui-{stem}-{now:%Y%m%d-%H%M%S}.memtui"
 
 
@@ -326,12 +328,13 @@ def run_headless(job: JobSpec) -> int:
         except errors.UsageError:
             take_notes(job)  # removes the notes file
             raise
-        print(f"memtui: recording to {job.recording}", file=sys.stderr, flush=True)
+        print(f"memtui: recording to {terminal_safe(job.recording)}", file=sys.stderr, flush=True)
     try:
         child = subprocess.Popen(job.command, env=job.env)
     except OSError as exc:
         take_notes(job)
-        print(f"memtui: cannot start {job.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        why = terminal_safe(f"{job.display[0]}: {exc.strerror or exc}")
+        print(f"memtui: cannot start {why}", file=sys.stderr)
         return 127
     forwarded = {}
 

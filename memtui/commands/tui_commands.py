@@ -141,7 +141,8 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     except OSError as exc:
         take_notes(job_spec)
         take_private_file(error_file)
-        print(f"memtui: cannot start {job_spec.display[0]}: {exc.strerror or exc}", file=sys.stderr)
+        why = terminal_safe(f"{job_spec.display[0]}: {exc.strerror or exc}")
+        print(f"memtui: cannot start {why}", file=sys.stderr)
         return 127
     shown = False
     try:
@@ -169,7 +170,7 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     summary = summary_line(job_spec, code, stopped=job.stopped)
     print(terminal_safe(summary, keep_newlines=True), file=sys.stderr)
     if log_path is not None and log_path.exists():
-        print(f"memtui: job output kept in {log_path}", file=sys.stderr)
+        print(f"memtui: job output kept in {terminal_safe(log_path)}", file=sys.stderr)
     return code
 
 

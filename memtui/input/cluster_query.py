@@ -12,6 +12,8 @@ This is a source like a recording or a socket: the figures become a `schema.Step
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -152,21 +154,21 @@ def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
     Raises:
         PrometheusError: Prometheus cannot be asked, or holds no such job.
     """
+    client.begin_round()  # one deadline for every query of this round
     chosen, others = choose_job(client, job)
     selector = label_selector(chosen)
     ranks: dict[int, RankFigures] = {}
 
     def rank_of(sample: Sample) -> RankFigures | None:
-        text = sample.labels.get("rank", "")
-        if not text.isdigit():
+        number = label_int(sample.labels.get("rank"))
+        if number is None:
             return None
-        number = int(text)
         figures = ranks.get(number)
         if figures is None:
             figures = ranks[number] = RankFigures(job=chosen, rank=number)
         figures.host = sample.labels.get("host", figures.host)
-        figures.local_rank = _int(sample.labels.get("local_rank"), figures.local_rank)
-        figures.world_size = _int(sample.labels.get("world_size"), figures.world_size)
+        figures.local_rank = _or(label_int(sample.labels.get("local_rank")), figures.local_rank)
+        figures.world_size = _or(label_int(sample.labels.get("world_size")), figures.world_size)
         return figures
 
     for name in _PER_METRIC:
@@ -183,7 +185,8 @@ def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
         labels = target.get("labels")
         if not isinstance(labels, dict) or labels.get(JOB_LABEL) != chosen:
             continue
-        figures = ranks.get(int(labels["rank"])) if str(labels.get("rank")).isdigit() else None
+        number = label_int(labels.get("rank"))
+        figures = ranks.get(number) if number is not None else None
         if figures is None:
             continue  # a target that never served a step: nothing to show for it yet
         figures.health = str(target.get("health", "unknown"))
@@ -194,28 +197,57 @@ def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
 
 
 def _take(figures: RankFigures, name: str, sample: Sample) -> None:
-    """One sample into the rank's figures."""
+    """One sample into the rank's figures. A value Prometheus holds as NaN or infinite (or a
+    count beyond int64, or negative) is no figure: it is left out, as if not scraped."""
     value, labels = sample.value, sample.labels
+    count = _count(value)
+    if name in (metrics.STEP_END_TIME, metrics.STEP_DURATION):
+        if math.isfinite(value) and value >= 0:
+            if name == metrics.STEP_END_TIME:
+                figures.step_end = value
+            else:
+                figures.duration = value
+        return
+    if name == metrics.AGENT_INFO_SERIES:
+        figures.pid = _or(label_int(labels.get("pid")), figures.pid)
+        return
+    if count is None:
+        return
     if name == metrics.STEP:
-        figures.step = int(value)
+        figures.step = count
     elif name == metrics.PILE_BYTES:
         stat, pile = labels.get("stat", ""), labels.get("pile", "")
         if stat in metrics.STATS and pile in PILES:
-            figures.piles.setdefault(stat, {})[pile] = int(value)
+            figures.piles.setdefault(stat, {})[pile] = count
     elif name == metrics.DEVICE_BYTES:
         if labels.get("kind") in metrics.DEVICE_KINDS:
-            figures.device[labels["kind"]] = int(value)
+            figures.device[labels["kind"]] = count
     elif name == metrics.HOST_RSS:
-        figures.host_rss = int(value)
+        figures.host_rss = count
     elif name == metrics.ALERTS_TOTAL:
-        figures.alerts[labels.get("kind", metrics.OTHER_ALERT_KIND)] = int(value)
-    elif name == metrics.STEP_END_TIME:
-        figures.step_end = value
-    elif name == metrics.STEP_DURATION:
-        figures.duration = value
-    elif name == metrics.AGENT_INFO_SERIES:
-        figures.pid = _int(labels.get("pid"), None)
+        figures.alerts[labels.get("kind", metrics.OTHER_ALERT_KIND)] = count
 
 
-def _int(text: str | None, default: int | None) -> int | None:
-    return int(text) if text is not None and text.isdigit() else default
+MAX_COUNT = 2**63 - 1
+"""Bytes and steps are int64 in every reader (the recording's schema, the JSON report)."""
+_DIGITS = re.compile(r"[0-9]{1,10}")
+"""A label that is a number: ASCII digits only. `str.isdigit` also takes `²` and other digits
+`int()` refuses, and `int()` takes Arabic-Indic digits and underscores: neither is a rank."""
+
+
+def label_int(text: object) -> int | None:
+    """A label's value as a non-negative int of at most 10 ASCII digits; None otherwise."""
+    if not isinstance(text, str) or _DIGITS.fullmatch(text) is None:
+        return None
+    return int(text)
+
+
+def _count(value: float) -> int | None:
+    """A sample's value as a count (whole, 0..int64 max); None for NaN, inf, negatives."""
+    if not math.isfinite(value) or value < 0 or value > MAX_COUNT:
+        return None
+    return int(value)
+
+
+def _or(value: int | None, default: int | None) -> int | None:
+    return value if value is not None else default

@@ -61,7 +61,11 @@ def pump(read: Read, decoder: wire.FrameDecoder, sink: Sink, stop: threading.Eve
     return None
 
 
-def file_chunks(fd: int, decoder: wire.FrameDecoder) -> Read:
+FRAME_SLACK = wire.MAX_FRAME_BYTES + CHUNK
+"""How far past its limit a bounded read goes to finish the frame the limit cut."""
+
+
+def file_chunks(fd: int, decoder: wire.FrameDecoder, limit: int | None = None) -> Read:
     """A `Read` over a recording file that skips the holes of a sparse file.
 
     A file of 8 GiB apparent size may store 44 KiB: reading its holes' zeros took time in the
@@ -69,6 +73,11 @@ def file_chunks(fd: int, decoder: wire.FrameDecoder) -> Read:
     handed to the decoder as skipped (`FrameDecoder.skip_hole`), so the work is in the bytes
     stored. Reads use `pread` from the reader's own offset; a file system that cannot tell
     holes reads as a plain file.
+
+    `limit`: the input ends at that offset (the file's size when reading began), so a file
+    its job still writes at 50 MB/s is read to where it was, not chased forever. A frame the
+    limit cuts in two is still finished (its writer was mid-`write`), reading at most
+    `FRAME_SLACK` further; what lies beyond is the next reader's.
     """
     offset = 0
     seek_data = getattr(os, "SEEK_DATA", None)
@@ -76,6 +85,11 @@ def file_chunks(fd: int, decoder: wire.FrameDecoder) -> Read:
     def read() -> bytes:
         nonlocal offset
         size = CHUNK
+        if limit is not None:
+            if offset >= limit and (not decoder.pending or offset >= limit + FRAME_SLACK):
+                return b""
+            if offset < limit:
+                size = min(size, limit - offset)  # up to the limit first, not beyond
         if seek_data is not None:
             try:
                 start = os.lseek(fd, offset, seek_data)
@@ -87,7 +101,7 @@ def file_chunks(fd: int, decoder: wire.FrameDecoder) -> Read:
                 decoder.skip_hole(start - offset)
                 offset = start
             try:  # read up to the next hole, not into it
-                size = min(CHUNK, max(1, os.lseek(fd, offset, os.SEEK_HOLE) - offset))
+                size = min(size, max(1, os.lseek(fd, offset, os.SEEK_HOLE) - offset))
             except OSError:
                 pass
         chunk = os.pread(fd, size, offset)

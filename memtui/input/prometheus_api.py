@@ -1,9 +1,12 @@
 """Prometheus' HTTP API, read with the standard library (`memtui cluster`).
 
-Bounded in time and memory whatever the other end does: every request has a deadline (the
-socket's timeout covers a silent server, the deadline a server that drips bytes), and an answer
-is read to at most `MAX_ANSWER_BYTES`, then refused. A dead Prometheus, a URL that is not one,
-an HTTP error or an answer that is not the API's JSON is one `PrometheusError` line.
+Bounded in time and memory whatever the other end does: `timeout` is one overall deadline
+for a round of queries (`begin_round`; `memtui cluster --once` is one round, the TUI asks one
+round per poll), kept by every step of every request (`http_get`: a silent server, a server
+that drips one byte at a time and a slow name lookup all end at the deadline), and an answer is
+read to at most `MAX_ANSWER_BYTES`, then refused. A dead Prometheus, a URL that is not one, an
+HTTP error or an answer that is not the API's JSON (nested past Python's recursion limit
+included) is one `PrometheusError` line.
 """
 
 from __future__ import annotations
@@ -11,17 +14,16 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 from memtui.errors import UserError
+from memtui.input.http_get import HttpError, Target, TooLarge, get
 
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 TIMEOUT_SECONDS = 5.0
-_CHUNK = 64 * 1024
+MAX_TIMEOUT_SECONDS = 3600.0
 _API_ERROR = "error"
 """The key of the API's error text in a failed answer (a field name of Prometheus', not an
 `ExitStatus`)."""
@@ -49,12 +51,22 @@ class PrometheusClient:
         timeout: float = TIMEOUT_SECONDS,
         max_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise PrometheusError(f"--prometheus {url!r}: give an http:// or https:// URL")
+        try:
+            self.target = Target.parse(url)
+        except HttpError as exc:
+            raise PrometheusError(f"--prometheus {url!r}: {exc}") from None
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT_SECONDS):
+            raise PrometheusError(
+                f"--timeout {timeout!r}: give seconds above 0, at most {MAX_TIMEOUT_SECONDS:g}"
+            )  # NaN fails the comparison too
         self.url = url.rstrip("/")
-        self.timeout = timeout
+        self.timeout = float(timeout)
         self.max_bytes = max_bytes
+        self._deadline: float | None = None
+
+    def begin_round(self) -> None:
+        """Start a round of queries: all of them must be answered within `timeout` from now."""
+        self._deadline = time.monotonic() + self.timeout
 
     def query(self, promql: str, at: float | None = None) -> list[Sample]:
         """An instant query whose result is a vector (`/api/v1/query`)."""
@@ -106,55 +118,39 @@ class PrometheusClient:
     # ----- one request ------------------------------------------------------------------------
 
     def _get(self, path: str, parameters: dict[str, str]) -> Any:
-        address = f"{self.url}{path}?{urllib.parse.urlencode(parameters)}"
-        request = urllib.request.Request(address, headers={"Accept": "application/json"})
-        deadline = time.monotonic() + self.timeout
+        deadline = self._deadline if self._deadline is not None else time.monotonic() + self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as answer:
-                body = self._read(answer, deadline)
-        except urllib.error.HTTPError as exc:
-            body = self._read(exc, deadline) if exc.fp is not None else b""
+            answer = get(
+                self.target,
+                f"{path}?{urllib.parse.urlencode(parameters)}",
+                deadline,
+                self.max_bytes,
+            )
+        except TooLarge:
             raise PrometheusError(
-                f"Prometheus at {self.url} answered HTTP {exc.code}{_api_error(body)}"
+                f"Prometheus at {self.url} answered more than "
+                f"{self.max_bytes // (1024 * 1024)} MiB; refusing to read it (narrow it "
+                "with --job)"
             ) from None
-        except urllib.error.URLError as exc:
-            reason = getattr(exc.reason, "strerror", None) or exc.reason
-            raise PrometheusError(f"cannot reach Prometheus at {self.url}: {reason}") from None
-        except TimeoutError:
+        except HttpError as exc:
+            if exc.timeout:
+                raise PrometheusError(
+                    f"Prometheus at {self.url} did not answer within {self.timeout:g} s "
+                    "(--timeout, for all of its queries)"
+                ) from None
+            raise PrometheusError(f"cannot reach Prometheus at {self.url}: {exc}") from None
+        if answer.status != 200:
             raise PrometheusError(
-                f"Prometheus at {self.url} did not answer within {self.timeout:g} s"
-            ) from None
-        except OSError as exc:
-            raise PrometheusError(
-                f"cannot reach Prometheus at {self.url}: {exc.strerror or exc}"
-            ) from None
-        try:
-            document = json.loads(body)
-        except ValueError:
-            raise self._malformed("an answer that is not JSON") from None
+                f"Prometheus at {self.url} answered HTTP {answer.status}{_api_error(answer.body)}"
+            )
+        document = _json(answer.body)
+        if document is None:
+            raise self._malformed("an answer that is not JSON")
         if not isinstance(document, dict) or document.get("status") != "success":
-            raise PrometheusError(f"Prometheus at {self.url} refused the query{_api_error(body)}")
+            raise PrometheusError(
+                f"Prometheus at {self.url} refused the query{_api_error(answer.body)}"
+            )
         return document.get("data")
-
-    def _read(self, answer: Any, deadline: float) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            if time.monotonic() > deadline:
-                raise PrometheusError(
-                    f"Prometheus at {self.url} did not answer within {self.timeout:g} s"
-                )
-            chunk = answer.read(_CHUNK)
-            if not chunk:
-                return b"".join(chunks)
-            size += len(chunk)
-            if size > self.max_bytes:
-                raise PrometheusError(
-                    f"Prometheus at {self.url} answered more than "
-                    f"{self.max_bytes // (1024 * 1024)} MiB; refusing to read it (narrow it "
-                    "with --job)"
-                )
-            chunks.append(chunk)
 
     def _malformed(self, what: str) -> PrometheusError:
         return PrometheusError(
@@ -169,12 +165,18 @@ def _list(value: Any, client: PrometheusClient) -> list[Any]:
     return value
 
 
+def _json(body: bytes) -> Any:
+    """The decoded document; None when it is not JSON, or nested too deep to decode (100,000
+    open brackets make the decoder recurse past Python's limit)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _api_error(body: bytes) -> str:
     """`: <error>` from an API error answer (bounded), or nothing."""
-    try:
-        document = json.loads(body)
-    except ValueError:
-        return ""
+    document = _json(body)
     if isinstance(document, dict) and isinstance(document.get(_API_ERROR), str):
         return f": {document[_API_ERROR][:300]}"
     return ""

@@ -152,6 +152,8 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
 
     A damaged frame in the middle is skipped (the decoder finds the next valid frame) and the
     warning says how many bytes were lost, so one bad sector hides one step, not the rest.
+    The file is read up to its size when reading began (`file_chunks`' limit): a recording its
+    job is still writing is reported as it was then, in time and memory bounded by that size.
 
     Raises:
         RecordingError: missing, a directory or not a regular file, unreadable, empty, not a
@@ -172,7 +174,9 @@ def read_recording(path: str | os.PathLike[str]) -> Recording:
 
     try:
         with open_input(path) as handle:
-            warning = pump(file_chunks(handle.fileno(), decoder), decoder, take, threading.Event())
+            size = os.fstat(handle.fileno()).st_size  # a growing file: read to here, no further
+            chunks = file_chunks(handle.fileno(), decoder, limit=size)
+            warning = pump(chunks, decoder, take, threading.Event())
     except InputFileError as exc:
         raise RecordingError(str(exc)) from None
     except OSError as exc:

@@ -55,6 +55,10 @@ _COUNT = re.compile(
 )
 """A whole number, a decimal with a K/M/B/T suffix, or scientific notation (`7e9`, `1.5e9`)."""
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+MAX_COUNT = 10**15
+"""The most parameters an estimate takes (a quadrillion: a thousand times today's largest
+models), so every byte count it computes stays far inside int64."""
+MAX_GPUS = 2**20
 
 
 def parse_count(text: str) -> int:
@@ -65,18 +69,22 @@ def parse_count(text: str) -> int:
     Raises:
         ValueError: one sentence naming the accepted forms.
     """
+    shown = text if len(text) <= 64 else text[:40] + "..."
     if text.strip().startswith("-"):
-        raise ValueError(f"parameter count {text!r} must not be negative")
-    match = _COUNT.match(text)
+        raise ValueError(f"parameter count {shown!r} must not be negative")
+    match = _COUNT.match(text) if len(text) <= 64 else None
     hint = "use a whole number, a K, M, B or T suffix or an exponent, e.g. 7B, 1.5B, 7e9, 10M"
     if match is None:
-        raise ValueError(f"invalid parameter count {text!r}: {hint}")
+        raise ValueError(f"invalid parameter count {shown!r}: {hint}")
     try:
         value = Decimal(match.group(1).replace("_", "")) * _SCALE[match.group(2).lower()]
     except InvalidOperation:
-        raise ValueError(f"invalid parameter count {text!r}: {hint}") from None
+        raise ValueError(f"invalid parameter count {shown!r}: {hint}") from None
+    # Compared as a Decimal: `int()` of 9e999999999 would build a billion-digit number.
+    if value > MAX_COUNT:
+        raise ValueError(f"parameter count {shown!r} is over {MAX_COUNT:,} (a quadrillion)")
     if value != value.to_integral_value():
-        raise ValueError(f"parameter count {text!r} is not a whole number of parameters")
+        raise ValueError(f"parameter count {shown!r} is not a whole number of parameters")
     return int(value)
 
 
@@ -151,8 +159,8 @@ def estimate(
         raise ValueError("parameter counts must not be negative")
     if trainable > params:
         raise ValueError(f"--trainable {trainable:,} exceeds the {params:,} parameters in total")
-    if gpus < 1:
-        raise ValueError(f"--gpus must be at least 1, not {gpus}")
+    if not 1 <= gpus <= MAX_GPUS:
+        raise ValueError(f"--gpus must be 1 to {MAX_GPUS:,}, not {gpus}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero must be 0, 1, 2 or 3, not {zero}")
     rule = SCHEMES[scheme]

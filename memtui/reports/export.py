@@ -249,7 +249,9 @@ def run_export(path: str, fmt: str, output: str | None, force: bool = False) -> 
             raise UserError(str(exc)) from None
         except OSError as exc:
             raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
-        print(f"memtui: wrote {target} ({len(recording.steps)} steps)", file=sys.stderr)
+        print(
+            f"memtui: wrote {terminal_safe(target)} ({len(recording.steps)} steps)", file=sys.stderr
+        )
     if recording.warning:
         print(f"memtui: warning: {terminal_safe(f'{path}: {recording.warning}')}", file=sys.stderr)
         return EXIT_PARTIAL

@@ -190,10 +190,13 @@ def step_alerts(recording: Recording) -> dict[int, list[StepAlert]]:
     return by_step
 
 
-def report_of(recording: Recording) -> Report:
-    """The `memtui report --json` document (docs/report-format.md, extra keys allowed)."""
+def report_of(recording: Recording, with_steps: bool = True) -> Report:
+    """The `memtui report --json` document (docs/report-format.md, extra keys allowed).
+
+    `with_steps=False`: `steps` left empty, for readers that need everything else (the text
+    report; `report_json.write_report_json`, which writes the steps one by one)."""
     hello = recording.hello
-    alerts = step_alerts(recording)
+    alerts = step_alerts(recording) if with_steps else {}
     return Report(
         job=JobEntry(
             argv=hello.argv,
@@ -203,7 +206,9 @@ def report_of(recording: Recording) -> Report:
             started=hello.started,
             recording=str(recording.path),
         ),
-        steps=[step_report(step, recording, alerts.get(step.step, [])) for step in recording.steps],
+        steps=[step_report(step, recording, alerts.get(step.step, [])) for step in recording.steps]
+        if with_steps
+        else [],
         optimizers=optimizer_steps(recording.steps),
         step_rule=step_rule(recording.steps),
         alerts=all_alerts(recording),
@@ -352,7 +357,7 @@ def steps_counted(steps: list[Step]) -> str:
 
 def render_text(recording: Recording, binary: bool = True) -> str:
     """The readable summary: how it ended first, then the piles, the first step, alerts."""
-    report = report_of(recording)
+    report = report_of(recording, with_steps=False)  # the steps are read where they are
     size = partial(format_bytes, binary=binary)
     lines = []
     ending = report.exit

@@ -1,10 +1,17 @@
 """`memtui export PATH --format tensorboard -o DIR`: every step as TensorBoard scalars, one run
 per rank, so memory sits next to the job's own loss curves.
 
-Written with TensorBoard's own event writer (`tensorboard.summary.writer.event_file_writer`, the
-one `torch.utils.tensorboard` uses) and TensorBoard's protobuf messages; nothing here imports
-torch. TensorBoard's writer package pulls in numpy, so this command (and only it) loads numpy in
-the viewer; `tensorboard` is an optional extra (`pip install 'memtui[tensorboard]'`).
+Written with TensorBoard's own record format (`tensorboard.summary.writer.record_writer`, what
+`torch.utils.tensorboard` writes through) and TensorBoard's protobuf messages; nothing here
+imports torch. TensorBoard's package pulls in numpy, so this command (and only it) loads numpy
+in the viewer; `tensorboard` is an optional extra (`pip install 'memtui[tensorboard]'`).
+
+Files and folders are made as every file memtui writes (`memtui_protocol.safe_open`): DIR and
+each run's folder are opened relative to their parent with `O_DIRECTORY|O_NOFOLLOW` (made 0700
+when missing), the event file is created relative to its run's folder with
+`O_CREAT|O_EXCL|O_NOFOLLOW` (0600). A link, a FIFO or another user's folder or file at any of
+those names is refused in one line; nothing is written through it. (TensorBoard's own
+`EventFileWriter` makes its folders and opens its file by path, following any link.)
 
 Scalars are double-precision tensors under the `scalars` plugin, not the legacy 32-bit
 `simple_value`: a byte count above 16 MiB does not fit a float32 exactly, and an export must
@@ -14,8 +21,14 @@ close):
 - `piles/{end,max,peak}/<pile>` and `piles/peak_total`;
 - `allocator/<counter>` and `host/rss`, where the job has them (a CPU job has no allocator);
 - `step/duration_seconds`, `step/loss` (when finite);
-- `alerts/<kind>`: how many alerts of that kind the step raised (every kind the recording has,
-  at every step, 0 included), and the text summary `alerts` with each alert's line.
+- `alerts/<kind>`: how many alerts of that kind the step raised, and the text summary `alerts`
+  with each alert's line.
+
+An alert kind's count is written where its curve bends, not at every step (`count_points`): at
+the first and last step, and at every step that raised it or is next to one that did. Between
+two points the count is constant, so TensorBoard draws exactly the curve of a value per step,
+and the work is linear in steps plus alerts: a value per kind per step was steps x kinds, and a
+recording that raised a new kind (a newer agent's) at each of 3,000 steps made 9 million values.
 
 A session folder gives one run per recording (`DIR/rank-0`, `DIR/rank-1`, `DIR/proc-0`); a
 single recording one run named after its rank (`DIR/rank-N`) or its file.
@@ -24,7 +37,10 @@ single recording one run named after its rank (`DIR/rank-N`) or its file.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import sys
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,12 +50,20 @@ from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, read_recording
 from memtui.reports.report import ALLOCATOR_KEYS
 from memtui.terminal_text import terminal_safe
+from memtui_protocol.safe_open import (
+    FOLDER_FLAGS,
+    RefusedPath,
+    create_in,
+    open_or_make_folder,
+    open_or_make_folder_in,
+)
 from memtui_protocol.schema import PILES, Step
 
 MISSING = (
     "memtui export --format tensorboard needs TensorBoard's event writer: "
     "pip install 'memtui[tensorboard]'"
 )
+EVENT_PREFIX = "events.out.tfevents."
 
 
 def step_scalars(step: Step) -> dict[str, float]:
@@ -71,6 +95,33 @@ def alert_counts(recording: Recording) -> tuple[list[str], dict[int, Counter[str
     return kinds, per_step
 
 
+def count_points(
+    order: list[int], kinds: list[str], per_step: dict[int, Counter[str]]
+) -> list[dict[str, int]]:
+    """For each step of `order` (the steps as written), the alert counts written there.
+
+    A kind is written at the first and the last step, and at each step where it was raised or
+    whose neighbour in `order` raised it: every other step lies inside a run of equal counts
+    whose ends are written, so the curve TensorBoard draws (straight lines between points) is
+    the one a point per step gives. At most 2 x kinds + 3 x alerts values in all.
+    """
+    points: list[dict[str, int]] = [{} for _ in order]
+    last = len(order) - 1
+    for position, number in enumerate(order):
+        counts = per_step.get(number)
+        if not counts:
+            continue
+        for kind in counts:
+            for near in (position - 1, position, position + 1):
+                if 0 <= near <= last:
+                    points[near][kind] = per_step.get(order[near], Counter()).get(kind, 0)
+    for position in (0, last) if order else ():
+        counts = per_step.get(order[position], Counter())
+        for kind in kinds:
+            points[position][kind] = counts.get(kind, 0)
+    return points
+
+
 def _writer_parts() -> Any:
     try:
         from tensorboard.compat.proto import (
@@ -80,25 +131,33 @@ def _writer_parts() -> Any:
             tensor_shape_pb2,
             types_pb2,
         )
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary.writer.record_writer import RecordWriter
     except ImportError:
         raise UserError(MISSING) from None
-    return EventFileWriter, event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    return RecordWriter, event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+
+def event_file_name() -> str:
+    """TensorBoard's own file name (its loaders read files of this prefix, in name order)."""
+    return f"{EVENT_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
 
 
 class _RunWriter:
-    """One run's event file: double scalars and text, through TensorBoard's writer."""
+    """One run's event file: double scalars and text, in TensorBoard's record format."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, descriptor: int) -> None:
         parts = _writer_parts()
-        writer_class, self._event, self._summary, self._tensor, self._shape, self._types = parts
-        self._writer = writer_class(str(folder), max_queue_size=1000, flush_secs=3600)
+        record_class, self._event, self._summary, self._tensor, self._shape, self._types = parts
+        self._file = os.fdopen(descriptor, "wb", buffering=1 << 20)
+        self._records = record_class(self._file)
         self._scalar_meta = self._summary.SummaryMetadata(
             plugin_data=self._summary.SummaryMetadata.PluginData(plugin_name="scalars")
         )
         self._text_meta = self._summary.SummaryMetadata(
             plugin_data=self._summary.SummaryMetadata.PluginData(plugin_name="text")
         )
+        first = self._event.Event(wall_time=time.time(), file_version="brain.Event:2")
+        self._records.write(first.SerializeToString())  # as TensorBoard's writer starts a file
 
     def add(self, step: int, wall_time: float, scalars: dict[str, float], text: str | None) -> None:
         values = [
@@ -125,39 +184,38 @@ class _RunWriter:
                     ),
                 )
             )
-        self._writer.add_event(
-            self._event.Event(
-                wall_time=wall_time, step=step, summary=self._summary.Summary(value=values)
-            )
+        event = self._event.Event(
+            wall_time=wall_time, step=step, summary=self._summary.Summary(value=values)
         )
+        self._records.write(event.SerializeToString())
 
     def close(self) -> None:
-        self._writer.close()
+        self._records.close()
 
 
-def write_run(recording: Recording, folder: Path) -> int:
-    """Write one recording as one run into `folder`; the number of steps written."""
+def write_run(recording: Recording, descriptor: int) -> int:
+    """Write one recording as one run into the new event file `descriptor` (closed here);
+    the number of steps written."""
     kinds, per_step = alert_counts(recording)
     texts: dict[int, list[str]] = defaultdict(list)
     for item in recording.alerts:
         if item.step is not None:
             where = f" ({item.alert.where})" if item.alert.where else ""
             texts[item.step].append(f"- **{item.kind}**{where}: {item.alert.message}")
-    writer = _RunWriter(folder)
-    written = set()
+    closed = {step.step for step in recording.steps}
+    # Alerts of a step that never closed (an out-of-memory in the last one): counts only.
+    orphans = sorted(set(per_step) - closed)
+    order = [step.step for step in recording.steps] + orphans
+    points = count_points(order, kinds, per_step)
+    end_time = recording.end.time if recording.end is not None else None
+    writer = _RunWriter(descriptor)
     try:
-        for step in recording.steps:
+        for position, step in enumerate(recording.steps):
             scalars = step_scalars(step)
-            counts = per_step.get(step.step, Counter())
-            scalars.update({f"alerts/{kind}": counts.get(kind, 0) for kind in kinds})
-            text = "\n".join(texts.get(step.step, [])) or None
-            writer.add(step.step, step.t_end, scalars, text)
-            written.add(step.step)
-        # Alerts of a step that never closed (an out-of-memory in the last one): counts only.
-        end_time = recording.end.time if recording.end is not None else None
-        for number in sorted(set(per_step) - written):
-            counts = per_step[number]
-            scalars = {f"alerts/{kind}": counts.get(kind, 0) for kind in kinds}
+            scalars.update({f"alerts/{kind}": count for kind, count in points[position].items()})
+            writer.add(step.step, step.t_end, scalars, "\n".join(texts.get(step.step, [])) or None)
+        for position, number in enumerate(orphans, start=len(recording.steps)):
+            scalars = {f"alerts/{kind}": count for kind, count in points[position].items()}
             writer.add(number, end_time or 0.0, scalars, "\n".join(texts[number]) or None)
     finally:
         writer.close()
@@ -182,6 +240,21 @@ def default_output(path: Path) -> Path:
     )
 
 
+def _has_events(target: int, name: str, shown: Path) -> bool:
+    """Whether the run folder `name` in the open folder `target` already holds event files
+    (read without following a link planted at that name)."""
+    try:
+        folder = os.open(name, FOLDER_FLAGS, dir_fd=target)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return False  # a link or not a folder: `open_or_make_folder_in` says so in one line
+    try:
+        return any(entry.startswith(EVENT_PREFIX) for entry in os.listdir(folder))
+    finally:
+        os.close(folder)
+
+
 def run_tensorboard_export(path_text: str, output: str | None) -> int:
     """`memtui export PATH --format tensorboard [-o DIR]`; the exit code."""
     if output == "-":
@@ -202,20 +275,35 @@ def run_tensorboard_export(path_text: str, output: str | None) -> int:
         runs = [(None, recording)]
     target = Path(output) if output else default_output(path)
     planned = [(run_name(recording, path, label), recording) for label, recording in runs]
-    for name, _ in planned:
-        folder = target / name
-        if folder.is_dir() and any(folder.glob("events.out.tfevents.*")):
-            raise UserError(
-                f"{folder}: already holds TensorBoard event files (an earlier export?); remove "
-                "them or choose another -o, so no step is shown twice"
-            )
     try:
-        for name, recording in planned:
-            steps = write_run(recording, target / name)
-            print(f"memtui: wrote {target / name} ({steps} steps)", file=sys.stderr)
+        folder = open_or_make_folder(target)
+    except RefusedPath as exc:
+        raise UserError(str(exc)) from None
     except OSError as exc:
         raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
-    print(f"memtui: open it with: tensorboard --logdir {target}", file=sys.stderr)
+    try:
+        for name, _ in planned:
+            if _has_events(folder, name, target / name):
+                raise UserError(
+                    f"{target / name}: already holds TensorBoard event files (an earlier "
+                    "export?); remove them or choose another -o, so no step is shown twice"
+                )
+        for name, recording in planned:
+            shown = target / name
+            run = open_or_make_folder_in(folder, name, shown)
+            try:
+                descriptor = create_in(run, event_file_name(), shown / EVENT_PREFIX)
+            finally:
+                os.close(run)
+            steps = write_run(recording, descriptor)
+            print(f"memtui: wrote {terminal_safe(shown)} ({steps} steps)", file=sys.stderr)
+    except RefusedPath as exc:
+        raise UserError(str(exc)) from None
+    except OSError as exc:
+        raise UserError(f"{target}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        os.close(folder)
+    print(f"memtui: open it with: tensorboard --logdir {terminal_safe(target)}", file=sys.stderr)
     for warning in warnings:
         print(f"memtui: warning: {terminal_safe(warning)}", file=sys.stderr)
     return EXIT_PARTIAL if warnings else 0

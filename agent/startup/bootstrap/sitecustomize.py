@@ -26,12 +26,20 @@ import types
 NOTES_VARIABLE = "MEMTUI_NOTES"
 
 
+def _shown(text: str) -> str:
+    """`text` with every character a terminal would act on or hide escaped (`\\x1b`). The
+    bootstrap runs where memtui may not be installed, so it cannot use the protocol's rule
+    (`memtui_protocol.shown_text`); `isprintable` is that rule and a little more (unassigned
+    and private-use code points, spaces other than ' ')."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _note(message: str) -> None:
     """Tell `memtui run` (one line in its notes file), or stderr where no run asked."""
     path = os.environ.get(NOTES_VARIABLE)
     try:
         if not path:
-            print(f"memtui: {message}", file=sys.stderr)
+            print(f"memtui: {_shown(message)}", file=sys.stderr)
             return
         line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
         # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.
