@@ -185,7 +185,13 @@ def render(recording: Recording, fmt: str) -> str:
 
 
 def default_output(path: str | os.PathLike[str], fmt: str) -> Path:
-    """`run.memtui` -> `run.trace.json` / `run.csv`, beside the recording."""
+    """`run.memtui` -> `run.trace.json` / `run.csv`, beside the recording.
+
+    Raises:
+        UserError: `path` names no file (empty, `.`, a folder's trailing slash only).
+    """
+    if not Path(path).name:
+        raise UserError(f"{terminal_safe(os.fspath(path))!r}: names no recording file")
     return Path(path).with_suffix(FORMATS[fmt])
 
 
