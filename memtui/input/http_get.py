@@ -11,11 +11,14 @@ from the environment is not used: the server is dialled directly.
 
 A URL is checked before anything is sent (`Target.parse`): printable ASCII only (no control
 characters, spaces or undecodable bytes), an http or https scheme, a host, a port in 1-65535
-when given, no credentials, query or fragment. Every failure is `HttpError` with one line.
+when given, no query or fragment. Credentials in the URL (`https://user:secret@host:9090`, a
+Prometheus behind basic auth) are sent as HTTP basic authorization, never shown in messages.
+Every failure is `HttpError` with one line.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import math
 import os
@@ -24,7 +27,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,6 +67,8 @@ class Target:
     host: str
     port: int
     path: str
+    authorization: str | None = field(default=None, repr=False)
+    """`Basic ...` from the URL's `user:password@`, or None."""
 
     @classmethod
     def parse(cls, url: str) -> Target:
@@ -86,8 +91,12 @@ class Target:
             raise HttpError(f"not a URL ({exc})") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise HttpError("give an http:// or https:// URL")
+        authorization = None
         if parts.username is not None or parts.password is not None:
-            raise HttpError("credentials in the URL are not supported")
+            user = urllib.parse.unquote(parts.username or "")
+            secret = urllib.parse.unquote(parts.password or "")
+            token = base64.b64encode(f"{user}:{secret}".encode()).decode("ascii")
+            authorization = f"Basic {token}"
         if parts.query or parts.fragment or url.endswith(("?", "#")):
             raise HttpError("give the server's base URL, without a query or fragment")
         if port == 0:
@@ -97,7 +106,18 @@ class Target:
         if ":" not in host and not all(0 < len(label) <= 63 for label in labels):
             raise HttpError(f"{host!r} is not a host name")  # an IPv6 literal has no labels
         default = 443 if parts.scheme == "https" else 80
-        return cls(parts.scheme, host, port or default, parts.path.rstrip("/"))
+        return cls(parts.scheme, host, port or default, parts.path.rstrip("/"), authorization)
+
+
+def without_credentials(url: str) -> str:
+    """`url` with any `user:password@` taken out, for messages and reports."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return url
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = authority.rsplit("@", 1)[1]
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 def _remaining(deadline: float) -> float:
@@ -243,7 +263,9 @@ def get(target: Target, path: str, deadline: float, max_bytes: int) -> Answer:
         host = f"[{target.host}]" if ":" in target.host else target.host
         request = (
             f"GET {target.path}{path} HTTP/1.0\r\nHost: {host}:{target.port}\r\n"
-            "Accept: application/json\r\nUser-Agent: memtui\r\nConnection: close\r\n\r\n"
+            "Accept: application/json\r\nUser-Agent: memtui\r\nConnection: close\r\n"
+            + (f"Authorization: {target.authorization}\r\n" if target.authorization else "")
+            + "\r\n"
         ).encode("ascii")
         _send_all(sock, request, deadline)
         raw = _receive(sock, max_bytes + MAX_HEAD_BYTES, deadline)
@@ -301,4 +323,4 @@ def _unchunk(data: bytes) -> bytes:
         position = start + size + 2
 
 
-__all__ = ["Answer", "HttpError", "Target", "TooLarge", "get"]
+__all__ = ["Answer", "HttpError", "Target", "TooLarge", "get", "without_credentials"]

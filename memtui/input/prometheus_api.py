@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memtui.errors import UserError
-from memtui.input.http_get import HttpError, Target, TooLarge, get
+from memtui.input.http_get import HttpError, Target, TooLarge, get, without_credentials
 
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 TIMEOUT_SECONDS = 5.0
@@ -51,15 +51,17 @@ class PrometheusClient:
         timeout: float = TIMEOUT_SECONDS,
         max_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
+        shown = without_credentials(url)
         try:
             self.target = Target.parse(url)
         except HttpError as exc:
-            raise PrometheusError(f"--prometheus {url!r}: {exc}") from None
+            raise PrometheusError(f"--prometheus {shown!r}: {exc}") from None
         if not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT_SECONDS):
             raise PrometheusError(
                 f"--timeout {timeout!r}: give seconds above 0, at most {MAX_TIMEOUT_SECONDS:g}"
             )  # NaN fails the comparison too
-        self.url = url.rstrip("/")
+        self.url = shown.rstrip("/")
+        """The server's URL as shown: a password in it never reaches the screen or a report."""
         self.timeout = float(timeout)
         self.max_bytes = max_bytes
         self._deadline: float | None = None
