@@ -108,6 +108,18 @@ class LeakKind(TextEnum):
     """Tensors alone: their graphs, if any, were freed by backward."""
 
 
+class CensusStop(TextEnum):
+    """Why a census of live tensors ended before it had walked everything (`CensusCost`)."""
+
+    OBJECTS = "objects"
+    """It looked at as many references as one census may."""
+    SECONDS = "seconds"
+    """It ran as long as one census may."""
+    ERROR = "error"
+    """An error inside it ended it (said once on stderr and in the recording); the next census
+    runs as usual."""
+
+
 class ActivationMode(TextEnum):
     """When the agent arms its saved-tensor hooks (issue 15; `memtui run --activations`).
 
@@ -374,6 +386,8 @@ class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
     objects: int
     complete: bool = True
     """False when its bound stopped it: the holders named are real, more may exist."""
+    stopped: str | None = None
+    """`CensusStop`: which bound stopped it, or an error; None when it did not stop early."""
 
 
 LATE_SEARCH = 64

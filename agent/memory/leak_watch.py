@@ -86,7 +86,6 @@ class LeakWatch:
         kept: int | None,
         headroom: int | None = None,
         exact: bool = False,
-        taken: Census | None = None,
     ) -> LeakReport:
         """One close.
 
@@ -97,11 +96,8 @@ class LeakWatch:
             headroom: what is left before the budget or the device's end (the out-of-memory
                 forecast), None if unknown.
             exact: `kept` is the CUDA allocator's (exact), not glibc's heap (noisy).
-            taken: a census this close already took for another reason: used if one is due.
         """
         report = LeakReport()
-        if taken is not None:
-            report.census = _cost(taken)
         if kept is None:
             return report
         self._floor = EXACT_FLOOR if exact else HEAP_FLOOR
@@ -111,7 +107,7 @@ class LeakWatch:
                 return report  # a census is already planned: growth alone does not hurry it
         elif step < self._quiet_until or not self._growing():
             return report
-        census = taken if taken is not None else self._take()
+        census = self._take()
         report.census = _cost(census)
         previous, self._previous = self._previous, (step, census)
         if previous is None or previous[0] >= step:
@@ -246,5 +242,8 @@ def usual_fix(holding: Holding) -> str:
 
 def _cost(census: Census) -> CensusCost:
     return CensusCost(
-        seconds=round(census.seconds, 4), objects=census.visited, complete=census.complete
+        seconds=round(census.seconds, 4),
+        objects=census.visited,
+        complete=census.complete,
+        stopped=census.stopped.value if census.stopped is not None else None,
     )
