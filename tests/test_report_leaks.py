@@ -65,6 +65,7 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
         "seconds": builder.CENSUS_SECONDS,
         "objects": 608,
         "complete": True,
+        "stopped": None,
     }
     assert [leak["holder"] for leak in steps[12]["leaks"]] == ["history", builder.GRAPH_HOLDER]
     assert steps[20]["leaks"] == [
@@ -78,6 +79,8 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
         "longest": builder.CENSUS_SECONDS,
         "objects": 620,
         "incomplete": 0,
+        "errors": 0,
+        "bounded": 0,
     }
 
 
@@ -113,6 +116,31 @@ def test_the_text_report_leads_with_the_leaks(builder: ModuleType) -> None:
     ]
     decimal = render_text(_recording(builder.leaking_messages()), binary=False)
     assert "history (tensors kept): 90.11 kB in 22 tensors, growing 4.10 kB per step" in decimal
+
+
+def test_censuses_that_ended_early_say_why(builder: ModuleType) -> None:
+    """A bound, an error inside the census: each step's `census` says which, and the text
+    report counts them apart."""
+    messages = builder.leaking_messages()
+    ended = {
+        8: schema.CensusCost(seconds=2.0, objects=1_000_000, complete=False, stopped="objects"),
+        12: schema.CensusCost(seconds=0.01, objects=40, complete=False, stopped="error"),
+    }
+    messages = [
+        msgspec.structs.replace(message, census=ended[message.step])
+        if isinstance(message, schema.Step) and message.step in ended
+        else message
+        for message in messages
+    ]
+    recording = _recording(messages)
+    document = json.loads(strict_json(build_report(recording)))
+    steps = {entry["step"]: entry for entry in document["steps"]}
+    assert steps[8]["census"]["stopped"] == "objects" and not steps[8]["census"]["complete"]
+    assert steps[12]["census"]["stopped"] == "error"
+    assert (document["censuses"]["incomplete"], document["censuses"]["errors"]) == (2, 1)
+    assert document["censuses"]["bounded"] == 1
+    line = next(line for line in render_text(recording).splitlines() if "censuses" in line)
+    assert "1 stopped at their bound, 1 at an error inside them" in line
 
 
 def test_no_leaks_no_section(builder: ModuleType) -> None:

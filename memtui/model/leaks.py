@@ -96,7 +96,12 @@ class CensusTally:
     objects: int = 0
     """The most objects one census visited."""
     incomplete: int = 0
-    """Censuses their bound stopped: the holders they named are real, more may exist."""
+    """Censuses that ended early (a bound, an error) or saw a container change under them: the
+    holders they named are real, more may exist."""
+    errors: int = 0
+    """Of those, censuses an error inside them ended (`CensusStop.ERROR`)."""
+    bounded: int = 0
+    """Of those, censuses a bound stopped (objects or seconds)."""
 
     def plus(self, cost: schema.CensusCost) -> CensusTally:
         return CensusTally(
@@ -105,6 +110,8 @@ class CensusTally:
             max(self.longest, cost.seconds),
             max(self.objects, cost.objects),
             self.incomplete + (not cost.complete),
+            self.errors + (cost.stopped == schema.CensusStop.ERROR),
+            self.bounded + (cost.stopped in (schema.CensusStop.OBJECTS, schema.CensusStop.SECONDS)),
         )
 
 

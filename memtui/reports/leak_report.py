@@ -56,7 +56,9 @@ def step_census(step: Step) -> CensusEntry | msgspec.UnsetType:
     cost = step.census
     if cost is None:
         return msgspec.UNSET
-    return CensusEntry(seconds=cost.seconds, objects=cost.objects, complete=cost.complete)
+    return CensusEntry(
+        seconds=cost.seconds, objects=cost.objects, complete=cost.complete, stopped=cost.stopped
+    )
 
 
 def censuses(recording: Recording) -> CensusTally | None:
@@ -128,8 +130,15 @@ def census_line(recording: Recording) -> str | None:
         + f", the longest {tally.longest:.3f} s; up to {tally.objects:,} objects visited"
     )
     if tally.incomplete:
-        line += (
-            f"; {tally.incomplete} stopped at their bound (the holders named are real, "
-            "more may exist)"
-        )
+        changed = tally.incomplete - tally.bounded - tally.errors
+        parts = [
+            f"{count} {what}"
+            for count, what in (
+                (tally.bounded, "stopped at their bound"),
+                (tally.errors, "at an error inside them"),
+                (changed, "saw a container change under them"),
+            )
+            if count
+        ]
+        line += f"; {', '.join(parts)} (the holders named are real, more may exist)"
     return line

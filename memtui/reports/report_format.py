@@ -99,6 +99,8 @@ class CensusEntry(msgspec.Struct):
     seconds: float
     objects: int
     complete: bool
+    stopped: str | None = None
+    """Why it ended early: `objects` or `seconds` (its bounds), `error`; None when it did not."""
 
 
 class StepEntry(msgspec.Struct):
