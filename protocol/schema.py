@@ -377,6 +377,10 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """Bytes it grew by per step between the last two censuses."""
     first_step: int
     """The step its growth began at."""
+    graphs_not_known: int = 0
+    """Autograd graphs it keeps alive whose saved tensors are not known (built while the
+    agent's saved-tensor hooks were off: nothing recorded what they saved, and the agent never
+    unpacks a graph to find out): `bytes` is then what the rest of it holds, a lower bound."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):

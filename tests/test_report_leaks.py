@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from memtui.input.sources import ReplaySource
-from memtui.model.leaks import MAX_HISTORY, MAX_HOLDERS, LeakRow
+from memtui.model.leaks import MAX_HISTORY, MAX_HOLDERS, LeakRow, leak_holding
 from memtui.model.recording import Recording, read_recording
 from memtui.model.session import Session
 from memtui.reports.report import build_report, render_text
@@ -70,7 +70,7 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
     assert [leak["holder"] for leak in steps[12]["leaks"]] == ["history", builder.GRAPH_HOLDER]
     assert steps[20]["leaks"] == [
         {"holder": "history", "kind": "tensors", "bytes": 18 * 4096, "tensors": 18,
-         "per_step": 4096, "first_step": 3},
+         "per_step": 4096, "first_step": 3, "graphs_not_known": 0},
     ]  # fmt: skip
     assert not any("leaks" in steps[n] or "census" in steps[n] for n in (1, 11, 13, 24))
     assert document["censuses"] == {
@@ -141,6 +141,25 @@ def test_censuses_that_ended_early_say_why(builder: ModuleType) -> None:
     assert document["censuses"]["bounded"] == 1
     line = next(line for line in render_text(recording).splitlines() if "censuses" in line)
     assert "1 stopped at their bound, 1 at an error inside them" in line
+
+
+def test_a_holder_whose_graphs_are_partly_not_known_says_so(builder: ModuleType) -> None:
+    """Graphs built while the agent's hooks were off: their saved bytes are not in `bytes`, and
+    every reader says so rather than show that figure as the whole."""
+    messages = builder.leaking_messages(with_end=False)
+    partial = schema.Leak("val_total", "retained_graph", 8192, 1, 1024, 4, graphs_not_known=2)
+    messages.append(msgspec.structs.replace(builder.make_step(25), leaks=[partial]))
+    recording = _recording(messages)
+    document = json.loads(strict_json(build_report(recording)))
+    (entry,) = [e for e in document["leaks"] if e["holder"] == "val_total"]
+    assert entry["graphs_not_known"] == 2 and entry["bytes"] == 8192
+    text = render_text(recording)
+    assert (
+        "val_total (autograd graphs kept alive): 8.00 KiB in 1 tensor and 2 graphs whose saved "
+        "tensors are not known (built while memtui's hooks were off), growing" in text
+    )
+    (row,) = [row for row in recording.leaks.latest() if row.holder == "val_total"]
+    assert leak_holding(row) == "1 tensor + graph, 2 not known"
 
 
 def test_no_leaks_no_section(builder: ModuleType) -> None:

@@ -63,6 +63,7 @@ class _Named:
     step: int
     per_step: int
     kind: LeakKind
+    graphs_not_known: int = 0
 
 
 class LeakWatch:
@@ -130,11 +131,14 @@ class LeakWatch:
                 tensors=holding.tensors,
                 per_step=per_step,
                 first_step=first,
+                graphs_not_known=holding.unknown_graphs,
             )
             report.leaks.append(leak)
             if named is None:
                 report.alerts.append(leak_alert(leak, holding, headroom))
-            self._named[holding.holder] = _Named(first, holding.bytes, step, per_step, holding.kind)
+            self._named[holding.holder] = _Named(
+                first, holding.bytes, step, per_step, holding.kind, holding.unknown_graphs
+            )
         self._next_census = step + self._follow
         self._follow = min(self._follow * 2, FOLLOW_MAX)
         return report
@@ -150,7 +154,15 @@ class LeakWatch:
             holding = census.holdings.get(holder)
             if holding is None:
                 found.append(
-                    Leak(holder, named.kind.value, named.bytes, 0, named.per_step, named.first_step)
+                    Leak(
+                        holder,
+                        named.kind.value,
+                        named.bytes,
+                        0,
+                        named.per_step,
+                        named.first_step,
+                        named.graphs_not_known,
+                    )
                 )
                 continue
             per_step = named.per_step
@@ -164,6 +176,7 @@ class LeakWatch:
                     tensors=holding.tensors,
                     per_step=per_step,
                     first_step=named.first_step,
+                    graphs_not_known=holding.unknown_graphs,
                 )
             )
         return found
@@ -214,9 +227,15 @@ def leak_alert(leak: Leak, holding: Holding, headroom: int | None) -> schema.Ale
     """The alert for a newly named leak: who, how much, how fast, since when, and the fix."""
     message = (
         f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
-        f"tensor{'s' if leak.tensors != 1 else ''} and grows {format_bytes(leak.per_step)} "
-        f"per step since step {leak.first_step}"
+        f"tensor{'s' if leak.tensors != 1 else ''}"
     )
+    if leak.graphs_not_known:
+        message += (
+            f" and {leak.graphs_not_known} autograd graph"
+            f"{'s' if leak.graphs_not_known != 1 else ''} built while memtui's hooks were off "
+            "(what they saved is not known, not in that figure)"
+        )
+    message += f" and grows {format_bytes(leak.per_step)} per step since step {leak.first_step}"
     if headroom is not None and leak.per_step > 0:
         message += f"; at this rate, out of memory in about {headroom // leak.per_step:,} steps"
     return schema.Alert(

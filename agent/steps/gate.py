@@ -72,8 +72,9 @@ UNCONFIRMED_FOR_EVERY = 3
 job's activations change with what its inputs do not show (LayerDrop), and a fifth of its steps
 or more would otherwise say "not known"."""
 CROSSINGS_FOR_EVERY = 2
-"""Closes finding a graph built unarmed still held, after which every step is measured (a GAN
-whose generator graph is backpropagated a step later): only armed steps count such graphs."""
+"""Closes finding new graphs built unarmed still held, after which every step is measured (a
+GAN whose generator graph is backpropagated a step later): only armed steps count such
+graphs."""
 MEASURE_WHILE_HELD = 2
 """Steps measured after a close that finds graphs of root calls still held. What a graph saves
 is known only from the agent's own pack hook (a census never unpacks a graph), so while the
@@ -343,7 +344,8 @@ class ActivationGate:
         hooks, a checkpoint's recomputed forward). So the activations of every close that
         finds them held are not known; steps are measured meanwhile (`MEASURE_WHILE_HELD`,
         every step once it happens again), so graphs built from now on are counted."""
-        self._crossings += 1
+        if held.new_unarmed:
+            self._crossings += 1  # new graphs built unarmed, not the same ones held longer
         self.policy.measure_next(FIRST_STEPS)
         if held.unarmed == 1:
             which = "a graph built by the model while memtui's hooks were off still holds its"

@@ -48,6 +48,7 @@ class GraphMarker:
         "last",
         "node",
         "retained",
+        "seen",
         "step",
         "watch",
     )
@@ -66,6 +67,8 @@ class GraphMarker:
         """The sequence numbers the call's forward gave its nodes: `first` <= n < `last`."""
         self.executed = False
         self.retained = False
+        self.seen = False
+        """Already found held at an earlier close."""
 
     def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.executed = True
@@ -84,8 +87,10 @@ class Held:
 
     graphs: int
     unarmed: int
-    """Of those, built while the hooks were off: their saved tensors are in no pile yet."""
+    """Of those, built while the hooks were off: what they saved is in no pile."""
     oldest_step: int | None
+    new_unarmed: int = 0
+    """Of the unarmed ones, those no earlier close found held."""
 
 
 class HeldGraphs:
@@ -117,10 +122,14 @@ class HeldGraphs:
     def held(self) -> Held:
         """What is still held now (at a close, after the step's backward passes)."""
         holding = [marker for marker in list(self._markers) if marker.holds_buffers]
+        new = sum(1 for marker in holding if not marker.armed and not marker.seen)
+        for marker in holding:
+            marker.seen = True
         return Held(
             graphs=len(holding),
             unarmed=sum(1 for marker in holding if not marker.armed),
             oldest_step=min((marker.step for marker in holding), default=None),
+            new_unarmed=new,
         )
 
     def calls(self) -> dict[int, HeldCall]:

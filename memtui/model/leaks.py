@@ -52,6 +52,8 @@ class LeakRow:
     """The step its growth began at."""
     counted_at: int | None
     """The step whose census gave these figures; None: counted as the job ended (`End`)."""
+    graphs_not_known: int = 0
+    """Graphs it keeps whose saved tensors are not known: `bytes` is then a lower bound."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -64,6 +66,7 @@ class LeakRow:
             leak.per_step,
             leak.first_step,
             counted_at,
+            leak.graphs_not_known,
         )
 
 
@@ -173,7 +176,8 @@ def leak_holding(row: LeakRow) -> str:
     plural = "s" if row.tensors != 1 else ""
     tensors = f"{row.tensors} tensor{plural}"
     if row.kind is LeakKind.RETAINED_GRAPH:
-        return f"{tensors} + graph{plural}"
+        unknown = f", {row.graphs_not_known} not known" if row.graphs_not_known else ""
+        return f"{tensors} + graph{plural}{unknown}"
     if row.kind is LeakKind.TENSORS:
         return tensors
     return f"{tensors} ({row.kind})"

@@ -35,6 +35,7 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         tensors=row.tensors,
         per_step=row.per_step,
         first_step=row.first_step,
+        graphs_not_known=row.graphs_not_known,
     )
 
 
@@ -102,9 +103,16 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
     for row in rows:
         kind = KIND_WORDS[row.kind] if isinstance(row.kind, LeakKind) else row.kind
         plural = "s" if row.tensors != 1 else ""
+        unknown = ""
+        if row.graphs_not_known:
+            graphs = "graph" + ("s" if row.graphs_not_known != 1 else "")
+            unknown = (
+                f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
+                "(built while memtui's hooks were off)"
+            )
         lines.append(
-            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}, "
-            f"growing {size(row.per_step)} per step since step {row.first_step}"
+            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
+            f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
         )
         if row.holder in fixes:
             lines.append(f"    fix: {fixes[row.holder]}")

@@ -91,6 +91,8 @@ class LeakEntry(msgspec.Struct):
     tensors: int
     per_step: int
     first_step: int
+    graphs_not_known: int = 0
+    """Graphs it keeps whose saved tensors are not known (`bytes` is then a lower bound)."""
 
 
 class CensusEntry(msgspec.Struct):
