@@ -390,9 +390,10 @@ class Tracker:
                 ledger = self.ledger
                 ledger.acquire_activation(key, nbytes, name, module)
                 one = SavedOne(tensor.detach(), key, ledger, tensor._version)
-                # The node being built is the last one this thread numbered: a census finds
-                # which storages a retained graph holds from this record, never by unpacking.
-                ledger.saved_nodes[id(one)] = ((next_sequence_number() - 1) << NODE_SHIFT) | key
+                # The node being built is the last one this thread numbered (the next number,
+                # less one): a census finds what a retained graph holds from this record,
+                # never by unpacking it.
+                ledger.saved_nodes[id(one)] = (next_sequence_number() << NODE_SHIFT) | key
                 return one
             infos = storages_of(tensor)
             keys = [info[0] for info in infos]

@@ -270,8 +270,8 @@ class Ledger:
         self._on_freed = self._freed
         """The callback bound once: `self._freed` would make a new bound method per weakref."""
         self.saved_nodes: dict[int, int] = {}
-        """id(a live saved-tensor wrapper of one storage) -> `(node << NODE_SHIFT) | key`: the
-        autograd node (its sequence number) the pack hook saved the storage for. Written by
+        """id(a live saved-tensor wrapper of one storage) -> `(node + 1 << NODE_SHIFT) | key`:
+        the autograd node (its sequence number) the pack hook saved the storage for. Written by
         the pack hook, removed by the wrapper's `__del__`; ints only, so the hook allocates
         nothing the garbage collector tracks. A census reads it (`saved_by_node`) to know
         which storages a retained graph holds without unpacking anything."""
@@ -592,7 +592,8 @@ class Ledger:
                 key = packed & mask
                 entry = entries.get(key)
                 if entry is not None and entry.act_refs:
-                    found.setdefault(packed >> NODE_SHIFT, []).append((key, entry.nbytes))
+                    node = (packed >> NODE_SHIFT) - 1
+                    found.setdefault(node, []).append((key, entry.nbytes))
             for node, keys in multi.values():
                 for key in keys:
                     entry = entries.get(key)
