@@ -95,8 +95,7 @@ def main() -> None:
         seconds, peak, census = measure(roots, extra, args.rounds)
         stopped = census.stopped.value if census.stopped is not None else "-"
         print(
-            f"{name:18s} {seconds:8.3f} {census.visited:11,d} {stopped:>8s} "
-            f"{peak / 2**20:7.1f} MiB"
+            f"{name:18s} {seconds:8.3f} {census.visited:11,d} {stopped:>8s} {peak / 2**20:7.1f} MiB"
         )
         del roots, extra
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from memtui_agent.memory.census import HeldCall
-from memtui_agent.memory.object_access import container_base
+from memtui_agent.memory.object_access import container_base, heap_type
 from memtui_agent.memory.tensor_reads import NodeType, grad_fn, is_tensor, next_sequence_number
 
 MAX_MARKED_PER_CALL = 16
@@ -100,6 +100,7 @@ class HeldGraphs:
         self._markers: weakref.WeakSet[GraphMarker] = weakref.WeakSet()
         self.retaining = False
         """A top-level backward with `retain_graph=True` is running."""
+        self._node_types: dict[int, NodeType] = {}
 
     def mark(self, output: Any, step: int, armed: bool, first: int = 0) -> None:
         """Mark the graph nodes of a root call's output (tensors, sequences, mappings); `first`
@@ -112,12 +113,23 @@ class HeldGraphs:
                 if node is None or id(node) in marked:
                     continue
                 marked.add(id(node))
-                number = NodeType(type(node)).sequence(node)
+                number = self._node_type(type(node)).sequence(node)
                 marker = GraphMarker(self, step, armed, number, first, last)
                 node.register_hook(marker)
                 self._markers.add(marker)
                 if len(marked) >= MAX_MARKED_PER_CALL:
                     break
+
+    def _node_type(self, cls: type) -> NodeType:
+        """How to read nodes of `cls`, kept for torch's own (static) node types only: a custom
+        Function's node class is the job's, and is not kept alive here."""
+        known = self._node_types.get(id(cls))
+        if known is not None and known.cls is cls:
+            return known
+        found = NodeType(cls)
+        if not heap_type(cls) and len(self._node_types) < 4096:
+            self._node_types[id(cls)] = found
+        return found
 
     def held(self) -> Held:
         """What is still held now (at a close, after the step's backward passes)."""
