@@ -292,3 +292,57 @@ def test_an_error_inside_the_walk_ends_that_census_only(
         "attached",
         "second.kept",
     }
+
+
+class Loud(torch.Tensor):
+    """A tensor subclass whose Python runs on any torch call or overridden method."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        CALLS.append("Loud.__torch_function__")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+    def untyped_storage(self) -> Any:  # type: ignore[override]
+        CALLS.append("Loud.untyped_storage")
+        return super().untyped_storage()
+
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass (no storage of its own): its memory is its inner tensor's."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapper:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        CALLS.append("Wrapper.__torch_dispatch__")
+        raise NotImplementedError
+
+
+class Watching(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode the job left on around its loop (a FLOP counter, a tracer)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        CALLS.append(f"mode {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_tensor_subclasses_and_modes_run_none_of_their_python() -> None:
+    """Storages, gradients and graph nodes are read through torch's C descriptors with its
+    Python dispatch off: a subclass's overrides, `__torch_function__`, `__torch_dispatch__` and
+    a dispatch mode the job left active never run."""
+    loud = torch.randn(64).as_subclass(Loud)
+    wrapped = Wrapper(torch.randn(64))
+    sparse = torch.randn(8, 8).relu().to_sparse()
+    CALLS.clear()
+    with Watching():
+        census = take_census([("loud", loud), ("wrapped", wrapped), ("sparse", sparse)])
+    assert CALLS == []
+    assert census.holdings["loud"].bytes == 256
+    assert census.holdings["wrapped"].bytes == 256  # its inner tensor, under the wrapper's name
+    assert census.holdings["sparse"].bytes == sum(
+        nbytes for _key, nbytes, _dtype, _storage in storages_of(sparse)
+    )

@@ -73,7 +73,8 @@ def is_tensor(cls: type) -> bool:
 def census_guards() -> Iterator[None]:
     """Torch's Python dispatch off while the census reads tensors: no `__torch_function__` and
     no `__torch_dispatch__` (subclasses' or modes' the job left active) runs."""
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+    no_dispatch = getattr(torch._C, "_DisableTorchDispatch", contextlib.nullcontext)
+    with torch._C.DisableTorchFunction(), no_dispatch():
         yield
 
 
@@ -88,10 +89,10 @@ def storages(tensor: Any) -> list[tuple[Key, int]] | None:
     for piece in pieces:
         try:
             storage = _UNTYPED_STORAGE(piece)
-        except (RuntimeError, NotImplementedError, TypeError):
+            nbytes = _NBYTES(storage)
+            pointer = _DATA_PTR(storage)
+        except (RuntimeError, NotImplementedError, TypeError):  # a wrapper's invalid storage
             return None
-        nbytes = _NBYTES(storage)
-        pointer = _DATA_PTR(storage)
         if not nbytes or not pointer:
             if type(piece) is torch.Tensor or type(piece) is torch.nn.Parameter:
                 continue  # meta or empty
