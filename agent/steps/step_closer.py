@@ -29,7 +29,7 @@ from memtui_agent.memory.allocator import (
     expandable_segments_enabled,
     fragmentation_message,
 )
-from memtui_agent.memory.census import Census, take_census
+from memtui_agent.memory.census import Census, Root, take_census
 from memtui_agent.memory.gpu_events import GpuEvents
 from memtui_agent.memory.leak_watch import LeakReport, LeakWatch
 from memtui_agent.memory.ledger import Ledger
@@ -173,43 +173,31 @@ class StepCloser:
 
     def _census(self) -> Census:
         """A census of the job's live tensors from the names it wrote (this thread's frames
-        are the training loop's), with what the pack hook recorded of retained graphs.
-        Never raises: an error ends this census only, and is said once."""
-        started = time.perf_counter()
-        try:
-            roots = census_roots(self.registry, sys._getframe(1))
-            census = take_census(
-                roots,
-                excluded=self.ledger.persistent_keys(),
-                saved=self.ledger.saved_by_node(),
-                calls=self._gate.held.calls(),
-            )
-            del roots
-        except Exception as exc:  # finding the roots failed: this census only
-            census = Census({}, 0, time.perf_counter() - started, False, CensusStop.ERROR, exc)
-        if census.error is not None:
-            self.census_failed(census.error)
-            census.error = None
-        return census
+        are the training loop's)."""
+        frame = sys._getframe(1)
+        return self._take(lambda: census_roots(self.registry, frame))
 
     def final_leaks(
         self, step: int, namespace: dict[str, Any] | None, error: BaseException | None
     ) -> list[schema.Leak]:
         """The leaks named during the run, counted again as the job ends."""
-        return self.leaks.final(step, lambda: self._final_census(namespace, error))
+        return self.leaks.final(
+            step, lambda: self._take(lambda: final_roots(self.registry, namespace, error))
+        )
 
-    def _final_census(
-        self, namespace: dict[str, Any] | None, error: BaseException | None
-    ) -> Census:
+    def _take(self, roots: Callable[[], list[Root]]) -> Census:
+        """One census from `roots()`, with what the pack hook recorded of retained graphs.
+        Never raises: an error ends this census only, and is said once."""
         started = time.perf_counter()
         try:
             census = take_census(
-                final_roots(self.registry, namespace, error),
+                roots(),
                 excluded=self.ledger.persistent_keys(),
                 saved=self.ledger.saved_by_node(),
                 calls=self._gate.held.calls(),
             )
-        except Exception as exc:
+        except Exception as exc:  # finding the roots failed: this census only
+            exc.__traceback__ = None  # its frames would hold the roots
             census = Census({}, 0, time.perf_counter() - started, False, CensusStop.ERROR, exc)
         if census.error is not None:
             self.census_failed(census.error)
