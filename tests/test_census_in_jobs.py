@@ -80,9 +80,11 @@ def test_hostile_globals_run_none_of_their_code_and_every_step_is_recorded(
     """A sleeping and a raising `__getattr__`, a counting `__getattribute__`, a `__class__`
     property, a lazily loading list, a key with a `__repr__`, a `MagicMock(spec=Tensor)`
     counting `__torch_function__`, a LazyLoader module, an endless `__iter__`, a dead proxy, a
-    huge int key, a deep tuple key and a 5,000,000-item list, all beside a growing `history`."""
+    huge int key, a deep tuple key and a 5,000,000-item list, all beside a growing `history`;
+    the loop is a function whose 10 MiB temporary lives across each close."""
     run = runs["hostile"]
     assert run.counts["calls"] == [] and run.counts["mock_calls"] == 0
+    assert run.counts["kept_after_del"] == 0  # its frame's locals were read, none kept
     recording = run.recording
     assert recording is not None
     assert [step.step for step in recording.steps] == list(range(1, STEPS + 1))
