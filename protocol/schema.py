@@ -108,6 +108,18 @@ class LeakKind(TextEnum):
     """Tensors alone: their graphs, if any, were freed by backward."""
 
 
+class CensusStop(TextEnum):
+    """Why a census of live tensors ended before it had walked everything (`CensusCost`)."""
+
+    OBJECTS = "objects"
+    """It looked at as many references as one census may."""
+    SECONDS = "seconds"
+    """It ran as long as one census may."""
+    ERROR = "error"
+    """An error inside it ended it (said once on stderr and in the recording); the next census
+    runs as usual."""
+
+
 class ActivationMode(TextEnum):
     """When the agent arms its saved-tensor hooks (issue 15; `memtui run --activations`).
 
@@ -368,6 +380,10 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """Bytes it grew by per step between the last two censuses."""
     first_step: int
     """The step its growth began at."""
+    graphs_not_known: int = 0
+    """Autograd graphs it keeps alive whose saved tensors are not known (built while the
+    agent's saved-tensor hooks were off: nothing recorded what they saved, and the agent never
+    unpacks a graph to find out): `bytes` is then what the rest of it holds, a lower bound."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -377,6 +393,8 @@ class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
     objects: int
     complete: bool = True
     """False when its bound stopped it: the holders named are real, more may exist."""
+    stopped: str | None = None
+    """`CensusStop`: which bound stopped it, or an error; None when it did not stop early."""
 
 
 LATE_SEARCH = 64

@@ -16,7 +16,7 @@ from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.steps.activation_policy import FIRST_STEPS, Verdict
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.frame import CloseReading, LedgerReading, StepInputs
-from memtui_agent.steps.gate import ActivationGate
+from memtui_agent.steps.gate import MEASURE_WHILE_HELD, ActivationGate
 from memtui_agent.steps.health import ARMED_STEPS, HealthMonitor
 from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol import schema
@@ -78,12 +78,16 @@ class Job:
         batch: tuple[Any, ...] = BATCH,
         activations: int = 100,
         alarm: bool = False,
+        returned: Any = None,
         **inputs: Any,
     ) -> tuple[bool, Verdict]:
         """One step: a root call, the close's verdict, the next step opening. `alarm`: the
         close's NaN check raised one (it arms the module probes, as `HealthMonitor` does).
+        `returned`: what the root call returned (a graph the job may keep past the close).
         Returns whether the hooks were armed during the step, and the verdict."""
         self.gate.root_call(MODEL, batch, {}, self.step)
+        if returned is not None:
+            self.gate.root_returned(returned, self.step)
         armed = self.switch.armed
         verdict = self.gate.verdict(reading(self.step, activations if armed else 0))
         if alarm:
@@ -272,3 +276,40 @@ def test_a_heap_that_moves_with_the_agents_own_measuring_is_not_called_a_size_ch
     assert "memtui's own allocations while it measured moved the heap" in alerts[0]
     assert "could not be confirmed by the heap" in alerts[1]
     assert not any("LayerDrop" in message for message in alerts)
+
+
+def test_graphs_held_at_a_close_make_the_next_steps_measured() -> None:
+    """What a graph saved is known only from the pack hook: while the job keeps graphs across
+    closes (a GAN's generator output, a validation total), the steps after are armed, so the
+    graphs they build are counted; once none is held, repeats are carried again."""
+    job = Job()
+    job.settle()
+    kept = [MODEL(torch.ones(1, 2))]
+    armed, verdict = job.run(OTHER_BATCH, returned=kept[0])  # new: measured, its graph kept
+    assert armed and verdict.measured
+    for _ in range(MEASURE_WHILE_HELD):
+        armed, verdict = job.run(OTHER_BATCH)  # repeats, measured while the graph is held
+        assert armed and verdict.measured
+    kept.clear()
+    for _ in range(MEASURE_WHILE_HELD):
+        assert job.run(OTHER_BATCH)[0]  # the last close that held it still arms two
+    armed, verdict = job.run(OTHER_BATCH)
+    assert not armed and verdict.carried is not None
+
+
+def test_a_graph_built_unarmed_and_held_leaves_activations_not_known_while_held() -> None:
+    """Nothing recorded what it saved, and nothing may unpack it: every close that finds it
+    held says "not known", with one alert; the steps after are measured."""
+    job = Job()
+    job.settle()
+    kept = [MODEL(torch.ones(1, 2))]
+    armed, verdict = job.run(returned=kept[0])  # a carried repeat: built unarmed
+    assert not armed and not verdict.measured and verdict.carried is None
+    assert verdict.alert is not None and verdict.alert.kind == AlertKind.ACTIVATIONS_VARY
+    assert "memtui never saw what they saved" in verdict.alert.message
+    for _ in range(3):
+        armed, verdict = job.run()
+        assert armed and not verdict.measured and verdict.carried is None and verdict.alert is None
+    kept.clear()
+    armed, verdict = job.run()
+    assert armed and verdict.measured

@@ -3,7 +3,9 @@
 Each case builds the holder a user writes (a list of non-detached logits, a validation total
 accumulated without `torch.no_grad()`, a module's dict cache, a hook storing outputs in a
 closure, a bounded deque) and checks the census against storages counted here, by hand or
-through the job's own saved-tensor hooks.
+through a saved-tensor hook of the test's that counts what autograd saves and hands each tensor
+on to the agent's own pack hook (the census knows what a graph saved only from that hook's
+records: it never reads a graph's `_saved_*`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from memtui_agent.hooks.saved_tensors import unpack
+from memtui_agent.hooks.tracker import Tracker
 from memtui_agent.memory.census import take_census
-from memtui_agent.memory.ledger import storages_of
-from memtui_protocol.schema import LeakKind
+from memtui_agent.memory.ledger import Ledger, storages_of
+from memtui_agent.memory.tensor_reads import next_sequence_number
+from memtui_agent.steps.held_graphs import HeldGraphs
+from memtui_protocol.schema import CensusStop, LeakKind
 
 
 def _keys(*tensors: torch.Tensor) -> dict[int, int]:
@@ -33,21 +39,27 @@ def _model() -> nn.Module:
 
 
 class SavedCount:
-    """The job's own count of what autograd saves (unique storages, parameters left out)."""
+    """The test's own count of what autograd saves (unique storages, parameters left out), each
+    tensor then packed by the agent's real pack hook (`Tracker._pack`) into `ledger`."""
 
     def __init__(self, parameters: set[int]) -> None:
         self.parameters = parameters
         self.storages: dict[int, int] = {}
+        self.ledger = Ledger()
+        self.tracker = Tracker(self.ledger, lambda message: None, _no_failure)
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> Any:
         for key, nbytes, _dtype, _storage in storages_of(tensor):
             if key not in self.parameters:
                 self.storages[key] = nbytes
-        return tensor
+        return self.tracker._pack(tensor)
 
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+
+
+def _no_failure(component: str, exc: BaseException, effect: str = "") -> None:
+    raise AssertionError(f"{component}: {exc}")
 
 
 def test_a_list_of_logits_kept_after_backward_is_tensors_held_by_the_list() -> None:
@@ -71,17 +83,64 @@ def test_a_validation_total_without_no_grad_is_a_retained_graph_of_every_batch()
     model = _model()
     count = SavedCount(_weights(model))
     val_total: Any = 0.0
-    with torch.autograd.graph.saved_tensors_hooks(count.pack, SavedCount.unpack):
+    with count.hooks():
         for _ in range(3):
             x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
             val_total += nn.functional.cross_entropy(model(x), y)
-    census = take_census([("val_total", val_total), ("model", model)], excluded=_weights(model))
+    census = take_census(
+        [("val_total", val_total), ("model", model)],
+        excluded=_weights(model),
+        saved=count.ledger.saved_by_node(),
+    )
     holding = census.holdings["val_total"]
     assert holding.kind is LeakKind.RETAINED_GRAPH
     assert holding.storages == _keys(val_total)
     expected = {k: v for k, v in count.storages.items() if k not in holding.storages}
     assert holding.graph_storages == expected
     assert sum(expected.values()) > 3 * 8 * 32 * 4  # every batch's activations, not one
+    assert census.unattributed == 0
+
+
+class ScaleHalf(nn.Module):
+    """Scales half of its input in place through a view: autograd hides the node that saved
+    for it inside `CopySlices`, which the walk cannot see into."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1
+        y[:, :8].mul_(x[:, 8:])
+        return y.sin()
+
+
+def test_storages_saved_for_a_hidden_node_go_to_the_root_call_that_saved_them() -> None:
+    """Matched by the root call's numbers (held_graphs' marker), not left unattributed."""
+    model = nn.Sequential(nn.Linear(16, 16), ScaleHalf())
+    weights = _weights(model)
+    count = SavedCount(weights)
+    held = HeldGraphs()
+    with count.hooks():
+        first = next_sequence_number()
+        kept = model(torch.randn(4, 16))
+        held.mark(kept, step=1, armed=True, first=first)
+    saved = count.ledger.saved_by_node()
+    without = take_census([("kept", kept)], excluded=weights, saved=saved)
+    assert without.unattributed > 0  # the hidden node's storages: no node of the walk has them
+    census = take_census([("kept", kept)], excluded=weights, saved=saved, calls=held.calls())
+    holding = census.holdings["kept"]
+    expected = {k: v for k, v in count.storages.items() if k not in holding.storages}
+    assert holding.graph_storages == expected and census.unattributed == 0
+
+
+def test_a_graph_built_while_the_hooks_were_off_is_named_with_its_bytes_not_known() -> None:
+    """No record of what it saved exists: the holder says so instead of a figure without it."""
+    model = _model()
+    held = HeldGraphs()
+    first = next_sequence_number()
+    kept = model(torch.randn(4, 16))  # no pack hook at all: carried, unarmed
+    held.mark(kept, step=1, armed=False, first=first)
+    census = take_census([("kept", kept)], excluded=_weights(model), calls=held.calls())
+    holding = census.holdings["kept"]
+    assert holding.unknown_graphs == 1 and holding.kind is LeakKind.RETAINED_GRAPH
+    assert holding.graph_storages == {} and holding.storages == _keys(kept)
 
 
 def test_a_module_cache_and_a_hook_closure_are_named_by_where_the_user_wrote_them() -> None:
@@ -131,7 +190,8 @@ def test_piles_and_shared_storages_are_counted_once_and_a_deque_is_bounded() -> 
 def test_the_walk_is_bounded_and_says_so() -> None:
     big = [[torch.randn(1)] for _ in range(1000)]
     census = take_census([("big", big)], max_objects=50)
-    assert not census.complete
+    assert not census.complete and census.stopped is CensusStop.OBJECTS
     assert census.visited <= 50
     assert sum(h.tensors for h in census.holdings.values()) < 1000
-    assert take_census([("big", big)]).holdings["big"].tensors == 1000
+    whole = take_census([("big", big)])
+    assert whole.holdings["big"].tensors == 1000 and whole.stopped is None and whole.complete

@@ -59,5 +59,26 @@ def test_a_graph_crossing_into_the_next_step_is_held_until_its_backward() -> Non
     watch.mark(fresh, step=2, armed=False)
     held = watch.held()
     assert (held.graphs, held.oldest_step) == (1, 2)
-    watch.forget_unarmed()
-    assert watch.held().unarmed == 0
+    # What the census is told: the held graph's output node, and that no pack hook saw it.
+    (call,) = watch.calls().values()
+    assert not call.armed and call.first <= call.last
+
+
+def test_outputs_are_found_without_running_any_code_of_theirs() -> None:
+    """A sequence or mapping subclass of the job's is read through the builtin's own methods."""
+
+    class Loud(list):  # type: ignore[type-arg]
+        def __iter__(self) -> Any:
+            raise AssertionError("iterated")
+
+        def __getitem__(self, index: Any) -> Any:
+            raise AssertionError("indexed")
+
+    class Outputs(dict):  # type: ignore[type-arg]
+        def values(self) -> Any:
+            raise AssertionError("values")
+
+    model, watch = _model(), HeldGraphs()
+    out = model(torch.randn(4, 8))
+    watch.mark(Outputs(logits=Loud([out])), step=1, armed=True)
+    assert watch.held().graphs == 1

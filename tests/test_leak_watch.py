@@ -103,3 +103,26 @@ def test_a_bounded_queue_and_noise_raise_nothing() -> None:
     assert job.censuses and not any(r.alerts or r.leaks for r in growing)
     # ... and each empty census pushes the next one further out.
     assert len(job.censuses) <= 6
+
+
+def test_graphs_whose_saved_tensors_are_not_known_are_said_not_counted() -> None:
+    """A holder reaching graphs built while the hooks were off: its figure lacks their saved
+    tensors, and the alert and the `Leak` say so."""
+    job = FakeJob()
+    job.leak_from = 5
+    real = job.census
+
+    def census() -> Census:
+        found = real()
+        if "history" in found.holdings:
+            found.holdings["history"].unknown_graphs = 2
+        return found
+
+    watch = LeakWatch(census)
+    reports = _run(job, watch, 40, lambda step: 50_000 + max(0, step - 4) * 1000)
+    (alert,) = [alert for report in reports for alert in report.alerts]
+    assert "and 2 autograd graphs built while memtui's hooks were off" in alert.message
+    assert "not in that figure" in alert.message
+    assert all(leak.graphs_not_known == 2 for report in reports for leak in report.leaks)
+    (final,) = watch.final(41, census)
+    assert final.graphs_not_known == 2

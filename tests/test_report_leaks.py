@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from memtui.input.sources import ReplaySource
-from memtui.model.leaks import MAX_HISTORY, MAX_HOLDERS, LeakRow
+from memtui.model.leaks import MAX_HISTORY, MAX_HOLDERS, LeakRow, leak_holding
 from memtui.model.recording import Recording, read_recording
 from memtui.model.session import Session
 from memtui.reports.report import build_report, render_text
@@ -65,11 +65,12 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
         "seconds": builder.CENSUS_SECONDS,
         "objects": 608,
         "complete": True,
+        "stopped": None,
     }
     assert [leak["holder"] for leak in steps[12]["leaks"]] == ["history", builder.GRAPH_HOLDER]
     assert steps[20]["leaks"] == [
         {"holder": "history", "kind": "tensors", "bytes": 18 * 4096, "tensors": 18,
-         "per_step": 4096, "first_step": 3},
+         "per_step": 4096, "first_step": 3, "graphs_not_known": 0},
     ]  # fmt: skip
     assert not any("leaks" in steps[n] or "census" in steps[n] for n in (1, 11, 13, 24))
     assert document["censuses"] == {
@@ -78,6 +79,8 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
         "longest": builder.CENSUS_SECONDS,
         "objects": 620,
         "incomplete": 0,
+        "errors": 0,
+        "bounded": 0,
     }
 
 
@@ -113,6 +116,50 @@ def test_the_text_report_leads_with_the_leaks(builder: ModuleType) -> None:
     ]
     decimal = render_text(_recording(builder.leaking_messages()), binary=False)
     assert "history (tensors kept): 90.11 kB in 22 tensors, growing 4.10 kB per step" in decimal
+
+
+def test_censuses_that_ended_early_say_why(builder: ModuleType) -> None:
+    """A bound, an error inside the census: each step's `census` says which, and the text
+    report counts them apart."""
+    messages = builder.leaking_messages()
+    ended = {
+        8: schema.CensusCost(seconds=2.0, objects=1_000_000, complete=False, stopped="objects"),
+        12: schema.CensusCost(seconds=0.01, objects=40, complete=False, stopped="error"),
+    }
+    messages = [
+        msgspec.structs.replace(message, census=ended[message.step])
+        if isinstance(message, schema.Step) and message.step in ended
+        else message
+        for message in messages
+    ]
+    recording = _recording(messages)
+    document = json.loads(strict_json(build_report(recording)))
+    steps = {entry["step"]: entry for entry in document["steps"]}
+    assert steps[8]["census"]["stopped"] == "objects" and not steps[8]["census"]["complete"]
+    assert steps[12]["census"]["stopped"] == "error"
+    assert (document["censuses"]["incomplete"], document["censuses"]["errors"]) == (2, 1)
+    assert document["censuses"]["bounded"] == 1
+    line = next(line for line in render_text(recording).splitlines() if "censuses" in line)
+    assert "1 stopped at their bound, 1 at an error inside them" in line
+
+
+def test_a_holder_whose_graphs_are_partly_not_known_says_so(builder: ModuleType) -> None:
+    """Graphs built while the agent's hooks were off: their saved bytes are not in `bytes`, and
+    every reader says so rather than show that figure as the whole."""
+    messages = builder.leaking_messages(with_end=False)
+    partial = schema.Leak("val_total", "retained_graph", 8192, 1, 1024, 4, graphs_not_known=2)
+    messages.append(msgspec.structs.replace(builder.make_step(25), leaks=[partial]))
+    recording = _recording(messages)
+    document = json.loads(strict_json(build_report(recording)))
+    (entry,) = [e for e in document["leaks"] if e["holder"] == "val_total"]
+    assert entry["graphs_not_known"] == 2 and entry["bytes"] == 8192
+    text = render_text(recording)
+    assert (
+        "val_total (autograd graphs kept alive): 8.00 KiB in 1 tensor and 2 graphs whose saved "
+        "tensors are not known (built while memtui's hooks were off), growing" in text
+    )
+    (row,) = [row for row in recording.leaks.latest() if row.holder == "val_total"]
+    assert leak_holding(row) == "1 tensor + graph, 2 not known"
 
 
 def test_no_leaks_no_section(builder: ModuleType) -> None:

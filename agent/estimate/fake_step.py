@@ -323,7 +323,7 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         elif isinstance(item, schema.Names) and item.kind == "module":
             names.update(enumerate(item.names, start=item.first_id))
 
-    def fail(part: str, exc: BaseException) -> None:
+    def fail(part: str, exc: BaseException, effect: str = "is off") -> None:
         failures.append((part, exc))
 
     with contextlib.ExitStack() as undo:

@@ -1,7 +1,8 @@
 """What autograd holds for a saved tensor while the agent's pack hook is on, and the unpack
 hook that gives it back.
 
-An activation is held through a wrapper whose `__del__` tells the ledger autograd released it;
+An activation is held through a wrapper whose `__del__` tells the ledger autograd released it
+(and forgets which autograd node it was saved for: `Ledger.saved_nodes`);
 a weight is kept as autograd would keep it. Every wrapper records the tensor's version when it
 was saved: under saved-tensor hooks autograd no longer checks that a saved tensor was not
 modified in place before backward used it, so `unpack` makes that check itself.
@@ -34,6 +35,7 @@ class Saved:
 
     def __del__(self) -> None:
         try:
+            self.ledger.saved_nodes_multi.pop(id(self), None)
             for key in self.keys:
                 self.ledger.release_activation(key)
         except Exception:
@@ -57,6 +59,7 @@ class SavedOne:
 
     def __del__(self) -> None:
         try:
+            self.ledger.saved_nodes.pop(id(self), None)
             self.ledger.release_activation(self.key)
         except Exception:
             pass

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from threading import get_ident
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -59,11 +59,13 @@ from memtui_agent.memory.allocator import AllocatorReader
 from memtui_agent.memory.ledger import (
     GRADIENTS,
     NO_MODULE,
+    NODE_SHIFT,
     WEIGHTS,
     Ledger,
     plain_storage,
     storages_of,
 )
+from memtui_agent.memory.tensor_reads import next_sequence_number
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.failures import ErrorContext
 from memtui_agent.steps.first_step import FirstSteps
@@ -81,6 +83,15 @@ from memtui_protocol.schema import Phase
 Emit = Callable[[schema.Message | ClosedStep], None]
 """Where frames go (the agent's emitter)."""
 
+
+class Fail(Protocol):
+    """How a part of the agent reports its error once (the agent's `report_failure`)."""
+
+    def __call__(self, component: str, exc: BaseException, effect: str = ..., /) -> None: ...
+
+
+CENSUS_EFFECT = "stopped that census (its step says so); later censuses run"
+
 HOOK_KINDS = ("modules", "pack", "grads", "steps", "loss", "scaler", "distributed", "activations")
 """The parts of the hooks that turn themselves off one by one when they raise."""
 
@@ -96,7 +107,7 @@ class Tracker:
         self,
         ledger: Ledger,
         emit: Emit,
-        fail: Callable[[str, BaseException], None],
+        fail: Fail,
         config: AgentConfig | None = None,
     ) -> None:
         config = config if config is not None else AgentConfig()
@@ -134,6 +145,7 @@ class Tracker:
         self.closer = StepCloser(
             ledger, self.registry, self.piles, self._health, budget, self.gate, self, config
         )
+        self.closer.census_failed = self._census_failed
         self.window = StepWindow(
             self.closer, self.gate, ledger, emit, partial(register_live_optimizers, self.registry)
         )
@@ -377,13 +389,18 @@ class Tracker:
                     return tensor  # holds no memory
                 ledger = self.ledger
                 ledger.acquire_activation(key, nbytes, name, module)
-                return SavedOne(tensor.detach(), key, ledger, tensor._version)
+                one = SavedOne(tensor.detach(), key, ledger, tensor._version)
+                # The node being built is the last one this thread numbered (the next number,
+                # less one): a census finds what a retained graph holds from this record,
+                # never by unpacking it.
+                ledger.saved_nodes[id(one)] = (next_sequence_number() << NODE_SHIFT) | key
+                return one
             infos = storages_of(tensor)
-            saved = Saved(
-                tensor.detach(), [info[0] for info in infos], self.ledger, tensor._version
-            )
+            keys = [info[0] for info in infos]
+            saved = Saved(tensor.detach(), keys, self.ledger, tensor._version)
             for key, nbytes, dtype, _storage in infos:
                 self.ledger.acquire_activation(key, nbytes, dtype, module)
+            self.ledger.saved_nodes_multi[id(saved)] = (next_sequence_number() - 1, tuple(keys))
             return saved
         except Exception as exc:
             self._disable("pack", exc)
@@ -466,6 +483,11 @@ class Tracker:
     def distributed_at_close(self) -> schema.Distributed | None:
         """The wrappers' memory at a close (`steps.step_closer.CloseHooks`)."""
         return self.data_parallel.at_close()
+
+    def _census_failed(self, exc: BaseException) -> None:
+        """A census met an error: that census stopped there (its record says so), the next
+        ones run; said once."""
+        self._fail("census", exc, CENSUS_EFFECT)
 
     def _disable(self, component: str, exc: BaseException) -> None:
         self.enabled[component] = False

@@ -8,56 +8,131 @@ its storages (counted once, as the ledger counts them) and filed under its *hold
 variable or attribute that keeps it alive, stopping at the first container on the way, so a
 list `history` that gains one tensor per step is one holder, not a thousand. A tensor whose
 autograd graph still holds saved tensors (never backpropagated, as `val_total += loss` without
-`torch.no_grad()` keeps it) is a retained graph: its graph is walked and the saved storages are
-filed under the same holder.
+`torch.no_grad()` keeps it) is a retained graph: its graph's nodes are walked and the storages
+the agent's pack hook saved for those nodes are filed under the same holder.
 
 Walking from names rather than from `gc.get_objects()` is what makes the holder nameable, and
-breadth first makes it the shortest path. It is bounded in objects and seconds, and says when it
-stopped early; storages already in a pile (weights, gradients, optimizer state, counted
-activations) are left out by key.
+breadth first makes it the shortest path. Storages already in a pile (weights, gradients,
+optimizer state) are left out by key.
+
+The census never runs the job's code (issue 32). It reads objects only through what the
+interpreter exposes in C (`object_access`), tensors and graph nodes only through torch's C
+descriptors with torch's Python dispatch off (`tensor_reads`), and never a node's `_saved_*`
+(which would unpack: the job's unpack hooks, a checkpoint's recomputed forward). What a graph
+saved is known from the agent's own records: the pack hook notes, for each storage it saves,
+the autograd node it was saved for (`Ledger.saved_by_node`, by the node's sequence number),
+and each root call's graph is marked with the numbers of the nodes its forward built
+(`HeldCall`). A graph built while the hooks were off has no such records: the holder that
+reaches it says so (`Holding.unknown_graphs`), and its saved bytes are not known.
+
+It is bounded inside the walk, a huge single container included (read in chunks between checks
+of the bounds): at most `MAX_OBJECTS` references looked at and `MAX_SECONDS`; when a bound stops
+it, the census says which (`stopped`). Any error inside it ends that census only: what it found
+so far is returned with `stopped` = error, and the error with it (the caller reports it once).
 
 Known limitations:
     - Only objects reachable from the given roots through containers, attributes, closures,
       bound methods and module hooks are seen; memory held only by C++ (a custom extension's
       cache) or by another thread's frames is not.
-    - Saved tensors are read through autograd's `_saved_*` attributes; a node type that exposes
-      none (custom C++ autograd functions) contributes nothing.
+    - A node's saved storages are matched by its sequence number, which autograd counts per
+      thread: they are the followed thread's. Storages an in-place operation on a view saved
+      (hidden inside autograd's `CopySlices`) are matched through the root call whose forward
+      saved them; saved outside any root call, they stay unattributed (`Census.unattributed`).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 import types
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from memtui_agent.memory.ledger import StorageInfo, storages_of
-from memtui_protocol.schema import LeakKind
+from memtui_agent.memory.ledger import Key
+from memtui_agent.memory.object_access import (
+    TypeFacts,
+    attributes,
+    container_base,
+    container_length,
+    deque_maxlen,
+    derives,
+    heap_type,
+    key_text,
+    namespace_entry,
+    referents,
+    type_name,
+)
+from memtui_agent.memory.tensor_reads import (
+    NodeType,
+    census_guards,
+    grad_fn,
+    is_tensor,
+    leaf_grad,
+    storages,
+)
+from memtui_protocol.schema import CensusStop, LeakKind
 
-MAX_OBJECTS = 2_000_000
-"""Objects visited at most by one census (about a second of walking here)."""
+MAX_OBJECTS = 1_000_000
+"""References looked at by one census at most (container items, attributes, graph nodes): 0.4 s
+over plain numbers, and 43 MiB of the walk's own bookkeeping when every one is an object to
+visit, on the development machine (`benchmarks/census_cost.py`, docs/numbers.md)."""
 MAX_SECONDS = 2.0
 MAX_DEPTH = 16
-_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), range, memoryview)
-"""Values that hold no tensor: never followed."""
-_SKIPPED = (
-    type,
-    types.ModuleType,
+CHUNK = 1024
+"""Items of one container read between two checks of the bounds."""
+CHECK_EVERY = 256
+"""Queue entries between two reads of the clock."""
+MAX_QUALNAME = 200
+
+_LEAF_IDS = frozenset(
+    id(kind)
+    for kind in (
+        str,
+        bytes,
+        bytearray,
+        int,
+        float,
+        complex,
+        bool,
+        type(None),
+        range,
+        slice,
+        memoryview,
+        type(Ellipsis),
+        type(NotImplemented),
+    )
+)
+"""Values that hold no tensor, by the identity of their exact class (a class is never hashed:
+its metaclass could answer)."""
+_SKIPPED_BASES: tuple[type, ...] = (
+    type,  # classes (their namespaces are code, not data the job holds)
+    types.ModuleType,  # a lazily loaded module executes when touched
     types.FrameType,
+    types.TracebackType,
     types.CodeType,
     types.BuiltinFunctionType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    types.MethodDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
     types.GeneratorType,
     types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.MappingProxyType,
+    __import__("weakref").ReferenceType,  # weak: keeps nothing alive
+    __import__("weakref").ProxyType,
+    __import__("weakref").CallableProxyType,
     torch.optim.Optimizer,  # its state is a pile, its parameters are weights
     torch.dtype,
     torch.device,
+    torch.layout,
+    torch.Size,
 )
-_NOT_FOLLOWED = _LEAVES + _SKIPPED
-_LEAF_TYPES = frozenset(_LEAVES)
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_pre_hooks",
@@ -67,6 +142,18 @@ _HOOK_DICTS = (
 _MODULE_INTERNALS = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *_HOOK_DICTS}
 )
+_AGENT = "memtui_agent"
+
+
+@dataclass(frozen=True)
+class HeldCall:
+    """A root call's graph still holding its saved tensors, as `held_graphs` marked it: the
+    sequence numbers its forward's nodes were given (`first` <= n < `last`), and whether the
+    agent's pack hook was on for it (else what it saved was never recorded)."""
+
+    first: int
+    last: int
+    armed: bool
 
 
 @dataclass
@@ -82,20 +169,25 @@ class Holding:
     bounded: int | None = None
     """The `maxlen` of a deque holder: it stops growing there."""
     container: str | None = None
-    """The holder's type when it is a container (`list`, `dict`, ...), None for a variable or
-    attribute that refers to a tensor itself."""
+    """The holder's builtin container (`list`, `dict`, ...), None for a variable or attribute
+    that refers to a tensor itself (or another kind of object)."""
     attached: int = 0
     """Tensors still attached to an autograd graph (not detached), ran or not."""
+    unknown_graphs: int = 0
+    """Root-call graphs it keeps alive that were built while the agent's hooks were off: what
+    they saved is not known, and not in `graph_storages`."""
 
     @property
     def bytes(self) -> int:
-        """Everything the holder keeps alive, each storage once."""
+        """Everything the holder keeps alive that the census could count, each storage once."""
         return sum(self.storages.values()) + sum(self.graph_storages.values())
 
     @property
     def kind(self) -> LeakKind:
         """A retained graph when saved tensors are part of what it holds."""
-        return LeakKind.RETAINED_GRAPH if self.graph_storages else LeakKind.TENSORS
+        if self.graph_storages or self.unknown_graphs:
+            return LeakKind.RETAINED_GRAPH
+        return LeakKind.TENSORS
 
 
 @dataclass
@@ -104,13 +196,48 @@ class Census:
 
     holdings: dict[str, Holding]
     visited: int
+    """References looked at."""
     seconds: float
     complete: bool
-    """False when a bound stopped the walk: holders found are real, more may exist."""
+    """False when the walk stopped early or a container changed under it: holders found are
+    real, more may exist."""
+    stopped: CensusStop | None = None
+    """Why the walk ended early (None: it did not)."""
+    error: BaseException | None = None
+    """The error that ended it (`stopped` is then `ERROR`), its traceback dropped."""
+    unattributed: int = 0
+    """Bytes of saved tensors that live graphs hold and no holder's graph was matched to."""
 
     def largest(self, limit: int = 10) -> list[Holding]:
         """The holders keeping the most bytes alive."""
         return sorted(self.holdings.values(), key=lambda h: h.bytes, reverse=True)[:limit]
+
+
+class Namespace:
+    """A root that is a whole namespace (the script's globals): its names are read lazily, in
+    chunks like any big dict, each named `<name><suffix>`; dunder names are left out."""
+
+    __slots__ = ("mapping", "suffix")
+
+    def __init__(self, mapping: dict[Any, Any], suffix: str = "") -> None:
+        self.mapping = mapping
+        self.suffix = suffix
+
+
+Root = tuple[str, Any] | Namespace
+
+# Queue entries: (what, object, path, holder, depth, cursor).
+_VALUE, _ITEMS, _NODE = 0, 1, 2
+# How a container's items are read and named: by index (lists, tuples, an object's referents),
+# by iteration (sets, deques), a dict's values, a root namespace's names, or (path, item) pairs
+# (attributes, closures, submodules and hooks).
+_BY_INDEX, _BY_ITERATION, _BY_ITEMS, _BY_NAME, _BY_PATH = 0, 1, 2, 3, 4
+
+
+class _Kind:
+    """How instances of one class are walked, decided once per class per census."""
+
+    LEAF, SKIP, TENSOR, CONTAINER, MODULE, FUNCTION, METHOD, CELL, OBJECT, OPAQUE = range(10)
 
 
 @dataclass
@@ -120,14 +247,21 @@ class _Walk:
     excluded: frozenset[int] | set[int]
     deadline: float
     max_objects: int
+    saved: dict[int, list[tuple[Key, int]]]
+    calls: dict[int, HeldCall]
+    queue: deque[tuple[Any, ...]] = field(default_factory=deque)
+    examined: int = 0
     visited: set[int] = field(default_factory=set)
     kept: list[Any] = field(default_factory=list)
     """Everything visited stays referenced until the walk ends, so no id() is reused."""
     counted: set[int] = field(default_factory=set)
-    nodes: set[Any] = field(default_factory=set)
     holdings: dict[str, Holding] = field(default_factory=dict)
+    containers: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    reached_calls: list[tuple[int, int, str]] = field(default_factory=list)
+    facts: dict[int, tuple[int, TypeFacts]] = field(default_factory=dict)
+    node_types: dict[int, NodeType] = field(default_factory=dict)
     complete: bool = True
-    adopt: Callable[[StorageInfo], object] | None = None
+    stopped: CensusStop | None = None
 
     def holding(self, holder: str) -> Holding:
         found = self.holdings.get(holder)
@@ -135,243 +269,390 @@ class _Walk:
             found = self.holdings[holder] = Holding(holder)
         return found
 
+    def kind_of(self, cls: type) -> tuple[int, TypeFacts]:
+        known = self.facts.get(id(cls))
+        if known is None:
+            facts = TypeFacts(cls)
+            known = self.facts[id(cls)] = (_classify(cls, facts), facts)
+        return known
+
+    def node_type(self, cls: type) -> NodeType:
+        known = self.node_types.get(id(cls))
+        if known is None:
+            known = self.node_types[id(cls)] = NodeType(cls)
+        return known
+
+    def out_of_budget(self) -> bool:
+        if self.examined >= self.max_objects:
+            self.stopped = CensusStop.OBJECTS
+        elif time.perf_counter() > self.deadline:
+            self.stopped = CensusStop.SECONDS
+        return self.stopped is not None
+
 
 def take_census(
-    roots: Iterable[tuple[str, Any]],
+    roots: Iterable[Root],
     excluded: frozenset[int] | set[int] = frozenset(),
     max_objects: int = MAX_OBJECTS,
     max_seconds: float = MAX_SECONDS,
-    adopt: Callable[[StorageInfo], object] | None = None,
+    saved: dict[int, list[tuple[Key, int]]] | None = None,
+    calls: dict[int, HeldCall] | None = None,
 ) -> Census:
-    """Walk from `roots` (label, object), breadth first, and file every tensor by holder.
+    """Walk from `roots`, breadth first, and file every tensor by holder. Never raises.
 
     Args:
         roots: the names to start from, in order of preference (the first path found to an
-            object names it): script globals, then frame locals, then modules.
+            object names it): `(label, object)` pairs and whole namespaces.
         excluded: storage keys already counted in a pile.
-        max_objects: stop after visiting this many objects (`complete` is then False).
+        max_objects: stop after looking at this many references (`stopped` then says so).
         max_seconds: likewise for time.
-        adopt: called with each storage a retained graph saves (not excluded), while the walk
-            still holds it: the ledger counts those as activations from then on.
+        saved: what the agent's pack hook recorded, by node (`Ledger.saved_by_node`).
+        calls: live root-call graphs by their output nodes' sequence numbers (`held_graphs`).
     """
     started = time.perf_counter()
-    walk = _Walk(excluded, started + max_seconds, max_objects, adopt=adopt)
-    queue: deque[tuple[Any, str, str | None, int]] = deque()
-    for label, value in roots:
-        queue.append((value, label, None, 0))
-    while queue:
-        if len(walk.visited) >= walk.max_objects or (
-            len(walk.visited) % 1024 == 0 and time.perf_counter() > walk.deadline
-        ):
-            walk.complete = False
-            break
-        value, path, holder, depth = queue.popleft()
-        if isinstance(value, _NOT_FOLLOWED):
-            continue
-        if isinstance(value, _Container):
-            holding = walk.holding(path)
-            holding.container, holding.bounded = value.kind, value.maxlen
-            continue
-        identity = id(value)
-        if identity in walk.visited:
-            continue
-        walk.visited.add(identity)
-        walk.kept.append(value)
-        if isinstance(value, torch.Tensor):
-            _file_tensor(walk, value, holder or path)
-            continue
-        if depth >= MAX_DEPTH:
-            continue
-        for child, child_path, child_holder in _children(value, path, holder):
-            queue.append((child, child_path, child_holder, depth + 1))
-    census = Census(
-        holdings={name: h for name, h in walk.holdings.items() if h.bytes},
-        visited=len(walk.visited),
-        seconds=time.perf_counter() - started,
-        complete=walk.complete,
+    walk = _Walk(
+        excluded,
+        started + max_seconds,
+        max_objects,
+        dict(saved) if saved else {},
+        calls or {},
     )
-    walk.kept.clear()
-    walk.nodes.clear()
-    return census
+    error: BaseException | None = None
+    try:
+        with census_guards():
+            for root in roots:
+                if isinstance(root, Namespace):  # our own class: nothing of the job's runs
+                    # Its first chunk of names is queued now, ahead of the roots after it.
+                    cursor = iter(dict.items(root.mapping))
+                    _read_items(walk, root, None, None, 0, (_BY_NAME, cursor))
+                else:
+                    label, value = root
+                    walk.queue.append((_VALUE, value, label, None, 0, None))
+            _run(walk)
+            unattributed = _attribute_by_call(walk)
+    except Exception as exc:  # MemoryError and RecursionError included: this census only
+        walk.stopped = CensusStop.ERROR
+        exc.__traceback__ = None  # its frames hold the walk's references to the job's objects
+        exc.__context__ = None
+        error = exc
+        unattributed = 0
+    finally:
+        walk.queue.clear()
+        walk.kept.clear()
+        walk.facts.clear()
+        walk.node_types.clear()
+    for path, (container, maxlen) in walk.containers.items():
+        holding = walk.holdings.get(path)
+        if holding is not None:
+            holding.container, holding.bounded = container, maxlen
+    return Census(
+        holdings={name: h for name, h in walk.holdings.items() if h.bytes or h.unknown_graphs},
+        visited=walk.examined,
+        seconds=time.perf_counter() - started,
+        complete=walk.complete and walk.stopped is None,
+        stopped=walk.stopped,
+        error=error,
+        unattributed=unattributed,
+    )
 
 
-def _file_tensor(walk: _Walk, tensor: Any, holder: str) -> None:
-    """Count a tensor's storages, its `.grad` and the saved tensors of a retained graph."""
-    holding = walk.holding(holder)
-    holding.tensors += 1
-    if tensor.grad_fn is not None:
-        holding.attached += 1
-    _count(walk, storages_of(tensor), holding.storages)
-    if not tensor.requires_grad:
+def _run(walk: _Walk) -> None:
+    queue = walk.queue
+    since_check = 0
+    while queue and walk.stopped is None:
+        since_check += 1
+        if since_check >= CHECK_EVERY:
+            since_check = 0
+            if walk.out_of_budget():
+                return
+        what, value, path, holder, depth, cursor = queue.popleft()
+        if what == _VALUE:
+            _visit(walk, value, path, holder, depth)
+        elif what == _ITEMS:
+            _read_items(walk, value, path, holder, depth, cursor)
+        else:
+            _visit_node(walk, value, holder)
+
+
+def _classify(cls: type, facts: TypeFacts) -> int:
+    """How to walk instances of `cls`, from its bases only."""
+    if id(cls) in _LEAF_IDS:
+        return _Kind.LEAF
+    if any(derives(cls, base) for base in _SKIPPED_BASES):
+        return _Kind.SKIP
+    module = namespace_entry(cls, "__module__")
+    if type(module) is str and (module == _AGENT or module.startswith(_AGENT + ".")):
+        return _Kind.SKIP  # the agent's own objects (its hooks on the job's modules)
+    if is_tensor(cls):
+        return _Kind.TENSOR
+    if container_base(cls) is not None:
+        return _Kind.CONTAINER
+    if derives(cls, torch.nn.Module):
+        return _Kind.MODULE
+    if cls is types.FunctionType:
+        return _Kind.FUNCTION
+    if cls is types.MethodType:
+        return _Kind.METHOD
+    if cls is types.CellType:
+        return _Kind.CELL
+    if facts.instance_dict is not None or facts.members or heap_type(cls):
+        return _Kind.OBJECT
+    return _Kind.OPAQUE
+
+
+def _enqueue(walk: _Walk, value: Any, path: str | None, holder: str | None, depth: int) -> None:
+    """Queue one reference (leaves are looked at and dropped here)."""
+    walk.examined += 1
+    if id(type(value)) in _LEAF_IDS:
         return
-    grad = tensor.grad if tensor.is_leaf else None
-    if grad is not None:
-        _count(walk, storages_of(grad), holding.storages)
-    node = tensor.grad_fn
-    if node is not None:
-        for saved in saved_tensors(node, walk.nodes):
-            infos = storages_of(saved)
-            if walk.adopt is not None:
-                for info in infos:
-                    if info[0] not in walk.excluded:
-                        walk.adopt(info)
-            _count(walk, infos, holding.graph_storages)
+    walk.queue.append((_VALUE, value, path, holder, depth, None))
 
 
-def _count(walk: _Walk, infos: Iterable[Any], into: dict[int, int]) -> None:
-    for key, nbytes, _dtype, _storage in infos:
-        if key in walk.excluded or key in walk.counted:
-            continue
-        walk.counted.add(key)
-        into[key] = nbytes
-
-
-def _children(value: Any, path: str, holder: str | None) -> Iterator[tuple[Any, str, str | None]]:
-    """What `value` refers to, with the path to each and the holder it files under.
-
-    Entering a container (list, dict, deque...) fixes the holder at the container's path:
-    whatever is found inside, however deep, belongs to it.
-    """
-    if isinstance(value, dict):
-        inner = holder or path
+def _visit(walk: _Walk, value: Any, path: str, holder: str | None, depth: int) -> None:
+    identity = id(value)
+    if identity in walk.visited:
+        return
+    kind, facts = walk.kind_of(type(value))
+    if kind == _Kind.LEAF or kind == _Kind.SKIP:
+        return
+    walk.visited.add(identity)
+    walk.kept.append(value)
+    if kind == _Kind.TENSOR:
+        _file_tensor(walk, value, facts, holder or path, depth)
+        return
+    if depth >= MAX_DEPTH:
+        return
+    if kind == _Kind.CONTAINER:
+        base = container_base(type(value))
+        assert base is not None
         if holder is None:
-            yield _Container(type(value).__name__), path, path
-        for key, item in list(value.items()):
-            if type(item) not in _LEAF_TYPES:
-                yield item, f"{path}[{_key_text(key)}]", inner
-    elif isinstance(value, (list, tuple, deque, set, frozenset)):
-        inner = holder or path
-        if holder is None:
-            maxlen = value.maxlen if isinstance(value, deque) else None
-            yield _Container(type(value).__name__, maxlen), path, path
-        items = list(value)
-        # A dataset's million numbers: skipped in C before any path string is made.
-        kept = [i for i, item in enumerate(items) if type(item) not in _LEAF_TYPES]
-        for index in kept:
-            yield items[index], f"{path}[{index}]", inner
-    elif isinstance(value, torch.nn.Module):
-        yield from _module_children(value, path, holder)
-    elif isinstance(value, types.FunctionType):
-        yield from _closure_children(value, holder)
-    elif isinstance(value, types.MethodType):
-        yield value.__self__, path, holder
+            maxlen = deque_maxlen(value) if base is deque else None
+            walk.containers[path] = (type_name(base), maxlen)
+            holder = path
+        if base is list or base is tuple:
+            cursor: tuple[int, Any] = (_BY_INDEX, 0)
+        elif base is dict:
+            cursor = (_BY_ITEMS, iter(dict.items(value)))
+        else:
+            cursor = (_BY_ITERATION, base.__iter__(value))  # type: ignore[attr-defined]
+        _read_items(walk, value, path, holder, depth, cursor)
+        if type(value) is not base:  # a subclass may keep more in its attributes
+            named = _named(attributes(value, facts), None, holder)
+            _read_items(walk, value, path, holder, depth, (_BY_PATH, named))
+        return
+    if kind == _Kind.OPAQUE:
+        # A C object whose fields have no names: it holds what it refers to, like a container.
+        _read_items(walk, referents(value), path, holder or path, depth, (_BY_INDEX, 0))
+        return
+    if kind == _Kind.MODULE:
+        children = _module_children(value, facts, path, holder)
+    elif kind == _Kind.FUNCTION:
+        children = _closure_children(value, holder)
+    elif kind == _Kind.METHOD:
+        children = iter(((path, value.__self__),))
+    elif kind == _Kind.CELL:
+        children = _cell_content(value, path)
     else:
-        attributes = getattr(value, "__dict__", None)
-        if isinstance(attributes, dict):
-            for name, item in list(attributes.items()):
-                yield item, f"{path}.{name}", holder
-        for name in _slot_names(type(value)):
-            item = getattr(value, name, None)
-            if item is not None:
-                yield item, f"{path}.{name}", holder
+        children = _named(attributes(value, facts), path, holder)
+    _read_items(walk, value, path, holder, depth, (_BY_PATH, children))
+
+
+def _named(
+    found: Iterable[tuple[str, Any]], path: str | None, holder: str | None
+) -> Iterator[tuple[str | None, Any]]:
+    """Attributes with their paths (`path.name`), built only while they can still name a
+    holder (inside a container the container is the holder, and paths are not needed)."""
+    for name, item in found:
+        yield (None if holder is not None or path is None else f"{path}.{name}"), item
+
+
+def _cell_content(cell: Any, path: str) -> Iterator[tuple[str | None, Any]]:
+    try:
+        content = cell.cell_contents
+    except ValueError:  # an empty cell
+        return
+    yield path, content
+
+
+def _read_items(
+    walk: _Walk, container: Any, path: str | None, holder: str | None, depth: int, cursor: Any
+) -> None:
+    """Queue up to `CHUNK` items of a container, a root namespace or an object's attributes
+    (never beyond the budget), and queue the rest of it behind what is queued; every chunk
+    ends with a check of the bounds."""
+    how, position = cursor
+    inner = depth + 1
+    limit = min(CHUNK, walk.max_objects - walk.examined)
+    if limit <= 0:
+        walk.out_of_budget()
+        return
+    read = 0
+    try:
+        if how == _BY_INDEX:
+            base = list if type(container) is list or derives(type(container), list) else tuple
+            end = min(container_length(container, base), position + limit)
+            getitem = base.__getitem__
+            for index in range(position, end):
+                _enqueue(walk, getitem(container, index), None, holder, inner)
+            if end - position == limit:
+                walk.queue.append((_ITEMS, container, path, holder, depth, (how, end)))
+        else:
+            for item in position:
+                read += 1
+                if how == _BY_ITEMS:
+                    _enqueue(walk, item[1], None, holder, inner)
+                elif how == _BY_PATH:
+                    _enqueue(walk, item[1], item[0], holder, inner)
+                elif how == _BY_NAME:
+                    key = item[0]
+                    if type(key) is str and not key.startswith("__"):
+                        _enqueue(walk, item[1], key_name(key) + container.suffix, None, depth)
+                    else:
+                        walk.examined += 1
+                else:
+                    _enqueue(walk, item, None, holder, inner)
+                if read == limit:
+                    walk.queue.append((_ITEMS, container, path, holder, depth, cursor))
+                    break
+    except (RuntimeError, IndexError):  # changed size while read (another thread)
+        walk.complete = False
+    walk.out_of_budget()
+
+
+def key_name(key: str) -> str:
+    """A root name as a holder's path (`key_text` quotes; a variable's name is bare)."""
+    return key if len(key) <= 80 else key[:77] + "..."
 
 
 def _module_children(
-    module: torch.nn.Module, path: str, holder: str | None
-) -> Iterator[tuple[Any, str, str | None]]:
+    module: Any, facts: TypeFacts, path: str, holder: str | None
+) -> Iterator[tuple[str | None, Any]]:
     """Submodules by name, attributes that are not parameters or buffers, and hooks."""
-    for name, child in list(module._modules.items()):
-        if child is not None:
-            yield child, f"{path}.{name}", holder
-    for name, item in list(module.__dict__.items()):
+
+    def at(suffix: str) -> str | None:
+        return None if holder is not None else path + suffix
+
+    attrs = dict(attributes(module, facts))
+    submodules = attrs.get("_modules")
+    if type(submodules) is dict:
+        for name, child in dict.items(submodules):
+            if child is not None:
+                yield at("." + (name if type(name) is str else key_text(name))), child
+    for name, item in attrs.items():
         if name not in _MODULE_INTERNALS:
-            yield item, f"{path}.{name}", holder
+            yield at("." + name), item
     for kind in _HOOK_DICTS:
-        hooks = module.__dict__.get(kind)
-        for hook in list(hooks.values()) if isinstance(hooks, dict) else ():
-            name = getattr(hook, "__qualname__", type(hook).__name__)
-            yield hook, f"{path} {kind.strip('_').replace('_', ' ')[:-1]} {name}", holder
+        hooks = attrs.get(kind)
+        if hooks is None or container_base(type(hooks)) is not dict:
+            continue
+        label = kind.strip("_").replace("_", " ")[:-1]
+        for hook in dict.values(hooks):
+            yield at(f" {label} {_callable_name(hook)}"), hook
+
+
+def _callable_name(hook: Any) -> str:
+    """A hook's name, from what C exposes of plain functions and bound methods only."""
+    kind = type(hook)
+    if kind is types.MethodType:
+        hook, kind = hook.__func__, type(hook.__func__)
+    if kind is types.FunctionType:
+        return str.__str__(hook.__qualname__)[:MAX_QUALNAME]
+    return type_name(kind)
 
 
 def _closure_children(
     function: types.FunctionType, holder: str | None
-) -> Iterator[tuple[Any, str, str | None]]:
-    """A function's closure cells, named `variable (closure of function)`."""
+) -> Iterator[tuple[str | None, Any]]:
+    """A function's closure cells, named `variable (closure of function)`, and defaults."""
+    qualname = str.__str__(function.__qualname__)[:MAX_QUALNAME]
     cells = function.__closure__ or ()
-    for name, cell in zip(function.__code__.co_freevars, cells, strict=False):
+    names = function.__code__.co_freevars
+    for name, cell in zip(names, cells, strict=False):
         try:
             content = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        yield content, f"{name} (closure of {function.__qualname__})", holder
-    defaults = function.__defaults__ or ()
-    for index, default in enumerate(defaults):
-        yield default, f"{function.__qualname__} default {index}", holder
+        yield f"{name} (closure of {qualname})", content
+    for index, default in enumerate(function.__defaults__ or ()):
+        yield f"{qualname} default {index}", default
+    keywords = function.__kwdefaults__
+    if type(keywords) is dict:
+        for name, default in dict.items(keywords):
+            yield f"{qualname} default {name if type(name) is str else '?'}", default
 
 
-class _Container:
-    """Says what kind of container a holder is (a deque with a `maxlen` is bounded)."""
-
-    __slots__ = ("kind", "maxlen")
-
-    def __init__(self, kind: str, maxlen: int | None = None) -> None:
-        self.kind = kind
-        self.maxlen = maxlen
-
-
-_slots_cache: dict[type, tuple[str, ...]] = {}
-
-
-def _slot_names(kind: type) -> tuple[str, ...]:
-    names = _slots_cache.get(kind)
-    if names is None:
-        found: list[str] = []
-        for cls in kind.__mro__:
-            slots = cls.__dict__.get("__slots__", ())
-            found.extend([slots] if isinstance(slots, str) else slots)
-        names = _slots_cache[kind] = tuple(n for n in found if n not in ("__dict__", "__weakref__"))
-    return names
-
-
-def _key_text(key: Any) -> str:
-    text = repr(key) if isinstance(key, (str, int, float, tuple)) else type(key).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
+def _file_tensor(walk: _Walk, tensor: Any, facts: TypeFacts, holder: str, depth: int) -> None:
+    """Count a tensor's storages and its `.grad`; queue its autograd graph."""
+    holding = walk.holding(holder)
+    holding.tensors += 1
+    node = grad_fn(tensor)
+    if node is not None:
+        holding.attached += 1
+    found = storages(tensor)
+    if found is None:
+        # A wrapper subclass (DTensor, a float8 tensor): its memory is its inner tensors'.
+        for _name, item in attributes(tensor, facts):
+            _enqueue(walk, item, None, holder, depth + 1)
+    else:
+        _count(walk, found, holding.storages)
+    grad = leaf_grad(tensor)
+    if grad is not None:
+        grad_storages = storages(grad)
+        if grad_storages:
+            _count(walk, grad_storages, holding.storages)
+    if node is not None:
+        walk.examined += 1
+        walk.queue.append((_NODE, node, None, holder, 0, None))
 
 
-_saved_names: dict[type, tuple[str, ...]] = {}
+def _visit_node(walk: _Walk, node: Any, holder: str) -> None:
+    """One autograd node: the storages the agent saw saved for it, a root call's mark on it,
+    then the nodes upstream (never anything it saved)."""
+    identity = id(node)
+    if identity in walk.visited:
+        return
+    walk.visited.add(identity)
+    walk.kept.append(node)
+    reader = walk.node_type(type(node))
+    number = reader.sequence(node)
+    if number is not None:
+        saved = walk.saved.pop(number, None)
+        if saved:
+            _count(walk, saved, walk.holding(holder).graph_storages)
+        call = walk.calls.get(number)
+        if call is not None:
+            if call.armed:
+                walk.reached_calls.append((call.first, call.last, holder))
+            else:
+                walk.holding(holder).unknown_graphs += 1
+    for edge in reader.upstream(node):
+        upstream = edge[0] if type(edge) is tuple and edge else None
+        walk.examined += 1
+        if upstream is not None and id(upstream) not in walk.visited:
+            walk.queue.append((_NODE, upstream, None, holder, 0, None))
 
 
-def saved_tensors(node: Any, seen: set[Any]) -> Iterator[Any]:
-    """The tensors an autograd graph still holds for backward, from `node` upstream.
-
-    Nodes already in `seen` (walked for another holder) are skipped; `seen` keeps them
-    referenced until the caller clears it. A node whose buffers were freed (backward ran
-    without `retain_graph`) raises on access and holds nothing.
-    """
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current is None or current in seen:
+def _attribute_by_call(walk: _Walk) -> int:
+    """Saved storages whose own node no walk reached (an in-place operation on a view saves
+    for a node autograd hides inside `CopySlices`) go to the holder of the root call whose
+    forward saved them; the bytes left over are returned (unattributed)."""
+    calls = sorted(walk.reached_calls)
+    starts = [first for first, _last, _holder in calls]
+    unattributed = 0
+    for number, saved in walk.saved.items():
+        index = bisect.bisect_right(starts, number) - 1
+        if index >= 0 and calls[index][0] <= number < calls[index][1]:
+            _count(walk, saved, walk.holding(calls[index][2]).graph_storages)
             continue
-        seen.add(current)
-        for name in _saved_attribute_names(type(current)):
-            try:
-                value = getattr(current, name)
-            except Exception:  # freed by backward, or an unpack hook that refuses
-                continue
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif isinstance(value, (tuple, list)):
-                yield from (item for item in value if isinstance(item, torch.Tensor))
-        try:
-            upstream = current.next_functions
-        except Exception:
+        unattributed += sum(
+            nbytes for key, nbytes in saved if key not in walk.excluded and key not in walk.counted
+        )
+    return unattributed
+
+
+def _count(walk: _Walk, found: Iterable[tuple[Key, int]], into: dict[int, int]) -> None:
+    for key, nbytes in found:
+        if key in walk.excluded or key in walk.counted:
             continue
-        stack.extend(function for function, _index in upstream if function is not None)
-
-
-def _saved_attribute_names(kind: type) -> tuple[str, ...]:
-    """The attributes of a node type that unpack saved tensors: `_saved_*` on autograd's own
-    nodes (sizes and strides left out), `saved_tensors` on a custom `autograd.Function`'s."""
-    names = _saved_names.get(kind)
-    if names is None:
-        found = [
-            name
-            for name in dir(kind)
-            if name.startswith("_saved_")
-            and not name.endswith(("_sym_sizes", "_sym_strides", "_sizes", "_strides"))
-        ]
-        if issubclass(kind, torch.autograd.function.BackwardCFunction):
-            found.append("saved_tensors")
-        names = _saved_names[kind] = tuple(found)
-    return names
+        walk.counted.add(key)
+        into[key] = nbytes

@@ -63,6 +63,7 @@ class _Named:
     step: int
     per_step: int
     kind: LeakKind
+    graphs_not_known: int = 0
 
 
 class LeakWatch:
@@ -86,7 +87,6 @@ class LeakWatch:
         kept: int | None,
         headroom: int | None = None,
         exact: bool = False,
-        taken: Census | None = None,
     ) -> LeakReport:
         """One close.
 
@@ -97,11 +97,8 @@ class LeakWatch:
             headroom: what is left before the budget or the device's end (the out-of-memory
                 forecast), None if unknown.
             exact: `kept` is the CUDA allocator's (exact), not glibc's heap (noisy).
-            taken: a census this close already took for another reason: used if one is due.
         """
         report = LeakReport()
-        if taken is not None:
-            report.census = _cost(taken)
         if kept is None:
             return report
         self._floor = EXACT_FLOOR if exact else HEAP_FLOOR
@@ -111,7 +108,7 @@ class LeakWatch:
                 return report  # a census is already planned: growth alone does not hurry it
         elif step < self._quiet_until or not self._growing():
             return report
-        census = taken if taken is not None else self._take()
+        census = self._take()
         report.census = _cost(census)
         previous, self._previous = self._previous, (step, census)
         if previous is None or previous[0] >= step:
@@ -134,11 +131,14 @@ class LeakWatch:
                 tensors=holding.tensors,
                 per_step=per_step,
                 first_step=first,
+                graphs_not_known=holding.unknown_graphs,
             )
             report.leaks.append(leak)
             if named is None:
                 report.alerts.append(leak_alert(leak, holding, headroom))
-            self._named[holding.holder] = _Named(first, holding.bytes, step, per_step, holding.kind)
+            self._named[holding.holder] = _Named(
+                first, holding.bytes, step, per_step, holding.kind, holding.unknown_graphs
+            )
         self._next_census = step + self._follow
         self._follow = min(self._follow * 2, FOLLOW_MAX)
         return report
@@ -154,7 +154,15 @@ class LeakWatch:
             holding = census.holdings.get(holder)
             if holding is None:
                 found.append(
-                    Leak(holder, named.kind.value, named.bytes, 0, named.per_step, named.first_step)
+                    Leak(
+                        holder,
+                        named.kind.value,
+                        named.bytes,
+                        0,
+                        named.per_step,
+                        named.first_step,
+                        named.graphs_not_known,
+                    )
                 )
                 continue
             per_step = named.per_step
@@ -168,6 +176,7 @@ class LeakWatch:
                     tensors=holding.tensors,
                     per_step=per_step,
                     first_step=named.first_step,
+                    graphs_not_known=holding.unknown_graphs,
                 )
             )
         return found
@@ -218,9 +227,15 @@ def leak_alert(leak: Leak, holding: Holding, headroom: int | None) -> schema.Ale
     """The alert for a newly named leak: who, how much, how fast, since when, and the fix."""
     message = (
         f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
-        f"tensor{'s' if leak.tensors != 1 else ''} and grows {format_bytes(leak.per_step)} "
-        f"per step since step {leak.first_step}"
+        f"tensor{'s' if leak.tensors != 1 else ''}"
     )
+    if leak.graphs_not_known:
+        message += (
+            f" and {leak.graphs_not_known} autograd graph"
+            f"{'s' if leak.graphs_not_known != 1 else ''} built while memtui's hooks were off "
+            "(what they saved is not known, not in that figure)"
+        )
+    message += f" and grows {format_bytes(leak.per_step)} per step since step {leak.first_step}"
     if headroom is not None and leak.per_step > 0:
         message += f"; at this rate, out of memory in about {headroom // leak.per_step:,} steps"
     return schema.Alert(
@@ -246,5 +261,8 @@ def usual_fix(holding: Holding) -> str:
 
 def _cost(census: Census) -> CensusCost:
     return CensusCost(
-        seconds=round(census.seconds, 4), objects=census.visited, complete=census.complete
+        seconds=round(census.seconds, 4),
+        objects=census.visited,
+        complete=census.complete,
+        stopped=census.stopped.value if census.stopped is not None else None,
     )

@@ -77,6 +77,9 @@ Key = int
 """A storage's identity: its data pointer and device in one int (`storage_key`)."""
 StorageInfo = tuple[Key, int, str, Any]
 """(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
+NODE_SHIFT = 80
+"""Bits of a `saved_nodes` value below the node's sequence number: a key is under 2^66 (an
+address of at most 57 bits shifted by 8, plus the device)."""
 ENTRY_POOL = 4096
 """Freed entries kept for reuse: hooks then allocate no new objects the garbage collector
 tracks, which matters because each young-generation collection also walks autograd graphs."""
@@ -266,10 +269,14 @@ class Ledger:
         """id(weakref) -> key, for the one shared free callback."""
         self._on_freed = self._freed
         """The callback bound once: `self._freed` would make a new bound method per weakref."""
-        self._adopted: dict[int, tuple[weakref.ref[Any], Key]] = {}
-        """id(weakref) -> (the weakref, key): saved tensors of graphs built while the hooks
-        were off, counted from the live graph (`adopt_activation`) until their storage dies."""
-        self._on_adopted_freed = self._adopted_freed
+        self.saved_nodes: dict[int, int] = {}
+        """id(a live saved-tensor wrapper of one storage) -> `(node + 1 << NODE_SHIFT) | key`:
+        the autograd node (its sequence number) the pack hook saved the storage for. Written by
+        the pack hook, removed by the wrapper's `__del__`; ints only, so the hook allocates
+        nothing the garbage collector tracks. A census reads it (`saved_by_node`) to know
+        which storages a retained graph holds without unpacking anything."""
+        self.saved_nodes_multi: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        """The same for the rare wrapper of several storages (sparse and wrapper tensors)."""
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
@@ -558,27 +565,41 @@ class Ledger:
             self._account(_ACTIVATIONS_AT, entry, -entry.nbytes)
             self._drop_entry(key, entry)
 
-    def adopt_activation(self, info: StorageInfo) -> bool:
-        """Count a saved tensor found in a live graph (built while the hooks were off) as an
-        activation until its storage is freed; False when the ledger already counts it.
+    def saved_by_node(self) -> dict[int, list[tuple[Key, int]]]:
+        """What the live saved-tensor wrappers hold, by the autograd node each was packed for:
+        node sequence number -> `(key, nbytes)` of the storages still counted as activations.
 
-        A graph the job keeps across steps holds its saved tensors whether or not the pack hook
-        saw them: they are activations at every close from here on (DESIGN.md, "Steps").
+        Read at a census from the agent's own records (`saved_nodes`, `saved_nodes_multi`),
+        never from a graph's `_saved_*` attributes (which would unpack, and run the job's
+        hooks or a checkpoint's recomputation). A wrapper freed meanwhile may still be listed
+        (its `__del__` can run on another thread during the copy); a storage no longer counted
+        is left out.
         """
-        key, nbytes, dtype, storage = info
+        single: dict[int, int] = {}
+        multi: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        for _attempt in range(4):
+            try:
+                single = self.saved_nodes.copy()
+                multi = self.saved_nodes_multi.copy()
+                break
+            except RuntimeError:  # changed size during the copy (a wrapper freed elsewhere)
+                continue
+        found: dict[int, list[tuple[Key, int]]] = {}
+        mask = (1 << NODE_SHIFT) - 1
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and (entry.act_refs or entry.mask):
-                return False
-            ref = weakref.ref(storage, self._on_adopted_freed)
-            self._adopted[id(ref)] = (ref, key)
-        self.acquire_activation(key, nbytes, dtype, NO_MODULE)
-        return True
-
-    def _adopted_freed(self, ref: weakref.ref[Any]) -> None:
-        held = self._adopted.pop(id(ref), None)
-        if held is not None:
-            self.release_activation(held[1])
+            entries = self._entries
+            for packed in single.values():
+                key = packed & mask
+                entry = entries.get(key)
+                if entry is not None and entry.act_refs:
+                    node = (packed >> NODE_SHIFT) - 1
+                    found.setdefault(node, []).append((key, entry.nbytes))
+            for node, keys in multi.values():
+                for key in keys:
+                    entry = entries.get(key)
+                    if entry is not None and entry.act_refs:
+                        found.setdefault(node, []).append((key, entry.nbytes))
+        return found
 
     def persistent_keys(self) -> frozenset[Key]:
         """Keys of every storage in weights, gradients or optimizer state now."""

@@ -196,16 +196,18 @@ class Agent:
             return None
         return self.tracker.tick()
 
-    def report_failure(self, component: str, exc: BaseException) -> None:
-        """Say once, on stderr and in the stream, that a part of the agent turned itself off."""
+    def report_failure(
+        self, component: str, exc: BaseException, effect: str = "is off for the rest of this run"
+    ) -> None:
+        """Say once, on stderr and in the stream, that a part of the agent failed, and what
+        that costs (by default: it turned itself off)."""
         if component in self._reported:
             return
         self._reported.add(component)
         message = f"{type(exc).__name__}: {exc}"
         try:
             print(
-                f"memtui: {component} failed and is off for the rest of this run "
-                f"({terminal_safe(message)}); the job continues",
+                f"memtui: {component} failed and {effect} ({terminal_safe(message)}); the job continues",
                 file=sys.stderr,
             )
         except Exception:

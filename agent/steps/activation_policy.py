@@ -109,9 +109,6 @@ class Verdict:
     carried: Figures | None = None
     """The measured step whose figures this one repeats (None: measured, or not known)."""
     alert: schema.Alert | None = None
-    adopt: bool = False
-    """Graphs built while the hooks were off are held at the close: the close finds their saved
-    tensors in the live graphs so the ledger counts them from now on."""
 
     def peak(self, measured: schema.Piles) -> schema.Piles:
         """The step's peak: the carried one for a repeat, else what the ledger measured."""
@@ -350,7 +347,7 @@ class ActivationPolicy:
         or other held graphs, the step simply did something else: the new measurement replaces
         the old.) Decided on `differences`, so the alert always has numbers that differ."""
         if not figures.differences(known):
-            return False  # the same activations (their attribution may differ: graphs adopted)
+            return False  # the same activations
         if known.start_activations != figures.start_activations:
             return False
         before, now = known.signature, figures.signature

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.memory.tensor_reads import next_sequence_number
 from memtui_agent.steps.activation_policy import (
     FIRST_STEPS,
     ActivationPolicy,
@@ -71,8 +72,15 @@ UNCONFIRMED_FOR_EVERY = 3
 job's activations change with what its inputs do not show (LayerDrop), and a fifth of its steps
 or more would otherwise say "not known"."""
 CROSSINGS_FOR_EVERY = 2
-"""Closes finding a graph built unarmed still held, after which every step is measured (a GAN
-whose generator graph is backpropagated a step later): only armed steps count such graphs."""
+"""Closes finding new graphs built unarmed still held, after which every step is measured (a
+GAN whose generator graph is backpropagated a step later): only armed steps count such
+graphs."""
+MEASURE_WHILE_HELD = 2
+"""Steps measured after a close that finds graphs of root calls still held. What a graph saves
+is known only from the agent's own pack hook (a census never unpacks a graph), so while the
+job keeps graphs across closes the steps that may build more are armed: two, because in a job
+of two optimizers (a GAN) the step that builds the graph held at one close is the one after the
+next."""
 
 
 class HookSwitch(Protocol):
@@ -134,6 +142,8 @@ class ActivationGate:
         self._blind = False
         """A forward of the open step ran where the agent's saved-tensor pair could not count
         it (the job's own hooks on top): the step's activations are not known."""
+        self._call_first = 0
+        """The sequence number of the first node the root call in progress may build."""
         self._switch = switch
         self._registry = registry
         self._health = health
@@ -178,6 +188,7 @@ class ActivationGate:
     ) -> None:
         """A top-level call of a root module (its forward pre-hook): arm from here if the step
         must be measured, or if its calls so far repeat no measured step."""
+        self._call_first = next_sequence_number()
         # Which optimizers live, and whether each has its state yet: a new optimizer's first
         # step (state allocated) differs from its later ones at equal piles.
         alive = tuple(sorted((id(o), bool(o.state)) for o in self._registry.live_optimizers()))
@@ -201,8 +212,10 @@ class ActivationGate:
 
     def root_returned(self, output: Any, step: int) -> None:
         """A top-level root call of step `step` returned `output`: its graph is watched until
-        freed (whether the hooks counted what it saves is noted with it)."""
-        self.held.mark(output, step, self._switch.armed)
+        freed (whether the agent's pack hook counted what it saved is noted with it)."""
+        switch = self._switch
+        counted = switch.armed and not switch.pack_missing and not switch.foreign_hooks()
+        self.held.mark(output, step, counted, self._call_first)
 
     def backward_starts(self, retain_graph: bool) -> None:
         """A top-level backward is starting (`retain_graph`: its graph keeps its buffers)."""
@@ -242,6 +255,10 @@ class ActivationGate:
         verdict = self.policy.close(reading.step, figures, blind=blind)
         if self.policy.mode is ActivationMode.OFF:
             return verdict
+        if held.graphs:
+            # Graphs kept across this close: what the next steps build is counted by the pack
+            # hook, the only record of what a graph saves.
+            self.policy.measure_next(MEASURE_WHILE_HELD)
         if blind:
             return self._blind_verdict(reading.step)
         if held.unarmed:
@@ -323,22 +340,26 @@ class ActivationGate:
 
     def _held_unarmed(self, step: int, held: Held, verdict: Verdict) -> Verdict:
         """Graphs built while the hooks were off are still held: no hook counted their saved
-        tensors. They are found in the live graphs (`adopt`) and counted from now on; this
-        step's figures are not known, and the next steps are measured (every step once it
-        happens again: graphs crossing steps are only counted whole when built armed)."""
-        self._crossings += 1
+        tensors, and nothing else may (reading a graph's `_saved_*` would unpack: the job's
+        hooks, a checkpoint's recomputed forward). So the activations of every close that
+        finds them held are not known; steps are measured meanwhile (`MEASURE_WHILE_HELD`,
+        every step once it happens again), so graphs built from now on are counted."""
+        if held.new_unarmed:
+            self._crossings += 1  # new graphs built unarmed, not the same ones held longer
         self.policy.measure_next(FIRST_STEPS)
-        if held.graphs == 1:
-            which = f"a graph built by the model in step {held.oldest_step} still holds its"
+        if held.unarmed == 1:
+            which = "a graph built by the model while memtui's hooks were off still holds its"
         else:
             which = (
-                f"{held.graphs} graphs built by the model since step {held.oldest_step} still "
+                f"{held.unarmed} graphs built by the model while memtui's hooks were off still "
                 "hold their"
             )
         message = (
             f"at the close of step {step}, {which} saved tensors (a loss accumulated without "
-            "torch.no_grad(), an output kept for a later backward): they are counted from the "
-            "live graphs from now on; this step's activations are not known"
+            "torch.no_grad(), an output kept for a later backward): memtui never saw what they "
+            "saved, so activations are not "
+            "known while they are held; the steps after a close that holds graphs are measured, "
+            "so graphs built from now on are counted"
         )
         cause = "held"
         if self._crossings >= CROSSINGS_FOR_EVERY and self.policy.mode is ActivationMode.AUTO:
@@ -350,7 +371,7 @@ class ActivationGate:
         alert = self._vary(cause, message)
         if verdict.alert is not None and alert is None:
             alert = verdict.alert
-        return Verdict(measured=False, alert=alert, adopt=True)
+        return Verdict(measured=False, alert=alert)
 
     def _blind_verdict(self, step: int) -> Verdict:
         """The job's own saved-tensor hooks held the step's tensors: not known, said once."""

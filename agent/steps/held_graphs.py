@@ -12,6 +12,11 @@ post hook of the node: autograd calls it when backward runs the node (its buffer
 freed, unless backward retained the graph), and the node releases it when the graph is freed.
 A marker alive and never run is a graph still holding what its forward saved. Nothing of the
 job's is referenced: the node holds the marker, the watch holds markers weakly.
+
+A marker also says which graph it marks, for the census (`memory/census.py`): the sequence
+number of the node it rides on, and the numbers the call's forward gave its nodes (`first` <=
+n < `last`: autograd numbers the nodes a thread builds in order). A holder whose walk reaches
+the node is keeping that call's graph, with the storages the pack hook saved during the call.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
+
+from memtui_agent.memory.census import HeldCall
+from memtui_agent.memory.object_access import container_base, heap_type
+from memtui_agent.memory.tensor_reads import NodeType, grad_fn, is_tensor, next_sequence_number
 
 MAX_MARKED_PER_CALL = 16
 """Output tensors marked per root call at most (a model returning a long list of tensors)."""
@@ -30,15 +40,35 @@ MAX_MARKED_PER_CALL = 16
 class GraphMarker:
     """Rides on one output node of one root call; autograd calls it when backward runs it."""
 
-    __slots__ = ("__weakref__", "armed", "executed", "retained", "step", "watch")
+    __slots__ = (
+        "__weakref__",
+        "armed",
+        "executed",
+        "first",
+        "last",
+        "node",
+        "retained",
+        "seen",
+        "step",
+        "watch",
+    )
 
-    def __init__(self, watch: HeldGraphs, step: int, armed: bool) -> None:
+    def __init__(
+        self, watch: HeldGraphs, step: int, armed: bool, node: int | None, first: int, last: int
+    ) -> None:
         self.watch = watch
         self.step = step
         self.armed = armed
-        """Whether the call ran with the saved-tensor hooks armed (the ledger counted it)."""
+        """Whether the call ran with the agent's saved-tensor hooks counting what it saved."""
+        self.node = node
+        """The sequence number of the node it rides on (None if unreadable)."""
+        self.first = first
+        self.last = last
+        """The sequence numbers the call's forward gave its nodes: `first` <= n < `last`."""
         self.executed = False
         self.retained = False
+        self.seen = False
+        """Already found held at an earlier close."""
 
     def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
         self.executed = True
@@ -57,8 +87,10 @@ class Held:
 
     graphs: int
     unarmed: int
-    """Of those, built while the hooks were off: their saved tensors are in no pile yet."""
+    """Of those, built while the hooks were off: what they saved is in no pile."""
     oldest_step: int | None
+    new_unarmed: int = 0
+    """Of the unarmed ones, those no earlier close found held."""
 
 
 class HeldGraphs:
@@ -68,45 +100,74 @@ class HeldGraphs:
         self._markers: weakref.WeakSet[GraphMarker] = weakref.WeakSet()
         self.retaining = False
         """A top-level backward with `retain_graph=True` is running."""
+        self._node_types: dict[int, NodeType] = {}
 
-    def mark(self, output: Any, step: int, armed: bool) -> None:
-        """Mark the graph nodes of a root call's output (tensors, sequences, mappings)."""
+    def mark(self, output: Any, step: int, armed: bool, first: int = 0) -> None:
+        """Mark the graph nodes of a root call's output (tensors, sequences, mappings); `first`
+        is the first sequence number the call's forward could give a node."""
         marked: set[int] = set()
-        for tensor in _tensors_in(output):
-            node = tensor.grad_fn
-            if node is None or id(node) in marked:
-                continue
-            marked.add(id(node))
-            marker = GraphMarker(self, step, armed)
-            node.register_hook(marker)
-            self._markers.add(marker)
-            if len(marked) >= MAX_MARKED_PER_CALL:
-                break
+        last = next_sequence_number()
+        with torch._C.DisableTorchFunction():  # a tensor subclass's `grad_fn` is read in C
+            for tensor in _tensors_in(output):
+                node = grad_fn(tensor)
+                if node is None or id(node) in marked:
+                    continue
+                marked.add(id(node))
+                number = self._node_type(type(node)).sequence(node)
+                marker = GraphMarker(self, step, armed, number, first, last)
+                node.register_hook(marker)
+                self._markers.add(marker)
+                if len(marked) >= MAX_MARKED_PER_CALL:
+                    break
+
+    def _node_type(self, cls: type) -> NodeType:
+        """How to read nodes of `cls`, kept for torch's own (static) node types only: a custom
+        Function's node class is the job's, and is not kept alive here."""
+        known = self._node_types.get(id(cls))
+        if known is not None and known.cls is cls:
+            return known
+        found = NodeType(cls)
+        if not heap_type(cls) and len(self._node_types) < 4096:
+            self._node_types[id(cls)] = found
+        return found
 
     def held(self) -> Held:
         """What is still held now (at a close, after the step's backward passes)."""
         holding = [marker for marker in list(self._markers) if marker.holds_buffers]
+        new = sum(1 for marker in holding if not marker.armed and not marker.seen)
+        for marker in holding:
+            marker.seen = True
         return Held(
             graphs=len(holding),
             unarmed=sum(1 for marker in holding if not marker.armed),
             oldest_step=min((marker.step for marker in holding), default=None),
+            new_unarmed=new,
         )
 
-    def forget_unarmed(self) -> None:
-        """The unarmed graphs held now were counted another way (a census adopted their saved
-        tensors into the ledger): from now on they count as armed."""
-        for marker in list(self._markers):
-            marker.armed = True
+    def calls(self) -> dict[int, HeldCall]:
+        """The graphs still holding their saved tensors, by the sequence number of the node
+        each marker rides on (for the census)."""
+        return {
+            marker.node: HeldCall(marker.first, marker.last, marker.armed)
+            for marker in list(self._markers)
+            if marker.holds_buffers and marker.node is not None
+        }
 
 
 def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors in a forward's output: a tensor, a tuple/list, a dict or a Hugging Face
-    `ModelOutput` (a dict), two levels deep."""
-    if isinstance(output, torch.Tensor):
+    `ModelOutput` (a dict), two levels deep. Recognised by their classes' bases and read
+    through the builtins' own methods: no code of an output object runs."""
+    kind = type(output)
+    if kind is torch.Tensor or is_tensor(kind):
         yield output
-    elif depth < 2 and isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors_in(item, depth + 1)
-    elif depth < 2 and isinstance(output, dict):
-        for item in output.values():
+        return
+    if depth >= 2:
+        return
+    base = container_base(kind)
+    if base is tuple or base is list:
+        for index in range(min(base.__len__(output), MAX_MARKED_PER_CALL)):
+            yield from _tensors_in(base.__getitem__(output, index), depth + 1)
+    elif base is dict:
+        for item in islice(dict.values(output), MAX_MARKED_PER_CALL):
             yield from _tensors_in(item, depth + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
@@ -28,9 +29,9 @@ from memtui_agent.memory.allocator import (
     expandable_segments_enabled,
     fragmentation_message,
 )
-from memtui_agent.memory.census import Census, take_census
+from memtui_agent.memory.census import Census, Root, take_census
 from memtui_agent.memory.gpu_events import GpuEvents
-from memtui_agent.memory.leak_watch import LeakWatch
+from memtui_agent.memory.leak_watch import LeakReport, LeakWatch
 from memtui_agent.memory.ledger import Ledger
 from memtui_agent.memory.memory_readers import host_now, with_nvml
 from memtui_agent.steps.budget import Budget
@@ -41,9 +42,13 @@ from memtui_agent.steps.pile_count import PersistentPiles
 from memtui_agent.steps.window import OpenStep
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
-from memtui_protocol.schema import AlertKind, Phase, StepTrigger
+from memtui_protocol.schema import AlertKind, CensusStop, Phase, StepTrigger
 
 TOP_MODULES = 10
+
+
+def _ignore(exc: BaseException) -> None:
+    """No one to tell (a closer built without an agent, as in tests)."""
 
 
 class CloseHooks(Protocol):
@@ -84,6 +89,9 @@ class StepCloser:
         self.alloc_events: AllocEventsRecorder | None = None
         """Set by the agent with `--alloc-events`: drains the allocator's history each close."""
         self.leaks = LeakWatch(self._census)
+        self.census_failed: Callable[[BaseException], None] = _ignore
+        """Told once per error a census met (the agent says it on stderr and in the
+        recording); the census itself ends there, the next one runs as usual."""
 
     def close(
         self, opened: OpenStep, step: int, skipped: bool, record: OptimizerRecord | None
@@ -126,19 +134,16 @@ class StepCloser:
         verdict = self._gate.verdict(reading)
         final_peak = verdict.peak(peak)
         over_budget = self.budget.judge_peak(final_peak)
-        taken = None
-        if verdict.adopt:
-            # Graphs built while the hooks were off are held: count their saved tensors from
-            # the live graphs (the walk names their holders too, for the leak watch).
-            taken = self._census(adopt=True)
-            self._gate.held.forget_unarmed()
-        leak = self.leaks.at_close(
-            step,
-            self._kept(reading, end),
-            headroom=self._headroom(reading.allocator, final_peak),
-            exact=reading.allocator.allocated is not None,
-            taken=taken,
-        )
+        try:
+            leak = self.leaks.at_close(
+                step,
+                self._kept(reading, end),
+                headroom=self._headroom(reading.allocator, final_peak),
+                exact=reading.allocator.allocated is not None,
+            )
+        except Exception as exc:  # the leak watch's own error: this close has no leak figures
+            self.census_failed(exc)
+            leak = LeakReport()
         distributed = self._hooks.distributed_at_close()
         return StepInputs(
             step=step,
@@ -166,28 +171,38 @@ class StepCloser:
             census=leak.census,
         )
 
-    def _census(self, adopt: bool = False) -> Census:
+    def _census(self) -> Census:
         """A census of the job's live tensors from the names it wrote (this thread's frames
-        are the training loop's); with `adopt`, retained graphs' saved tensors join the
-        activations pile."""
-        roots = census_roots(self.registry, sys._getframe(1))
-        return take_census(
-            roots,
-            excluded=self.ledger.persistent_keys(),
-            adopt=self.ledger.adopt_activation if adopt else None,
-        )
+        are the training loop's)."""
+        frame = sys._getframe(1)
+        return self._take(lambda: census_roots(self.registry, frame))
 
     def final_leaks(
         self, step: int, namespace: dict[str, Any] | None, error: BaseException | None
     ) -> list[schema.Leak]:
         """The leaks named during the run, counted again as the job ends."""
         return self.leaks.final(
-            step,
-            lambda: take_census(
-                final_roots(self.registry, namespace, error),
-                excluded=self.ledger.persistent_keys(),
-            ),
+            step, lambda: self._take(lambda: final_roots(self.registry, namespace, error))
         )
+
+    def _take(self, roots: Callable[[], list[Root]]) -> Census:
+        """One census from `roots()`, with what the pack hook recorded of retained graphs.
+        Never raises: an error ends this census only, and is said once."""
+        started = time.perf_counter()
+        try:
+            census = take_census(
+                roots(),
+                excluded=self.ledger.persistent_keys(),
+                saved=self.ledger.saved_by_node(),
+                calls=self._gate.held.calls(),
+            )
+        except Exception as exc:  # finding the roots failed: this census only
+            exc.__traceback__ = None  # its frames would hold the roots
+            census = Census({}, 0, time.perf_counter() - started, False, CensusStop.ERROR, exc)
+        if census.error is not None:
+            self.census_failed(census.error)
+            census.error = None
+        return census
 
     def _kept(self, reading: CloseReading, end: schema.Piles) -> int | None:
         """Memory held at the close beyond weights, gradients and optimizer state: the

@@ -52,6 +52,8 @@ class LeakRow:
     """The step its growth began at."""
     counted_at: int | None
     """The step whose census gave these figures; None: counted as the job ended (`End`)."""
+    graphs_not_known: int = 0
+    """Graphs it keeps whose saved tensors are not known: `bytes` is then a lower bound."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -64,6 +66,7 @@ class LeakRow:
             leak.per_step,
             leak.first_step,
             counted_at,
+            leak.graphs_not_known,
         )
 
 
@@ -96,7 +99,12 @@ class CensusTally:
     objects: int = 0
     """The most objects one census visited."""
     incomplete: int = 0
-    """Censuses their bound stopped: the holders they named are real, more may exist."""
+    """Censuses that ended early (a bound, an error) or saw a container change under them: the
+    holders they named are real, more may exist."""
+    errors: int = 0
+    """Of those, censuses an error inside them ended (`CensusStop.ERROR`)."""
+    bounded: int = 0
+    """Of those, censuses a bound stopped (objects or seconds)."""
 
     def plus(self, cost: schema.CensusCost) -> CensusTally:
         return CensusTally(
@@ -105,6 +113,8 @@ class CensusTally:
             max(self.longest, cost.seconds),
             max(self.objects, cost.objects),
             self.incomplete + (not cost.complete),
+            self.errors + (cost.stopped == schema.CensusStop.ERROR),
+            self.bounded + (cost.stopped in (schema.CensusStop.OBJECTS, schema.CensusStop.SECONDS)),
         )
 
 
@@ -166,7 +176,8 @@ def leak_holding(row: LeakRow) -> str:
     plural = "s" if row.tensors != 1 else ""
     tensors = f"{row.tensors} tensor{plural}"
     if row.kind is LeakKind.RETAINED_GRAPH:
-        return f"{tensors} + graph{plural}"
+        unknown = f", {row.graphs_not_known} not known" if row.graphs_not_known else ""
+        return f"{tensors} + graph{plural}{unknown}"
     if row.kind is LeakKind.TENSORS:
         return tensors
     return f"{tensors} ({row.kind})"

@@ -35,6 +35,7 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         tensors=row.tensors,
         per_step=row.per_step,
         first_step=row.first_step,
+        graphs_not_known=row.graphs_not_known,
     )
 
 
@@ -56,7 +57,9 @@ def step_census(step: Step) -> CensusEntry | msgspec.UnsetType:
     cost = step.census
     if cost is None:
         return msgspec.UNSET
-    return CensusEntry(seconds=cost.seconds, objects=cost.objects, complete=cost.complete)
+    return CensusEntry(
+        seconds=cost.seconds, objects=cost.objects, complete=cost.complete, stopped=cost.stopped
+    )
 
 
 def censuses(recording: Recording) -> CensusTally | None:
@@ -100,9 +103,16 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
     for row in rows:
         kind = KIND_WORDS[row.kind] if isinstance(row.kind, LeakKind) else row.kind
         plural = "s" if row.tensors != 1 else ""
+        unknown = ""
+        if row.graphs_not_known:
+            graphs = "graph" + ("s" if row.graphs_not_known != 1 else "")
+            unknown = (
+                f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
+                "(built while memtui's hooks were off)"
+            )
         lines.append(
-            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}, "
-            f"growing {size(row.per_step)} per step since step {row.first_step}"
+            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
+            f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
         )
         if row.holder in fixes:
             lines.append(f"    fix: {fixes[row.holder]}")
@@ -128,8 +138,15 @@ def census_line(recording: Recording) -> str | None:
         + f", the longest {tally.longest:.3f} s; up to {tally.objects:,} objects visited"
     )
     if tally.incomplete:
-        line += (
-            f"; {tally.incomplete} stopped at their bound (the holders named are real, "
-            "more may exist)"
-        )
+        changed = tally.incomplete - tally.bounded - tally.errors
+        parts = [
+            f"{count} {what}"
+            for count, what in (
+                (tally.bounded, "stopped at their bound"),
+                (tally.errors, "at an error inside them"),
+                (changed, "saw a container change under them"),
+            )
+            if count
+        ]
+        line += f"; {', '.join(parts)} (the holders named are real, more may exist)"
     return line

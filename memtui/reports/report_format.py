@@ -91,6 +91,8 @@ class LeakEntry(msgspec.Struct):
     tensors: int
     per_step: int
     first_step: int
+    graphs_not_known: int = 0
+    """Graphs it keeps whose saved tensors are not known (`bytes` is then a lower bound)."""
 
 
 class CensusEntry(msgspec.Struct):
@@ -99,6 +101,8 @@ class CensusEntry(msgspec.Struct):
     seconds: float
     objects: int
     complete: bool
+    stopped: str | None = None
+    """Why it ended early: `objects` or `seconds` (its bounds), `error`; None when it did not."""
 
 
 class StepEntry(msgspec.Struct):
