@@ -207,7 +207,8 @@ class Agent:
         message = f"{type(exc).__name__}: {exc}"
         try:
             print(
-                f"memtui: {component} failed and {effect} ({terminal_safe(message)}); the job continues",
+                f"memtui: {component} failed and {effect} ({terminal_safe(message)}); "
+                "the job continues",
                 file=sys.stderr,
             )
         except Exception:
