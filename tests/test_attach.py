@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRAIN = FIXTURES / "plain_train.py"
-BOOT = Path(__file__).parents[1] / "agent" / "attach" / "boot.py"
+BOOT = Path(__file__).parents[1] / "agent" / "memtui_agent" / "attach" / "boot.py"
 MEMTUI = [sys.executable, "-m", "memtui"]
 
 

@@ -20,7 +20,7 @@ from memtui.exit_codes import EXIT_BAD_INPUT
 from memtui_agent.steps.failures import without_agent_frames
 from memtui_protocol import schema
 
-AGENT = Path(__file__).parent.parent / "agent"
+AGENT = Path(__file__).parent.parent / "agent" / "memtui_agent"
 
 
 def _strict(text: str) -> Any:
@@ -132,7 +132,7 @@ def test_ctrl_c_shows_the_jobs_frames_only(tmp_path: Path) -> None:
 def test_every_alert_kind_the_code_emits_is_an_alert_kind() -> None:
     """One spelling per concept: every alert the code builds names its kind by an AlertKind
     member, never by a string literal."""
-    sources = [*AGENT.rglob("*.py"), *(AGENT.parent / "memtui").rglob("*.py")]
+    sources = [*AGENT.rglob("*.py"), *(AGENT.parents[1] / "memtui").rglob("*.py")]
     members, literals = set(), set()
     for path in sources:
         text = path.read_text()

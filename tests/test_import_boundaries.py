@@ -138,7 +138,7 @@ def test_the_protocol_loads_only_the_standard_library_and_msgspec() -> None:
     """Every module of `memtui_protocol`, imported in a fresh interpreter, brings in nothing
     but the standard library and msgspec: both halves, and the attach bootstrap inside a job
     that cannot import memtui, rely on it."""
-    protocol = Path(__file__).parent.parent / "protocol"
+    protocol = Path(__file__).parent.parent / "protocol" / "memtui_protocol"
     names = ["memtui_protocol"] + [
         f"memtui_protocol.{path.stem}"
         for path in sorted(protocol.glob("*.py"))

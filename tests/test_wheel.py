@@ -15,13 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _source_packages() -> set[str]:
-    """Every folder with an `__init__.py` under memtui/ and agent/, by installed import name."""
+    """Every folder with an `__init__.py` under the three packages, by import name (the folder
+    path below `memtui/`, `agent/` or `protocol/` is the import path)."""
     found = set()
-    for top, installed in (("memtui", "memtui"), ("agent", "memtui_agent")):
+    for top in ("memtui", "agent/memtui_agent", "protocol/memtui_protocol"):
         for init in (ROOT / top).rglob("__init__.py"):
-            relative = init.parent.relative_to(ROOT / top)
-            parts = [installed, *relative.parts]
-            found.add(".".join(parts))
+            relative = init.parent.relative_to(ROOT / top).parts
+            found.add(".".join([top.split("/")[-1], *relative]))
     return found
 
 

@@ -338,7 +338,7 @@ class Names(msgspec.Struct, tag="names", frozen=True):
 
 
 class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Memory data-parallel wrappers hold outside the four piles (agent/job/distributed.py).
+    """Memory data-parallel wrappers hold outside the four piles (`memtui_agent.job.distributed`).
 
     `ddp_buckets`: bytes of DDP's gradient buckets; `ddp_bucket_view`: whether the gradients
     are views into them (`gradient_as_bucket_view=True`); `ddp_in_gradients`: the part of the
