@@ -293,8 +293,8 @@ def make_step() -> Callable[[int], schema.Step]:
 async def settle(pilot: Pilot[Any], screen: bool = True) -> None:
     """Wait until the app's source has handed over its frames, then draw them now.
 
-    The app drains its inbox on a 4 Hz timer; tests call `refresh_view()` themselves so what
-    they assert on never depends on where that timer happens to be.
+    The app drains its inbox on a 2 Hz timer (`TICK_SECONDS`); tests call `refresh_view()`
+    themselves so what they assert on never depends on where that timer happens to be.
 
     `screen`: settled means two equal screenshots in a row (what an SVG snapshot needs, about
     0.1 s per screenshot at 160x48); otherwise two equal layouts in a row (every widget's

@@ -428,7 +428,7 @@ def test_timeline_window_follows_a_wider_terminal(
 def test_five_thousand_steps_in_batches_of_fifty(
     tui: Any, live_messages: Messages, make_step: Any
 ) -> None:
-    """A fast job: the 4 Hz tick drains everything, and what the UI keeps stays bounded."""
+    """A fast job: the 2 Hz tick drains everything, and what the UI keeps stays bounded."""
     alert = schema.Alert(kind="skipped_step", message="GradScaler skipped the optimizer update")
     steps = [
         msgspec.structs.replace(make_step(number), alerts=[alert]) for number in range(1, 5001)

@@ -60,9 +60,6 @@ class RankFigures:
     health: str | None = None
     """Its scrape target's health ("up", "down", "unknown"); None: no target any more."""
     last_error: str = ""
-    last_scrape: str = ""
-    sampled_at: float | None = None
-    """When Prometheus took the sample these figures come from."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -180,7 +177,6 @@ def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
         figures = rank_of(sample)
         if figures is not None:
             figures.fresh = True
-            figures.sampled_at = sample.time
     for target in client.targets():
         labels = target.get("labels")
         if not isinstance(labels, dict) or labels.get(JOB_LABEL) != chosen:
@@ -191,7 +187,6 @@ def snapshot(client: PrometheusClient, job: str | None) -> ClusterSnapshot:
             continue  # a target that never served a step: nothing to show for it yet
         figures.health = str(target.get("health", "unknown"))
         figures.last_error = str(target.get("lastError", ""))[:300]
-        figures.last_scrape = str(target.get("lastScrape", ""))
     ordered = tuple(ranks[number] for number in sorted(ranks))
     return ClusterSnapshot(client.url, chosen, ordered, time.time(), others)
 

@@ -48,14 +48,6 @@ def open_input(path: str | os.PathLike[str]) -> BinaryIO:
         raise
 
 
-def is_regular_file(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is (or links to) a regular file; False for anything that could block."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError):
-        return False
-
-
 def _kind(mode: int) -> str:
     if stat.S_ISFIFO(mode):
         return "a FIFO"

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from memtui.input.cluster_query import ClusterSnapshot, RankFigures
 from memtui.model.rank_rows import RankRow, Spread, imbalance_line, rank_rows, spread
 from memtui.model.step_rows import pile_of
-from memtui.model.view_state import RanksView
 from memtui_protocol import schema
 from memtui_protocol.schema import Pile, TextEnum
 
@@ -98,10 +97,6 @@ class ClusterView:
     @property
     def hosts(self) -> tuple[str, ...]:
         return tuple(sorted({rank.figures.host for rank in self.ranks}))
-
-    def ranks_view(self, binary: bool = True) -> RanksView:
-        """The slice the ranks table widget shows."""
-        return RanksView(self.rows, self.worst.label if self.worst else "", binary)
 
 
 def rank_state(figures: RankFigures, now: float) -> tuple[RankState, str]:

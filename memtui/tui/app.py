@@ -1,7 +1,8 @@
 """The memtui app: one screen over a Session, fed by any Source, redrawn at a fixed tick.
 
-The source runs in one thread worker and only appends message batches to an inbox; a 4 Hz timer
-drains the inbox into the Session, takes one immutable ViewState and hands it to every widget.
+The source runs in one thread worker and only appends message batches to an inbox; a 2 Hz timer
+(`TICK_SECONDS`) drains the inbox into the Session, takes one immutable ViewState and hands it to
+every widget.
 However fast frames arrive, the UI does one ingest and one redraw per tick, and memory is bounded
 by the Session's own limits.
 """

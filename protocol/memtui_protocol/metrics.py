@@ -12,7 +12,7 @@ Standard library only: the viewer imports this module too.
 
 from __future__ import annotations
 
-from memtui_protocol.schema import PILES, AlertKind
+from memtui_protocol.schema import PILES
 
 PILE_BYTES = "memtui_pile_bytes"
 """Gauge, `{pile, stat}`: each tracked pile at the step's close (`end`), its high during the step
@@ -62,7 +62,6 @@ PILE_NAMES = PILES
 DEVICE_KINDS = ("allocated", "reserved", "process", "device_used", "device_total")
 """`memtui_device_bytes{kind}`, from `Allocator.allocated`, `reserved`, `process_gpu`,
 `device_used`, `device_total`."""
-ALERT_KINDS = tuple(kind.value for kind in AlertKind)
 OTHER_ALERT_KIND = "other"
 """A kind this version does not know (a newer agent's) is counted under this one."""
 MAX_LEAK_HOLDERS = 10

@@ -259,10 +259,6 @@ class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     group: int | None = None
 
 
-ATTACHED_ALERT = AlertKind.ATTACHED.value
-"""Alert kind of the first step of an agent `memtui attach` injected into a running job."""
-
-
 class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
     """Saved-activation bytes attributed to one module (by id from a `Names` message)."""
 

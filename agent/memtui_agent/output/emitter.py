@@ -92,8 +92,6 @@ class Emitter:
         self._last_frame = time.monotonic()
         self.dropped = 0
         """Frames the socket queue had no room for (the recording never drops one)."""
-        self.late_lost = 0
-        self.frames_written = 0
         self.bytes_written = 0
         self._server = server
         self.export: Callable[[schema.Message], None] | None = None
@@ -148,11 +146,6 @@ class Emitter:
         with self._file_lock:
             self._close_file()
 
-    @property
-    def recording_open(self) -> bool:
-        """Whether frames still reach the recording file."""
-        return self._file is not None
-
     # ----- the caller's thread ------------------------------------------------------------------
 
     def _message(self, item: Item) -> schema.Message:
@@ -173,7 +166,6 @@ class Emitter:
             self._late.append(pending)
             if len(self._late) > MAX_LATE:  # the device is that far behind: give the oldest up
                 self._late.popleft()
-                self.late_lost += 1
         return step
 
     def _late_values(self, wait: bool) -> list[schema.StepLate]:
@@ -188,7 +180,6 @@ class Emitter:
                     break
                 ready.append(pending.values())
             except Exception as exc:  # a device error: those values are lost, not the frame
-                self.late_lost += 1
                 self._on_error("late-values", exc)
             self._late.popleft()
         return ready
@@ -236,7 +227,6 @@ class Emitter:
         while view:
             written = os.write(descriptor, view)
             view = view[written:]
-        self.frames_written += 1
         self.bytes_written += len(data)
 
     def _last_words(self, exc: OSError) -> None:
