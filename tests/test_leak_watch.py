@@ -11,6 +11,7 @@ from memtui_agent.memory.leak_watch import (
     HEAP_FLOOR,
     LeakReport,
     LeakWatch,
+    usual_fix,
 )
 from memtui_protocol.schema import AlertKind
 
@@ -67,7 +68,6 @@ def test_a_flat_job_takes_no_census_and_a_leak_is_named_within_twenty_steps() ->
     assert alert.kind == AlertKind.LEAK and alert.where == "history"
     assert "grows 1000 B per step since step 5" in alert.message
     assert "out of memory in about 1,000 steps" in alert.message
-    assert "`.detach()`" in alert.message
     leaks = [leak for r in reports for leak in r.leaks]
     assert {leak.holder for leak in leaks} == {"history"}
     last = leaks[-1]
@@ -80,6 +80,11 @@ def test_a_flat_job_takes_no_census_and_a_leak_is_named_within_twenty_steps() ->
     assert job.censuses[1] == job.censuses[0] + CONFIRM_AFTER
     gaps = [b - a for a, b in zip(job.censuses[1:], job.censuses[2:], strict=False)]
     assert gaps == sorted(gaps)
+    # The fix is the leak's own field, the same words on every entry and at the alert's end.
+    assert {leak.fix for leak in leaks} == {usual_fix(job.census().holdings["history"])}
+    assert "`.detach()`" in str(leaks[0].fix) and alert.message.endswith(f": {leaks[0].fix}")
+    (final,) = watch.final(41, job.census)
+    assert final.fix == leaks[0].fix
 
 
 def test_a_bounded_queue_and_noise_raise_nothing() -> None:

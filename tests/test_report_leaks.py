@@ -70,8 +70,9 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
     assert [leak["holder"] for leak in steps[12]["leaks"]] == ["history", builder.GRAPH_HOLDER]
     assert steps[20]["leaks"] == [
         {"holder": "history", "kind": "tensors", "bytes": 18 * 4096, "tensors": 18,
-         "per_step": 4096, "first_step": 3, "graphs_not_known": 0},
+         "per_step": 4096, "first_step": 3, "graphs_not_known": 0, "fix": builder.LIST_FIX},
     ]  # fmt: skip
+    assert [leak["fix"] for leak in document["leaks"]] == [builder.GRAPH_FIX, builder.LIST_FIX]
     assert not any("leaks" in steps[n] or "census" in steps[n] for n in (1, 11, 13, 24))
     assert document["censuses"] == {
         "count": 3,
@@ -160,6 +161,33 @@ def test_a_holder_whose_graphs_are_partly_not_known_says_so(builder: ModuleType)
     )
     (row,) = [row for row in recording.leaks.latest() if row.holder == "val_total"]
     assert leak_holding(row) == "1 tensor + graph, 2 not known"
+
+
+def test_the_fix_is_the_leaks_own_field_never_read_out_of_an_alert(builder: ModuleType) -> None:
+    """The report shows `Leak.fix` whatever the alerts say: without any `leak` alert the fix is
+    still there; a recording of an agent before the field (a fix only inside the alert's
+    message) shows none, and `fix` is null, rather than text parsed out of a message."""
+    without_alerts = [
+        msgspec.structs.replace(
+            message, alerts=[a for a in message.alerts if a.kind != schema.AlertKind.LEAK]
+        )
+        if isinstance(message, schema.Step)
+        else message
+        for message in builder.leaking_messages()
+    ]
+    text = render_text(_recording(without_alerts))
+    assert f"    fix: {builder.GRAPH_FIX}" in text and f"    fix: {builder.LIST_FIX}" in text
+
+    def unfixed(message: schema.Message) -> schema.Message:
+        if isinstance(message, schema.Step | schema.End) and message.leaks:
+            leaks = [msgspec.structs.replace(leak, fix=None) for leak in message.leaks]
+            return msgspec.structs.replace(message, leaks=leaks)
+        return message
+
+    older = _recording([unfixed(message) for message in builder.leaking_messages()])
+    assert any(item.kind == schema.AlertKind.LEAK for item in older.alerts)  # fix in its message
+    assert "fix:" not in render_text(older)
+    assert [entry["fix"] for entry in build_report(older)["leaks"]] == [None, None]
 
 
 def test_no_leaks_no_section(builder: ModuleType) -> None:

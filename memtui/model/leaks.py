@@ -54,6 +54,8 @@ class LeakRow:
     """The step whose census gave these figures; None: counted as the job ended (`End`)."""
     graphs_not_known: int = 0
     """Graphs it keeps whose saved tensors are not known: `bytes` is then a lower bound."""
+    fix: str | None = None
+    """The fix the agent proposed (`Leak.fix`); None from agents before it was a field."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -67,6 +69,7 @@ class LeakRow:
             leak.first_step,
             counted_at,
             leak.graphs_not_known,
+            leak.fix,
         )
 
 

@@ -1,8 +1,8 @@
 """The leaks in the report: the JSON's `leaks` (and a step's own), the text report's section.
 
 Everything comes from the fold's `LeakBook` (`recording.leaks`): one row per holder, the job's
-last count (`End.leaks`) where it has one, else the latest census's. The fix the agent proposed
-is the tail of the holder's `leak` alert, which is where the agent words it.
+last count (`End.leaks`) where it has one, else the latest census's, with the fix the agent
+proposed (`Leak.fix`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import msgspec
 from memtui.model.leaks import CensusTally, LeakRow
 from memtui.model.recording import Recording
 from memtui.reports.report_format import CensusEntry, LeakEntry
-from memtui_protocol.schema import AlertKind, LeakKind, Step
+from memtui_protocol.schema import LeakKind, Step
 from memtui_protocol.units import format_bytes
 
 NOTABLE_SHARE = 0.01
@@ -36,6 +36,7 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         per_step=row.per_step,
         first_step=row.first_step,
         graphs_not_known=row.graphs_not_known,
+        fix=row.fix,
     )
 
 
@@ -68,27 +69,6 @@ def censuses(recording: Recording) -> CensusTally | None:
     return tally if tally.count else None
 
 
-def leak_fix(message: str, holder: str) -> str | None:
-    """The fix a `leak` alert proposes: what follows its figures (`<holder> keeps ... since
-    step N[; at this rate ...]: <fix>`). None for a message worded otherwise (a newer agent)."""
-    if not message.startswith(holder):
-        return None
-    _, colon, fix = message[len(holder) :].partition(": ")
-    return (fix or None) if colon else None
-
-
-def leak_fixes(recording: Recording) -> dict[str, str]:
-    """Each holder's fix, from the first `leak` alert that names it."""
-    fixes: dict[str, str] = {}
-    for item in recording.alerts:
-        where = item.alert.where
-        if item.kind is AlertKind.LEAK and where is not None and where not in fixes:
-            fix = leak_fix(item.alert.message, where)
-            if fix is not None:
-                fixes[where] = fix
-    return fixes
-
-
 def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
     """The text report's "Leaks" section (empty without leaks): each holder with what it keeps,
     its growth per step and since when, the fix, then the censuses' cost if notable (without
@@ -99,7 +79,6 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
     size = partial(format_bytes, binary=binary)
     counted = "as the job ended" if recording.leaks.final else "at the last census"
     lines = [f"Leaks ({counted}): memory no pile holds, growing step after step"]
-    fixes = leak_fixes(recording)
     for row in rows:
         kind = KIND_WORDS[row.kind] if isinstance(row.kind, LeakKind) else row.kind
         plural = "s" if row.tensors != 1 else ""
@@ -114,8 +93,8 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
             f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
             f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
         )
-        if row.holder in fixes:
-            lines.append(f"    fix: {fixes[row.holder]}")
+        if row.fix:
+            lines.append(f"    fix: {row.fix}")
     cost = census_line(recording)
     if cost is not None:
         lines.append(f"  {cost}")

@@ -93,6 +93,8 @@ class LeakEntry(msgspec.Struct):
     first_step: int
     graphs_not_known: int = 0
     """Graphs it keeps whose saved tensors are not known (`bytes` is then a lower bound)."""
+    fix: str | None = None
+    """The fix the agent proposed (`Leak.fix`); null in recordings of agents before it."""
 
 
 class CensusEntry(msgspec.Struct):

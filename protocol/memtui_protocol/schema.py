@@ -380,6 +380,10 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """Autograd graphs it keeps alive whose saved tensors are not known (built while the
     agent's saved-tensor hooks were off: nothing recorded what they saved, and the agent never
     unpacks a graph to find out): `bytes` is then what the rest of it holds, a lower bound."""
+    fix: str | None = None
+    """The one-line fix that usually applies to a leak of this shape, as the agent words it
+    (the same words end the holder's `leak` alert); None in recordings of agents before it was
+    a field (readers then show no fix)."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):

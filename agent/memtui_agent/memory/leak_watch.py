@@ -6,9 +6,9 @@ beyond the weights, gradients and optimizer state. A job that leaks grows it at 
 close; a healthy one does not, once warm. When it has grown at nearly every close of a window,
 a census (`census.py`) files every tensor no pile counts under its holder; a second census a few
 steps later shows which holders grew, by how much per step, and since when. Those are the leaks:
-one `leak` alert each, with the fix that usually applies, and a `Leak` entry in the frames of
-the steps that took a census. A deque with a `maxlen` is bounded and never a leak; a holder that
-stops growing stops being reported.
+one `leak` alert each, and a `Leak` entry in the frames of the steps that took a census, each
+with the fix that usually applies (`Leak.fix`, the same words that end the alert). A deque with
+a `maxlen` is bounded and never a leak; a holder that stops growing stops being reported.
 
 Censuses cost time on the training thread (they walk the job's objects while nothing else
 mutates them; a walk from another thread could race autograd freeing a graph), so they are
@@ -63,6 +63,8 @@ class _Named:
     step: int
     per_step: int
     kind: LeakKind
+    fix: str
+    """The fix its alert proposed: every later `Leak` of the holder carries the same words."""
     graphs_not_known: int = 0
 
 
@@ -124,6 +126,7 @@ class LeakWatch:
         for holding, per_step in leaks:
             named = self._named.get(holding.holder)
             first = named.first_step if named else self._growth_start(step, holding, per_step)
+            fix = named.fix if named else usual_fix(holding)
             leak = Leak(
                 holder=holding.holder,
                 kind=holding.kind.value,
@@ -132,12 +135,19 @@ class LeakWatch:
                 per_step=per_step,
                 first_step=first,
                 graphs_not_known=holding.unknown_graphs,
+                fix=fix,
             )
             report.leaks.append(leak)
             if named is None:
-                report.alerts.append(leak_alert(leak, holding, headroom))
+                report.alerts.append(leak_alert(leak, headroom))
             self._named[holding.holder] = _Named(
-                first, holding.bytes, step, per_step, holding.kind, holding.unknown_graphs
+                first,
+                holding.bytes,
+                step,
+                per_step,
+                holding.kind,
+                fix,
+                holding.unknown_graphs,
             )
         self._next_census = step + self._follow
         self._follow = min(self._follow * 2, FOLLOW_MAX)
@@ -155,13 +165,14 @@ class LeakWatch:
             if holding is None:
                 found.append(
                     Leak(
-                        holder,
-                        named.kind.value,
-                        named.bytes,
-                        0,
-                        named.per_step,
-                        named.first_step,
-                        named.graphs_not_known,
+                        holder=holder,
+                        kind=named.kind.value,
+                        bytes=named.bytes,
+                        tensors=0,
+                        per_step=named.per_step,
+                        first_step=named.first_step,
+                        graphs_not_known=named.graphs_not_known,
+                        fix=named.fix,
                     )
                 )
                 continue
@@ -177,6 +188,7 @@ class LeakWatch:
                     per_step=per_step,
                     first_step=named.first_step,
                     graphs_not_known=holding.unknown_graphs,
+                    fix=named.fix,
                 )
             )
         return found
@@ -223,8 +235,9 @@ class LeakWatch:
         return start
 
 
-def leak_alert(leak: Leak, holding: Holding, headroom: int | None) -> schema.Alert:
-    """The alert for a newly named leak: who, how much, how fast, since when, and the fix."""
+def leak_alert(leak: Leak, headroom: int | None) -> schema.Alert:
+    """The alert for a newly named leak: who, how much, how fast, since when, and the fix (the
+    leak's own `fix`, which the report reads from the `Leak`, never from this message)."""
     message = (
         f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
         f"tensor{'s' if leak.tensors != 1 else ''}"
@@ -238,9 +251,9 @@ def leak_alert(leak: Leak, holding: Holding, headroom: int | None) -> schema.Ale
     message += f" and grows {format_bytes(leak.per_step)} per step since step {leak.first_step}"
     if headroom is not None and leak.per_step > 0:
         message += f"; at this rate, out of memory in about {headroom // leak.per_step:,} steps"
-    return schema.Alert(
-        kind=AlertKind.LEAK, message=f"{message}: {usual_fix(holding)}", where=leak.holder
-    )
+    if leak.fix:
+        message += f": {leak.fix}"
+    return schema.Alert(kind=AlertKind.LEAK, message=message, where=leak.holder)
 
 
 def usual_fix(holding: Holding) -> str:
