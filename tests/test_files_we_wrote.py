@@ -50,8 +50,8 @@ from memtui_protocol.runtime_dir import (
     read_sidecar,
     write_sidecar,
 )
-from memtui_protocol.safe_open import RefusedPath, create_private
-from memtui_protocol.written import JOB_LOG_MARKER, Replace, hold_as_writer
+from memtui_protocol.safe_open import RefusedPath, Replace, create_private
+from memtui_protocol.written import JOB_LOG_MARKER, hold_as_writer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEMO = FIXTURES / "demo.memtui"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,25 @@ def test_the_protocol_loads_only_the_standard_library_and_msgspec() -> None:
     tops = {name.split(".")[0] for name in loaded - baseline}
     foreign = tops - set(sys.stdlib_module_names) - {"memtui_protocol"}
     assert not foreign, f"memtui_protocol brought in {sorted(foreign)}"
+
+
+def test_the_attach_reply_goes_through_the_opener_where_msgspec_is_missing(
+    tmp_path: Path,
+) -> None:
+    """The attach bootstrap answers through `attach.write_reply`, inside a job that may lack
+    msgspec: `safe_open`, which creates the reply, loads nothing but the standard library
+    (`written`, which needs msgspec, only when an existing file is to be replaced)."""
+    reply = tmp_path / "reply.json"
+    body = (
+        "from memtui_protocol.attach import Answer, write_reply\n"
+        f"write_reply({str(reply)!r}, Answer.REFUSED, 'the job has not imported torch')\n"
+        "import sys\n"
+        "print(sorted(n for n in sys.modules if n.startswith(('msgspec', 'memtui_protocol.'))))\n"
+    )
+    out = _run_blocked({"msgspec"}, body)
+    assert out.strip() == "['memtui_protocol.attach', 'memtui_protocol.safe_open']"
+    assert json.loads(reply.read_text())["state"] == "refused"
+    assert stat.S_IMODE(reply.stat().st_mode) == 0o600
 
 
 def test_headless_commands_run_with_textual_and_torch_unimportable(

@@ -27,9 +27,8 @@ from memtui_agent.output.socket_server import (
     SocketServer,
 )
 from memtui_protocol import schema, wire
-from memtui_protocol.safe_open import RefusedPath, create_private
+from memtui_protocol.safe_open import RefusedPath, Replace, create_private
 from memtui_protocol.schema import ExitStatus
-from memtui_protocol.written import Replace
 
 TRAIN = """
 import os, signal, sys

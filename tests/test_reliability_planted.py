@@ -15,6 +15,8 @@ tested directly, through the refusal path, and through gdb's own check.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import stat
@@ -24,11 +26,20 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import cast
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memtui.commands.attach_command import (
+    PENDING_SUFFIX,
+    attach_pending,
+    clear_pending,
+    mark_pending,
+)
 from memtui.commands.attach_inject import deliver_gdb, gdb_script, runner_lines
 from memtui.commands.attach_target import (
     REUSED,
@@ -41,11 +52,21 @@ from memtui.commands.attach_target import (
     read_pin,
     release_pin,
 )
+from memtui.commands.run_command import bootstrap_dir
+from memtui.commands.stop_record import record_stop
 from memtui.model.recording import read_recording
-from memtui_protocol.attach import Action
-from memtui_protocol.runtime_dir import ensure_private_dir
-from memtui_protocol.safe_open import RefusedPath, create_private, make_folder, write_new
-from memtui_protocol.written import Replace
+from memtui_agent.memory.descriptors import OwnedFd
+from memtui_agent.startup.autostart import PROCESS_INDEX_FILE, claim_process_index
+from memtui_protocol import notes
+from memtui_protocol.attach import Action, Answer, write_reply
+from memtui_protocol.runtime_dir import Sidecar, ensure_private_dir, runtime_dir, write_sidecar
+from memtui_protocol.safe_open import (
+    RefusedPath,
+    Replace,
+    create_private,
+    make_folder,
+    write_new,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DEMO = FIXTURES / "demo.memtui"
@@ -196,6 +217,203 @@ def test_rerun_replaces_only_our_own_file_by_name(tmp_path: Path) -> None:
     os.link(own, other_name)  # another name for the same file: it keeps the old content
     write_new(own, b"new run", Replace.OWN_FILE)  # what --force allows
     assert own.read_bytes() == b"new run" and other_name.read_bytes() == b"old run"
+
+
+# ----- S1 for every writer: each goes through the protocol's opener (issue 33) ------------------
+
+
+def _finishes(call: Callable[[], object]) -> object:
+    """What `call` returned or raised; it must return (a FIFO opened for writing blocks)."""
+    done: list[object] = []
+
+    def attempt() -> None:
+        try:
+            done.append(call())
+        except BaseException as exc:
+            done.append(exc)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(10)  # a safety net: a writer that opened the FIFO never returns
+    assert done, "the writer blocked (a FIFO opened?)"
+    return done[0]
+
+
+def _still_planted(folder: Path, name: Path, kind: str) -> None:
+    """Nothing was written through the planted thing, and it is still there as planted."""
+    _untouched(folder)
+    if kind == "another user's file":
+        assert name.read_bytes() == PRECIOUS
+    elif kind == "fifo":
+        assert stat.S_ISFIFO(os.lstat(name).st_mode)
+    elif kind == "folder":
+        assert list(name.iterdir()) == []
+
+
+def _bootstrap_note() -> Callable[[str], None]:
+    """The bootstrap `sitecustomize`'s `_note`, loaded under another name (its `_main` runs
+    only when `site` imports it as `sitecustomize`)."""
+    spec = importlib.util.spec_from_file_location(
+        "memtui_bootstrap_under_test", bootstrap_dir() / "sitecustomize.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return cast(Callable[[str], None], module._note)
+
+
+NOTE_WRITERS: dict[str, Callable[[], Callable[[str], None]]] = {
+    "protocol": lambda: notes.note,
+    "bootstrap": _bootstrap_note,
+}
+"""`memtui_protocol.notes.note` and the bootstrap's copy, which must never drift from it."""
+
+
+def test_both_note_writers_write_the_same_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written = {}
+    message = "agent unavailable\nin this interpreter " + "x" * 600
+    for writer, load in NOTE_WRITERS.items():
+        path = tmp_path / f"notes-{writer}.txt"
+        path.write_bytes(b"")
+        path.chmod(0o600)
+        monkeypatch.setenv(notes.NOTES_VARIABLE, str(path))
+        load()(message)
+        written[writer] = path.read_bytes()
+    assert written["bootstrap"] == written["protocol"] == notes.note_line(message)
+    assert written["protocol"].count(b"\n") == 1 and len(written["protocol"]) == 501
+
+
+@pytest.mark.parametrize("writer", sorted(NOTE_WRITERS))
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_the_note_writers_refuse_what_is_planted_at_the_notes_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, writer: str
+) -> None:
+    """Both writers of `MEMTUI_NOTES` lines refuse the same things: a link, a FIFO (without
+    blocking), a folder, another user's file; neither raises into the job."""
+    name = tmp_path / "notes.txt"
+    PLANTED[kind](tmp_path, name)
+    monkeypatch.setenv(notes.NOTES_VARIABLE, str(name))
+    note = NOTE_WRITERS[writer]()
+    assert _finishes(lambda: note("pid 7 trained but was not recorded: why")) is None
+    _still_planted(tmp_path, name, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_the_process_index_refuses_what_is_planted(tmp_path: Path, kind: str) -> None:
+    session = tmp_path / "session"
+    session.mkdir(mode=0o700)
+    assert [claim_process_index(str(session)) for _ in range(3)] == [0, 1, 2]
+    name = session / PROCESS_INDEX_FILE
+    name.unlink()
+    PLANTED[kind](tmp_path, name)
+    outcome = _finishes(lambda: claim_process_index(str(session)))
+    assert isinstance(outcome, RefusedPath), outcome
+    assert "\n" not in str(outcome) and str(name) in str(outcome)
+    _still_planted(tmp_path, name, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_a_reopened_recording_is_never_what_is_planted_at_its_name(
+    tmp_path: Path, kind: str
+) -> None:
+    """After a job closed the agent's descriptor, the recording is reopened by its name only if
+    the name still holds that very file: a link, even one to the recording itself, is not."""
+    name = tmp_path / "rec.memtui"
+    owned = OwnedFd(create_private(name))
+    assert owned.fd is not None
+    os.close(owned.fd)  # what a job's `os.closerange` does
+    assert owned.reopen(name) and owned.close()
+    moved = tmp_path / "moved.memtui"
+    name.rename(moved)
+    PLANTED[kind](tmp_path, name)
+    assert _finishes(lambda: owned.reopen(name)) is False
+    _still_planted(tmp_path, name, kind)
+    if name.is_dir() and not name.is_symlink():
+        name.rmdir()
+    else:
+        name.unlink()
+    name.symlink_to(moved)  # the very file, through a link: never followed
+    assert owned.reopen(name) is False and moved.read_bytes() == b""
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_a_pending_attach_mark_refuses_what_is_planted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    monkeypatch.setenv("MEMTUI_RUNTIME_DIR", str(tmp_path / "rt"))
+    pid = os.getpid()
+    mark_pending(pid)
+    assert attach_pending(pid)
+    clear_pending(pid)
+    name = runtime_dir() / f"{pid}{PENDING_SUFFIX}"
+    PLANTED[kind](tmp_path, name)
+    assert _finishes(lambda: mark_pending(pid)) is None
+    assert _finishes(lambda: attach_pending(pid)) is False
+    _still_planted(tmp_path, name, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_the_attach_reply_refuses_what_is_planted_at_its_temporary_name(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "another user's file" and os.geteuid() != 0:
+        pytest.skip("needs root to make a file of another user")
+    reply = tmp_path / "reply.json"
+    write_reply(str(reply), Answer.STARTED, "ok")
+    assert json.loads(reply.read_text())["state"] == Answer.STARTED.value
+    reply.unlink()
+
+    def planted_then_replied() -> Path:  # the temporary name holds the writing thread's id
+        name = Path(f"{reply}.{os.getpid()}.{threading.get_ident()}.tmp")
+        PLANTED[kind](tmp_path, name)
+        write_reply(str(reply), Answer.REFUSED, "no")
+        return name
+
+    name = _finishes(planted_then_replied)
+    assert isinstance(name, Path), name
+    assert not reply.exists()
+    _still_planted(tmp_path, name, kind)
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_a_sidecar_refuses_what_is_planted_at_its_temporary_name(tmp_path: Path, kind: str) -> None:
+    runtime = ensure_private_dir(tmp_path / "rt")
+    sidecar = Sidecar(pid=os.getpid(), socket=str(runtime / "1.sock"), argv=["train.py"])
+    assert write_sidecar(runtime, "1", sidecar) == runtime / "1.json"
+    name = runtime / ".2.json.tmp"
+    PLANTED[kind](tmp_path, name)
+    outcome = _finishes(lambda: write_sidecar(runtime, "2", sidecar))
+    assert isinstance(outcome, RefusedPath), outcome
+    assert not (runtime / "2.json").exists()
+    _still_planted(tmp_path, name, kind)
+
+
+@pytest.mark.parametrize("kind", ["link to a file", "another user's file"])
+def test_memtuis_stop_frame_is_never_appended_through_what_is_planted(
+    tmp_path: Path, builder: ModuleType, kind: str
+) -> None:
+    """`record_stop` appends only to a regular recording of ours: a link to a recording, or
+    another user's recording, that would otherwise take the frame is left as it is."""
+    dead = msgspec.structs.replace(builder.hello(), process_create_time=1.0)  # not this pid's
+    messages = [dead, *builder.demo_messages(with_end=False)[1:]]
+    data = builder.encode_recording(messages)
+    own = tmp_path / "own.memtui"
+    own.write_bytes(data)
+    assert record_stop(own, 143) == 1  # the control: a recording of ours takes the frame
+    name = tmp_path / "rec.memtui"
+    if kind == "link to a file":
+        (tmp_path / "precious").write_bytes(data)
+        name.symlink_to(tmp_path / "precious")
+    else:
+        name.write_bytes(data)
+        if os.geteuid() != 0:
+            pytest.skip("needs root to make a file of another user")
+        os.chown(name, STRANGER, STRANGER)
+    assert record_stop(name, 143) == 0
+    kept = tmp_path / "precious" if kind == "link to a file" else name
+    assert kept.read_bytes() == data
 
 
 # ----- S2: memtui export ------------------------------------------------------------------------

@@ -7,7 +7,6 @@ where it can be (`attach_target`), otherwise answered by the job's bootstrap.
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ from memtui_protocol.runtime_dir import (
     process_create_time,
     runtime_dir,
 )
+from memtui_protocol.safe_open import Replace, open_own, refusal, write_new
 from memtui_protocol.schema import NanCheck
 
 EXIT_REFUSED = 1
@@ -105,14 +105,7 @@ def mark_pending(pid: int) -> None:
         return
     try:
         path = ensure_private_dir() / f"{pid}{PENDING_SUFFIX}"
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        descriptor = os.open(path, flags, 0o600)
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(f"{created!r}\n")
+        write_new(path, f"{created!r}\n".encode("ascii"), Replace.OWN_FILE)
     except OSError:
         pass  # detach then refuses as before; nothing else depends on it
 
@@ -122,13 +115,10 @@ def attach_pending(pid: int) -> bool:
     path = runtime_dir() / f"{pid}{PENDING_SUFFIX}"
     try:
         check_private_dir(path.parent)
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        descriptor = open_own(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-            return False
         text = os.read(descriptor, 64).decode("ascii", "replace").strip()
     finally:
         os.close(descriptor)
@@ -165,8 +155,6 @@ def recording_path(target: Target, output: str | None) -> Path:
     """
     from memtui.commands.earlier_run import Standing, examine
     from memtui.commands.run_command import default_recording_name
-    from memtui_protocol.safe_open import refusal
-    from memtui_protocol.written import Replace
 
     path = Path(output) if output else default_recording_name(job_name(target.argv))
     path = path.absolute()

@@ -32,15 +32,15 @@ from pathlib import Path
 from memtui import errors
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.launch import launch_identity
-from memtui_protocol.safe_open import FOLDER_FLAGS, refusal, remove_written
-from memtui_protocol.written import (
-    Head,
+from memtui_protocol.safe_open import (
+    RefusedPath,
     Replace,
-    marked_log,
     open_existing,
-    recording_head,
-    still_written,
+    open_folder,
+    refusal,
+    remove_written,
 )
+from memtui_protocol.written import Head, marked_log, recording_head, still_written
 
 FORCE_HINT = "--force replaces it"
 
@@ -92,7 +92,9 @@ def examine(path: Path, kind: Replace) -> Found:
     if reason is not None:
         return Found(Standing.FOREIGN, reason)
     try:
-        folder = os.open(path.parent, FOLDER_FLAGS)
+        folder = open_folder(path.parent)
+    except RefusedPath as exc:
+        return Found(Standing.FOREIGN, str(exc))
     except OSError as exc:
         return Found(Standing.FOREIGN, f"{path.parent}: {exc.strerror or exc}")
     try:

@@ -31,6 +31,7 @@ from memtui.terminal_text import terminal_safe
 from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.metrics import TARGETS_FOLDER
+from memtui_protocol.notes import NOTES_VARIABLE
 from memtui_protocol.safe_open import folder_refusal, make_folder, refusal, session_folder_mode
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
@@ -241,8 +242,6 @@ def _session_or_file(
     return recording.absolute()
 
 
-NOTES_VARIABLE = "MEMTUI_NOTES"
-"""The bootstrap's own name for it is in `memtui_agent/startup/bootstrap/sitecustomize.py`."""
 MAX_NOTES = 5
 
 

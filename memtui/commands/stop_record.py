@@ -10,8 +10,8 @@ each recording of the job that ends without one.
 It does so only when that is honest and safe: the writer is dead (its pid gone, or reused by
 another process), the file ends on a whole frame (a torn last frame stays as it is, and the
 recording reads as killed, which it also was), and the file is the same regular file of ours
-that was read, still the same size (opened without following a link, without blocking on a
-FIFO). Anything else leaves the file untouched.
+that was read, still the same size (`safe_open.open_own`: without following a link, without
+blocking on a FIFO). Anything else leaves the file untouched.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from memtui.input.recording_file import RecordingError
 from memtui.model.recording import read_recording
 from memtui_protocol import schema, wire
 from memtui_protocol.runtime_dir import pid_alive
+from memtui_protocol.safe_open import open_own, own_file_refusal
 
 STOPPED = "stopped from memtui (SIGTERM)"
-APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def record_stop(recording: Path | None, code: int | None) -> int:
@@ -47,7 +47,7 @@ def record_stop(recording: Path | None, code: int | None) -> int:
 def _append_stop(path: Path, code: int | None) -> bool:
     try:
         before = os.lstat(path)
-        if not stat.S_ISREG(before.st_mode) or before.st_uid != os.geteuid():
+        if own_file_refusal(path, before) is not None:
             return False
         recording = read_recording(path)
     except (OSError, RecordingError):
@@ -65,7 +65,7 @@ def _append_stop(path: Path, code: int | None) -> bool:
         step=recording.steps[-1].step if recording.steps else None,
     )
     try:
-        descriptor = os.open(path, APPEND_FLAGS)
+        descriptor = open_own(path, os.O_WRONLY | os.O_APPEND)
     except OSError:
         return False
     try:
@@ -75,7 +75,7 @@ def _append_stop(path: Path, code: int | None) -> bool:
             before.st_ino,
             before.st_size,
         )
-        if not same or not stat.S_ISREG(now.st_mode):
+        if not same:
             return False
         os.write(descriptor, wire.encode(end))
     except OSError:

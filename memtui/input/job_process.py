@@ -18,8 +18,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from memtui_protocol.safe_open import create_private
-from memtui_protocol.written import JOB_LOG_MARKER, Replace, hold_as_writer
+from memtui_protocol.safe_open import Replace, create_private
+from memtui_protocol.written import JOB_LOG_MARKER, hold_as_writer
 
 MAX_LINES = 5000
 

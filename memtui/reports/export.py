@@ -21,9 +21,8 @@ from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, StepAlert, read_recording
 from memtui.model.step_rows import activations_known, known_total, pile_figure
 from memtui.terminal_text import json_safe, terminal_safe
-from memtui_protocol.safe_open import RefusedPath, refusal, write_new
+from memtui_protocol.safe_open import RefusedPath, Replace, refusal, write_new
 from memtui_protocol.schema import Pile, Piles, Step
-from memtui_protocol.written import Replace
 
 FORMATS = {"chrome-trace": ".trace.json", "csv": ".csv"}
 """Each format and the suffix of its default output file."""

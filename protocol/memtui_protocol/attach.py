@@ -2,8 +2,9 @@
 
 The viewer writes one `AttachRequest` (JSON) into a private temporary folder; the bootstrap,
 run by a pending call in the job, reads it, and the job answers in a reply file, replaced
-atomically, whose `state` is an `Answer`. This module imports only the standard library: the
-bootstrap loads it by path inside a job that may not be able to import memtui at all.
+atomically, whose `state` is an `Answer`. This module imports only the standard library and
+`safe_open` (standard library only too): the bootstrap loads it by path inside a job that may
+not be able to import memtui at all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
+
+from memtui_protocol.safe_open import write_new
 
 
 class Answer(str, Enum):
@@ -95,11 +98,8 @@ def write_reply(path: str, state: Answer, message: str = "", **extra: Any) -> No
     """
     try:
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        descriptor = os.open(temporary, flags, 0o600)
-        with os.fdopen(descriptor, "w") as handle:
-            os.fchmod(descriptor, 0o600)  # explicit: the job's umask may be anything
-            json.dump(dict(extra, state=state.value, message=message), handle)
+        document = json.dumps(dict(extra, state=state.value, message=message))
+        write_new(temporary, document.encode("utf-8"))  # 0600, never through a link
         os.replace(temporary, path)
     except Exception:
         pass

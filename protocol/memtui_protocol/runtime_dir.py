@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import msgspec
 
 from memtui_protocol.os_text import carried
+from memtui_protocol.safe_open import RefusedPath, Replace, create_in, open_folder, open_own
 
 SIDECAR_SUFFIX = ".json"
 SOCKET_SUFFIX = ".sock"
@@ -126,17 +127,12 @@ def write_sidecar(directory: Path, name: str, content: Sidecar) -> Path:
     names relative to the folder opened once (never through a link planted in its place)."""
     final = f"{name}{SIDECAR_SUFFIX}"
     temporary = f".{name}{SIDECAR_SUFFIX}.tmp"
-    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    folder = open_folder(directory)
     try:
         _check_private(directory, os.fstat(folder))
-        try:
-            os.unlink(temporary, dir_fd=folder)  # a leftover of a killed job with a reused pid
-        except FileNotFoundError:
-            pass
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        descriptor = os.open(temporary, flags, 0o600, dir_fd=folder)
+        # A leftover of a killed job with a reused pid is replaced (the folder is ours alone).
+        descriptor = create_in(folder, temporary, directory / temporary, replaces=Replace.OWN_FILE)
         with os.fdopen(descriptor, "wb") as handle:
-            os.fchmod(descriptor, 0o600)  # explicit: the job's umask may be anything
             try:
                 encoded = msgspec.json.encode(content)
             except UnicodeEncodeError:  # argv or a path with a byte that is not UTF-8
@@ -156,14 +152,13 @@ def read_sidecar(path: Path, directory: Path) -> Sidecar:
         RuntimeDirError: anything else, in one line.
     """
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        descriptor = open_own(path, os.O_RDONLY)
+    except RefusedPath as exc:
+        raise RuntimeDirError(str(exc)) from None
     except OSError as exc:
         raise RuntimeDirError(f"{path}: cannot open ({exc.strerror or exc})") from None
     try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode):
-            raise RuntimeDirError(f"{path}: not a regular file")
-        _check_private(path, info)
+        _check_private(path, os.fstat(descriptor))
         data = os.read(descriptor, MAX_SIDECAR_BYTES + 1)
     finally:
         os.close(descriptor)

@@ -1,4 +1,7 @@
-"""Create a file (a recording, its `.log`, an export) without ever writing through a planted link.
+"""Every file memtui opens that it made or will make, opened without ever following a planted link.
+
+The one opener of the project: a recording, its `.log`, an export, a sidecar, a reply file, a
+notes file, a counter are all created or reopened here, never by hand.
 
 Recordings are often written into shared folders (`/tmp`, a 1777 scratch directory), and the job
 may run as root. So no name is ever resolved first (`Path.resolve()` would follow a planted link
@@ -16,8 +19,17 @@ with one line.
 A session folder (one recording per process) must also be private: ours, and writable by nobody
 else, or anyone who can write there could plant names the job then writes.
 
+A file that must already be there (a notes file `memtui run` made, a recording the agent reopens
+after the job closed its descriptor, a counter in a session folder) is opened by `open_own`: with
+`O_NOFOLLOW|O_NONBLOCK`, then checked on the open descriptor to be a regular file of ours, so a
+link, a FIFO (which would block), a folder or another user's file planted at the name is refused
+in one line and never written.
+
 Modes are set explicitly (`fchmod`) after the create: a job that set `umask(0o777)` still gets a
-usable 0600 file. Standard library only: `memtui run`, `export` and the agent share it.
+usable 0600 file. Standard library only at import, msgspec included (`written`, which proves what
+memtui wrote, is imported only when an existing file is to be replaced): the attach bootstrap's
+reply file (`attach.py`) is written from here inside a job that may have no msgspec, and the
+runtime folder (`runtime_dir.py`), which `written` itself imports, writes its sidecars here.
 """
 
 from __future__ import annotations
@@ -25,9 +37,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from enum import Enum
 from pathlib import Path
-
-from memtui_protocol.written import Replace, open_existing, replace_refusal
 
 FLAGS = (
     os.O_WRONLY
@@ -49,6 +60,24 @@ PASSABLE_FOLDER_MODE = 0o711
 write to it; every recording in it stays 0600."""
 
 
+EXISTING_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+"""Added to every open of a name that may already be there: never through a link, never
+blocking on a FIFO (the descriptor is made blocking again once it is known to be a file)."""
+
+
+class Replace(Enum):
+    """What a create may replace at its name (anything else there is refused in one line)."""
+
+    NOTHING = "nothing"
+    """An export without `--force`: an existing name is refused, whatever it holds."""
+    OWN_FILE = "a regular file of ours"
+    """`--force`, and names in folders nobody else writes whose file memtui alone makes."""
+    RECORDING = "a memtui recording"
+    """The agent's recording: an earlier recording that no process still writes."""
+    JOB_LOG = "a log memtui wrote"
+    """`memtui run`'s `<recording>.log`: one that begins with `JOB_LOG_MARKER`, not written."""
+
+
 class RefusedPath(OSError):
     """The path is not one we may create; `str()` is the one line to show."""
 
@@ -56,8 +85,9 @@ class RefusedPath(OSError):
         return str(self.strerror)
 
 
-def _describe(path: Path, info: os.stat_result) -> str | None:
-    """Why an existing name must not be replaced (None: a regular file of ours)."""
+def own_file_refusal(path: Path | str, info: os.stat_result) -> str | None:
+    """Why the file `info` describes (an `lstat` or `fstat` of `path`) is not ours to write or
+    replace (None: a regular file of ours)."""
     if stat.S_ISLNK(info.st_mode):
         return f"{path}: is a symbolic link; refusing to follow it (remove it or choose another -o)"
     if not stat.S_ISREG(info.st_mode):
@@ -79,7 +109,7 @@ def refusal(path: Path | str) -> str | None:
         return None
     except OSError as exc:
         return f"{path}: cannot check ({exc.strerror or exc}); refusing to write there"
-    return _describe(path, info)
+    return own_file_refusal(path, info)
 
 
 def folder_refusal(
@@ -123,6 +153,79 @@ def open_folder(path: Path | str, *, private: bool = False) -> int:
     return descriptor
 
 
+def open_own(
+    name: str | os.PathLike[str],
+    flags: int,
+    *,
+    folder: int | None = None,
+    shown: str | os.PathLike[str] | None = None,
+    mode: int = MODE,
+) -> int:
+    """An existing regular file of ours at `name` (relative to the open `folder` when given),
+    opened with `flags` (`O_RDONLY`, `O_WRONLY|O_APPEND`, `O_RDWR|O_CREAT`...) plus
+    `EXISTING_FLAGS`: its descriptor, blocking again. With `O_CREAT` a missing name is created
+    with `mode` (the caller sets the mode it wants with `fchmod`: the umask applies here).
+
+    Checked on the open descriptor, so a name swapped between a check and the open cannot slip
+    through. `shown` is the path said in a refusal (default: `name`).
+
+    Raises:
+        RefusedPath: a link, a FIFO, a folder or anything not a regular file, another user's.
+        OSError: missing (without `O_CREAT`), unreadable.
+    """
+    shown = os.fspath(name if shown is None else shown)
+    try:
+        descriptor = os.open(name, flags | EXISTING_FLAGS, mode, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise RefusedPath(exc.errno, f"{shown}: is a symbolic link; refusing it") from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO nobody reads, a folder
+            raise RefusedPath(exc.errno, f"{shown}: is not a regular file; refusing it") from None
+        raise
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise RefusedPath(errno.EINVAL, f"{shown}: is not a regular file; refusing it")
+        if info.st_uid != os.geteuid():
+            raise RefusedPath(
+                errno.EPERM, f"{shown}: is owned by uid {info.st_uid}, not by you; refusing it"
+            )
+        os.set_blocking(descriptor, True)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def append_own(path: str | os.PathLike[str], data: bytes) -> None:
+    """Append `data` in one write to the existing regular file of ours at `path` (`open_own`):
+    a line in a file memtui made for it, never a file planted in its place.
+
+    Raises:
+        RefusedPath, OSError: as `open_own`, or the write failed.
+    """
+    descriptor = open_own(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(descriptor, data)
+    finally:
+        os.close(descriptor)
+
+
+def open_existing(folder: int, name: str) -> int:
+    """The file at `name` in the open `folder`, for reading its head and taking its lock,
+    never through a link, never blocking on a FIFO (read-write where we may: NFS grants an
+    exclusive lock only on a descriptor open for writing). Not checked: the caller has
+    `lstat`ed it, or judges what it holds (`written.replace_refusal`).
+
+    Raises:
+        OSError: it cannot be opened.
+    """
+    try:
+        return os.open(name, os.O_RDWR | EXISTING_FLAGS, dir_fd=folder)
+    except PermissionError:
+        return os.open(name, os.O_RDONLY | EXISTING_FLAGS, dir_fd=folder)
+
+
 def remove_in(folder: int, name: str, shown: Path | str, replaces: Replace) -> str | None:
     """Unlink `name` in the open `folder` when `replaces` allows what it holds.
 
@@ -135,9 +238,11 @@ def remove_in(folder: int, name: str, shown: Path | str, replaces: Replace) -> s
         info = os.stat(name, dir_fd=folder, follow_symlinks=False)
     except FileNotFoundError:
         return None
-    reason = _describe(shown, info)
+    reason = own_file_refusal(shown, info)
     if reason is not None:
         return reason
+    from memtui_protocol.written import replace_refusal  # needs msgspec: see the docstring
+
     try:
         descriptor = open_existing(folder, name)
     except FileNotFoundError:
@@ -283,7 +388,12 @@ def make_folder(path: Path | str, mode: int = FOLDER_MODE) -> None:
 
 
 def open_or_make_folder_in(
-    parent: int, name: str, shown: Path | str, mode: int = FOLDER_MODE
+    parent: int,
+    name: str,
+    shown: Path | str,
+    mode: int = FOLDER_MODE,
+    *,
+    private: str | None = None,
 ) -> int:
     """The folder `name` inside the open folder `parent`, made with exactly `mode` when it is
     missing: its descriptor (`O_DIRECTORY|O_NOFOLLOW`, relative to `parent`, so no name is
@@ -291,6 +401,9 @@ def open_or_make_folder_in(
 
     An export's folders (`export --format tensorboard`'s DIR and its runs): a planted link, a
     FIFO or any other non-folder, and a folder of another user, are refused in one line.
+    `private` (what the folder is, for the refusal): it must also be writable by nobody else
+    (`folder_refusal`, the rule of session folders), and it gets exactly `mode` even when it was
+    there already (the agent's Prometheus target folder).
 
     Raises:
         RefusedPath: as above.
@@ -311,7 +424,7 @@ def open_or_make_folder_in(
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
             try:
                 info = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                reason = _describe(shown, info)
+                reason = own_file_refusal(shown, info)
             except OSError:
                 reason = None
             raise RefusedPath(
@@ -320,11 +433,15 @@ def open_or_make_folder_in(
         raise
     try:
         info = os.fstat(descriptor)
-        if info.st_uid != os.geteuid():
+        if private is not None:
+            problem = folder_refusal(shown, info, private)
+            if problem is not None:
+                raise RefusedPath(errno.EPERM, problem)
+        elif info.st_uid != os.geteuid():
             raise RefusedPath(
                 errno.EPERM, f"{shown}: belongs to another user; refusing to write into it"
             )
-        if made:
+        if made or (private is not None and stat.S_IMODE(info.st_mode) != mode):
             os.fchmod(descriptor, mode)  # explicit: the umask must not decide
     except BaseException:
         os.close(descriptor)
@@ -332,7 +449,9 @@ def open_or_make_folder_in(
     return descriptor
 
 
-def open_or_make_folder(path: Path | str, mode: int = FOLDER_MODE) -> int:
+def open_or_make_folder(
+    path: Path | str, mode: int = FOLDER_MODE, *, private: str | None = None
+) -> int:
     """`open_or_make_folder_in` for a path: its parent opened as `open_folder` does (the
     user's own path up to there), then the last name relative to it.
 
@@ -342,14 +461,19 @@ def open_or_make_folder(path: Path | str, mode: int = FOLDER_MODE) -> int:
     path = Path(path)
     if path.name in ("", ".", ".."):  # "." or "/": no last name to create
         descriptor = open_folder(path)
-        if os.fstat(descriptor).st_uid != os.geteuid():
+        info = os.fstat(descriptor)
+        if private is not None:
+            problem = folder_refusal(path, info, private)
+        elif info.st_uid != os.geteuid():
+            problem = f"{path}: belongs to another user; refusing to write into it"
+        else:
+            problem = None
+        if problem is not None:
             os.close(descriptor)
-            raise RefusedPath(
-                errno.EPERM, f"{path}: belongs to another user; refusing to write into it"
-            )
+            raise RefusedPath(errno.EPERM, problem)
         return descriptor
     parent = open_folder(path.parent)
     try:
-        return open_or_make_folder_in(parent, path.name, path, mode)
+        return open_or_make_folder_in(parent, path.name, path, mode, private=private)
     finally:
         os.close(parent)

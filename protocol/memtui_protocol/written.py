@@ -26,31 +26,17 @@ import os
 import stat
 import zlib
 from dataclasses import dataclass
-from enum import Enum
 
 import msgspec
 
 from memtui_protocol import schema
 from memtui_protocol.os_text import os_text
 from memtui_protocol.runtime_dir import pid_alive
+from memtui_protocol.safe_open import Replace
 from memtui_protocol.wire import FRAME_HEADER, MAGIC, MAX_FRAME_BYTES, PREAMBLE
 
 JOB_LOG_MARKER = b"# memtui: job output"
 """How `<recording>.log` begins: the first line memtui writes, before the job's output."""
-EXISTING_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-
-
-class Replace(Enum):
-    """What a create may replace at its name (anything else there is refused in one line)."""
-
-    NOTHING = "nothing"
-    """An export without `--force`: an existing name is refused, whatever it holds."""
-    OWN_FILE = "a regular file of ours"
-    """`--force`, and names in folders nobody else writes whose file memtui alone makes."""
-    RECORDING = "a memtui recording"
-    """The agent's recording: an earlier recording that no process still writes."""
-    JOB_LOG = "a log memtui wrote"
-    """`memtui run`'s `<recording>.log`: one that begins with `JOB_LOG_MARKER`, not written."""
 
 
 @dataclass(frozen=True)
@@ -117,20 +103,6 @@ def writer_alive(hello: schema.Hello) -> bool:
     the hello says) still runs."""
     here = os_text(os.uname().nodename)  # as the agent wrote it
     return hello.hostname == here and pid_alive(hello.pid, hello.process_create_time)
-
-
-def open_existing(folder: int, name: str) -> int:
-    """The file at `name` in the open `folder`, for reading its head and taking its lock,
-    never through a link, never blocking on a FIFO (read-write where we may: NFS grants an
-    exclusive lock only on a descriptor open for writing).
-
-    Raises:
-        OSError: it cannot be opened.
-    """
-    try:
-        return os.open(name, os.O_RDWR | EXISTING_FLAGS, dir_fd=folder)
-    except PermissionError:
-        return os.open(name, os.O_RDONLY | EXISTING_FLAGS, dir_fd=folder)
 
 
 def replace_refusal(descriptor: int, shown: str, replaces: Replace) -> str | None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 
+from memtui_protocol.safe_open import open_own
 from memtui_protocol.written import hold_as_writer
 
 Identity = tuple[int, int]
@@ -64,22 +64,17 @@ class OwnedFd:
         return True
 
     def reopen(self, path: str | os.PathLike[str]) -> bool:
-        """After the job closed our number: open `path` again for appending, kept only if it
-        is the very file opened first (same identity; never a file put at that name since)."""
-        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        """After the job closed our number: open `path` again for appending (a regular file of
+        ours, `safe_open.open_own`), kept only if it is the very file opened first (same
+        identity; never a file put at that name since)."""
         try:
-            descriptor = os.open(path, flags)
+            descriptor = open_own(path, os.O_WRONLY | os.O_APPEND)
         except OSError:
             return False
         found = identity_of(descriptor)
-        try:
-            regular = stat.S_ISREG(os.fstat(descriptor).st_mode)
-        except OSError:
-            regular = False
-        if found is None or found != self.identity or not regular:
+        if found is None or found != self.identity:
             os.close(descriptor)
             return False
-        os.set_blocking(descriptor, True)
         hold_as_writer(descriptor)  # the job's close of our number dropped the writer's lock
         self.fd = descriptor
         return True

@@ -56,8 +56,7 @@ class GpuEvents:
 
         import torch
 
-        from memtui_protocol.safe_open import create_private
-        from memtui_protocol.written import Replace
+        from memtui_protocol.safe_open import Replace, create_private
 
         snapshot = torch.cuda.memory._snapshot()
         # A snapshot is torch's pickle, with nothing of memtui's in it to prove who wrote it:

@@ -29,8 +29,8 @@ from memtui_agent.output.socket_server import SocketServer
 from memtui_agent.steps.frame import ClosedStep, build_step
 from memtui_agent.steps.late_values import LateValues, read_values
 from memtui_protocol import schema, wire
-from memtui_protocol.safe_open import create_private
-from memtui_protocol.written import Replace, hold_as_writer
+from memtui_protocol.safe_open import Replace, create_private
+from memtui_protocol.written import hold_as_writer
 
 QUEUE_LIMIT = 10_000
 TICK_SECONDS = 1.0

@@ -29,18 +29,15 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 from pathlib import Path
 
 from memtui_protocol.safe_open import (
-    FOLDER_FLAGS,
     RefusedPath,
+    Replace,
     create_in,
-    folder_refusal,
-    open_folder,
+    open_or_make_folder,
     refusal,
 )
-from memtui_protocol.written import Replace
 
 TARGET_MODE = 0o644
 TARGETS_FOLDER_MODE = 0o755
@@ -71,34 +68,7 @@ def open_targets_folder(folder: Path) -> int:
         RefusedPath: a link, not a folder, another user's folder, or one others may write.
         OSError: it cannot be made or opened.
     """
-    parent = open_folder(folder.parent)
-    try:
-        made = True
-        try:
-            os.mkdir(folder.name, TARGETS_FOLDER_MODE, dir_fd=parent)
-        except FileExistsError:
-            made = False
-        try:
-            descriptor = os.open(folder.name, FOLDER_FLAGS, dir_fd=parent)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise RefusedPath(
-                    exc.errno, f"{folder}: is not a folder (a link?); refusing to write there"
-                ) from None
-            raise
-    finally:
-        os.close(parent)
-    try:
-        info = os.fstat(descriptor)
-        problem = folder_refusal(folder, info, "the Prometheus target folder")
-        if problem is not None:
-            raise RefusedPath(errno.EPERM, problem)
-        if made or stat.S_IMODE(info.st_mode) != TARGETS_FOLDER_MODE:
-            os.fchmod(descriptor, TARGETS_FOLDER_MODE)  # whatever the umask took away
-    except BaseException:
-        os.close(descriptor)
-        raise
-    return descriptor
+    return open_or_make_folder(folder, TARGETS_FOLDER_MODE, private="the Prometheus target folder")
 
 
 def write_target(path: Path, address: str, labels: dict[str, str]) -> ScrapeTarget:

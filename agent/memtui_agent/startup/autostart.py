@@ -18,7 +18,6 @@ agent at the end of its first optimizer step and records as `proc-N`.
 from __future__ import annotations
 
 import atexit
-import errno
 import importlib.abc
 import importlib.util
 import os
@@ -29,12 +28,7 @@ from typing import Any, NoReturn, cast
 
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.launch import launch_identity
-from memtui_protocol.safe_open import (
-    RefusedPath,
-    make_folder,
-    open_folder,
-    session_folder_mode,
-)
+from memtui_protocol.safe_open import make_folder, open_folder, open_own, session_folder_mode
 from memtui_protocol.shown_text import terminal_safe
 
 OWNER_VARIABLE = "MEMTUI_AGENT_OWNER"
@@ -177,7 +171,6 @@ def _is_folder(path: str) -> bool:
 
 
 PROCESS_INDEX_FILE = ".process-index"
-INDEX_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def claim_process_index(folder: str) -> int:
@@ -187,7 +180,8 @@ def claim_process_index(folder: str) -> int:
     exclusive `flock`, so siblings starting at the same moment never get the same index; an
     index is never reused, not even after its process ended (a pid would be, by the system).
     The folder must be private (ours, writable by nobody else) and the counter a regular file
-    of ours, opened relative to the folder without following a link or blocking on a FIFO.
+    of ours, opened relative to the folder without following a link or blocking on a FIFO
+    (`safe_open.open_own`).
 
     Raises:
         RefusedPath: the folder or the counter is not one we may write (one line).
@@ -196,23 +190,15 @@ def claim_process_index(folder: str) -> int:
 
     directory = open_folder(folder, private=True)
     try:
-        try:
-            descriptor = os.open(PROCESS_INDEX_FILE, INDEX_FLAGS, 0o600, dir_fd=directory)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise RefusedPath(
-                    exc.errno, f"{folder}/{PROCESS_INDEX_FILE}: is a symbolic link; refusing it"
-                ) from None
-            raise
+        descriptor = open_own(
+            PROCESS_INDEX_FILE,
+            os.O_RDWR | os.O_CREAT,
+            folder=directory,
+            shown=os.path.join(folder, PROCESS_INDEX_FILE),
+        )
     finally:
         os.close(directory)
     try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            raise RefusedPath(
-                errno.EPERM, f"{folder}/{PROCESS_INDEX_FILE}: not a regular file of yours"
-            )
-        os.set_blocking(descriptor, True)
         os.fchmod(descriptor, 0o600)
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         text = os.pread(descriptor, 32, 0).decode("ascii", "replace").strip()

@@ -11,7 +11,8 @@ which costs nothing until an optimizer step ends in that process. Then the agent
 process's next forward, recording into the session folder as `proc-N` (beside a single
 recording, into `<recording>-ranks/`), and its first frame says which steps ran before it. A
 process that trained but could not be recorded is named, once, in the notes `memtui run` prints
-at the end ("pid N trained but was not recorded: why"), or on its stderr without `memtui run`.
+at the end ("pid N trained but was not recorded: why"), or on its stderr without `memtui run`
+(`memtui_protocol.notes`).
 
 Known limits: a child that trains without an optimizer is not noticed (only optimizer steps are); a
 child's first step is not recorded (the agent starts at the end of it).
@@ -24,12 +25,9 @@ import sys
 from typing import Any
 
 from memtui_protocol.config import AgentConfig
+from memtui_protocol.notes import note
 from memtui_protocol.safe_open import make_folder, session_folder_mode
-from memtui_protocol.shown_text import terminal_safe
 
-NOTES_VARIABLE = "MEMTUI_NOTES"
-"""The file `memtui run` names for what its processes could not say themselves (the bootstrap
-`sitecustomize` writes the same file)."""
 FORKED = "a forked child"
 
 
@@ -52,7 +50,7 @@ def follow_when_training(
         [],
         start=lambda: _start(config, install_exit_handlers),
         started=lambda agent: None,
-        failed=lambda why: name_unrecorded(f"pid {pid} trained but was not recorded: {why}"),
+        failed=lambda why: note(f"pid {pid} trained but was not recorded: {why}"),
         describe=lambda steps_before: joined_message(steps_before, pid, origin),
     )
     watch.arm(by_optimizer=True)
@@ -125,28 +123,6 @@ def _stop_as_child_ends() -> None:
         api.stop(exit_code=exit_code_of(error), error=error)
     else:
         api.stop(exit_code=1, error=error)
-
-
-def name_unrecorded(message: str) -> None:
-    """Say once that a process trained unrecorded: in `memtui run`'s notes, else on stderr.
-
-    The bootstrap's `_note` says its lines the same way; it cannot share this one, since it
-    runs in interpreters where memtui is not installed."""
-    path = os.environ.get(NOTES_VARIABLE)
-    try:
-        if not path:
-            print(f"memtui: {terminal_safe(message)}", file=sys.stderr)
-            return
-        line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
-        # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.
-        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        descriptor = os.open(path, flags)
-        try:
-            os.write(descriptor, line.encode("utf-8", "replace"))
-        finally:
-            os.close(descriptor)
-    except Exception:
-        pass
 
 
 def after_fork(parent: Any) -> None:

@@ -24,6 +24,9 @@ import sys
 import types
 
 NOTES_VARIABLE = "MEMTUI_NOTES"
+"""`memtui_protocol.notes.NOTES_VARIABLE`, spelled again: see `_note`."""
+MAX_NOTE_CHARS = 500
+"""`memtui_protocol.notes.MAX_NOTE_CHARS`."""
 
 
 def _shown(text: str) -> str:
@@ -35,14 +38,18 @@ def _shown(text: str) -> str:
 
 
 def _note(message: str) -> None:
-    """Tell `memtui run` (one line in its notes file), or stderr where no run asked."""
+    """Tell `memtui run` (one line in its notes file), or stderr where no run asked.
+
+    A copy of `memtui_protocol.notes.note`, which this interpreter may not be able to import
+    (the note is often that it cannot): the same line, and the same opener's rules
+    (`safe_open.open_own`: never through a link, never blocking on a FIFO, only a regular file
+    of ours). `tests/test_reliability_planted.py` holds both to the same lines and refusals."""
     path = os.environ.get(NOTES_VARIABLE)
     try:
         if not path:
             print(f"memtui: {_shown(message)}", file=sys.stderr)
             return
-        line = f"{sys.executable}: {message}".replace("\n", " ")[:500] + "\n"
-        # The file memtui made (mkstemp): never a link planted there, never a FIFO that blocks.
+        line = f"{sys.executable}: {message}".replace("\n", " ")[:MAX_NOTE_CHARS] + "\n"
         flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         descriptor = os.open(path, flags)
         try:
@@ -130,4 +137,5 @@ def _main() -> types.ModuleType:
     return user_module
 
 
-_main()
+if __name__ == "sitecustomize":  # imported by `site`; a test loads it under another name
+    _main()
