@@ -220,7 +220,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def check_contract(report: dict[str, Any]) -> None:
-    """Every key and type of the `memtui report --json` contract in DESIGN.md."""
+    """Every key and type of the `memtui report --json` contract (docs/report-format.md)."""
     assert report["format"] == "memtui-report"
     assert report["version"] == 1
     job = report["job"]

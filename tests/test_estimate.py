@@ -1,7 +1,9 @@
-"""`memtui estimate`: the seeds' figures to the byte, the CLI contract, and `--model` counting.
+"""`memtui estimate`: the ledger's figures to the byte, the CLI contract, and `--model` counting.
 
-The seed figures are the acceptance numbers (DESIGN.md, `memtui estimate --json`), so each one is
-checked through the pure function and the important ones again through the real command line.
+The bytes-per-parameter ledger's figures (docs/numbers.md#the-bytes-per-parameter-ledger) are
+the acceptance numbers of `memtui estimate --json` (docs/report-format.md#memtui-estimate---json),
+so each one is checked through the pure function and the important ones again through the real
+command line.
 `--model` must count without allocating and without torch entering the viewer process.
 """
 
@@ -179,7 +181,7 @@ def test_cli_scheme_choices_match_the_ledger() -> None:
 
 
 def test_cli_json_is_exactly_the_contract() -> None:
-    """The piles and their total, plus the inputs (DESIGN.md: "plus the inputs")."""
+    """The piles and their total, plus the inputs (docs/report-format.md: "then the inputs")."""
     result = _memtui("--params", "1B", "--gpus", "8", "--zero", "2", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {

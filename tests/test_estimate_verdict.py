@@ -107,7 +107,7 @@ def test_a_tight_batch_has_a_smaller_one_that_fits() -> None:
 
 
 def test_the_first_steps_peak_counts_when_it_is_higher() -> None:
-    """The seeds: a model that fits during the forward can fail at the first Adam step."""
+    """docs/health.md: a model that fits during the forward can fail at the first Adam step."""
     result = _result(100 * GB, first_peak=72 * GB)  # first step: 10 + 10 + 72 = 92 GB
     verdict = result["verdict"]
     assert verdict["peak_step"] == "first"

@@ -1,5 +1,5 @@
-"""Jobs written as users write them, run under `memtui run` as users run it (DESIGN.md, "Steps"
-and "Leaks").
+"""Jobs written as users write them, run under `memtui run` as users run it (docs/design.md#steps
+and #leaks).
 
 Each job in `tests/fixtures/growing/` is run in the default mode and with `--activations every`
 (every saved tensor counted). In the default mode no step may state an activations figure (max

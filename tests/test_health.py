@@ -249,7 +249,7 @@ def test_grad_scaler_skip_with_scales_and_clip_order_warning(
     assert [step["skipped"] for step in steps] == [False, True, False]
     assert [step["scale"] for step in steps] == [1024.0, 1024.0, 512.0]
     kinds = [alert["kind"] for alert in _alerts(report, 1)]
-    assert "clip_before_unscale" in kinds  # clipping scaled gradients, the seeds' wrong order
+    assert "clip_before_unscale" in kinds  # clipping scaled gradients: the wrong order
     skipped = _alerts(report, 2)
     assert [alert["kind"] for alert in skipped] == ["skipped_step"]
     assert "1024 -> 512" in skipped[0]["message"]

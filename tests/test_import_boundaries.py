@@ -1,4 +1,4 @@
-"""The contracts between the halves, proven in fresh interpreters (DESIGN.md, "The shape").
+"""The contracts between the halves, proven in fresh interpreters (docs/design.md#the-shape).
 
 `memtui` (CLI, recording reader, report) must work where torch is not installed, and the agent
 runs inside training jobs that must never pay for Textual. A bare `agent` package would shadow

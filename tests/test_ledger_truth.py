@@ -229,7 +229,8 @@ BF16 = 2
 
 
 def test_adamw_single_parameter_matches_seed_figures(tmp_path: Path, jobs: Jobs) -> None:
-    """AdamW on 100 fp32 values holds two 400 B moments and a 4 B step tensor (DESIGN.md)."""
+    """AdamW on 100 fp32 values holds two 400 B moments and a 4 B step tensor
+    (docs/design.md#measured-facts-to-build-on)."""
     result = jobs.one(
         tmp_path,
         """
@@ -620,8 +621,8 @@ def test_tensor_subclass_does_not_switch_off_activation_tracking(
     agent, truth = results["agent"], results["truth"]
     assert agent.agent_errors == []
     assert agent.end is not None and agent.end.status == "ok"
-    # The prelude's backward ran before any optimizer existed: it is a step of its own (DESIGN.md,
-    # "Steps"); the MLP's optimizer step is the next.
+    # The prelude's backward ran before any optimizer existed: it is a step of its own
+    # (docs/design.md#steps); the MLP's optimizer step is the next.
     closed_by = [step.closed_by for step in agent.steps]
     assert closed_by == [schema.StepTrigger.BACKWARD, schema.StepTrigger.OPTIMIZER]
     step = agent.steps[-1]

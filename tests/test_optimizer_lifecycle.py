@@ -1,4 +1,4 @@
-"""DESIGN.md "Steps" over the optimizer's life cycle: every top-level step() of any optimizer
+"""docs/design.md#steps over the optimizer's life cycle: every top-level step() of any optimizer
 closes a frame that names it, nested steps belong to the outer one, a job without an optimizer
 steps at each backward, and nothing the job drops is kept alive by the agent.
 

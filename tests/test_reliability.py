@@ -396,8 +396,8 @@ def test_checkpointed_blocks_raise_the_limit_alert_and_count_state_exactly(
     batch: dict[str, Finished],
 ) -> None:
     """Inside `checkpoint(use_reentrant=False)` the checkpoint's hooks shadow the agent's
-    (DESIGN.md): the user is told once (`checkpoint_limit`), the persistent piles stay exact
-    and no activation is left counted after a step."""
+    (docs/design.md#measured-facts-to-build-on): the user is told once (`checkpoint_limit`), the
+    persistent piles stay exact and no activation is left counted after a step."""
     job = batch["checkpointed"]
     assert job.code == 0, job.stderr
     recording = job.recording()

@@ -198,7 +198,7 @@ def test_state_text_replay(demo_messages: list[schema.Message]) -> None:
 
 
 def test_state_text_replay_of_a_recording_without_end(live_messages: list[schema.Message]) -> None:
-    """DESIGN: a recording without its final frame reports `killed`."""
+    """docs/report-format.md: a recording without its final frame reports `killed`."""
     session = ingested(live_messages)
     assert session.state_text() == "replay · killed, no final frame"
 

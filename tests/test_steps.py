@@ -1,4 +1,4 @@
-"""The step definition of DESIGN.md: optimizer closes, GradScaler skips, ticks without steps."""
+"""The step definition (docs/design.md#steps): optimizer closes, GradScaler skips, ticks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sizes in and out: GB is 10**9, GiB is 2**30, and the seeds' 16 GB is 14.90 GiB."""
+"""Sizes in and out: GB is 10**9, GiB is 2**30, and 16 GB is 14.90 GiB."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def how_it_ended(
     The agent's last word wins: its `End.status`. Without one, memtui may know more than the
     stream: it stopped the job itself (`stopped`: quit from the TUI, SIGTERM), or the caller saw
     the process still alive (`running`: a recording still being written); otherwise the process
-    died without a final frame, which is what DESIGN.md calls killed, unless the agent
+    died without a final frame, which docs/report-format.md calls killed, unless the agent
     recorded that its recording stopped early (`unrecorded`: why, a full disk): then how the
     job ended is not known, and the stream says why.
     """

@@ -1,10 +1,10 @@
 """`memtui estimate`: the resident training state a model needs before its first step.
 
-Pure arithmetic over the seeds' ledger, so a user can see whether a job fits before renting the
-GPUs, in the same piles `memtui run` later measures. Activations, temporaries, communication
-buffers and fragmentation depend on batch, kernels and allocator; guessing them would make the
-exact part look unreliable too, so they are named as excluded instead. Standard library only
-(`memtui_protocol.units` is too): the viewer never imports torch.
+Pure arithmetic over the bytes-per-parameter ledger (docs/numbers.md), so a user can see whether a
+job fits before renting the GPUs, in the same piles `memtui run` later measures. Activations,
+temporaries, communication buffers and fragmentation depend on batch, kernels and allocator;
+guessing them would make the exact part look unreliable too, so they are named as excluded instead.
+Standard library only (`memtui_protocol.units` is too): the viewer never imports torch.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ MAX_GPUS = 2**20
 def parse_count(text: str) -> int:
     """`"1.5B"` -> 1_500_000_000; also `7B`, `10M`, `350k`, `1_000_000`.
 
-    Decimal, not float, so `1.01B` is exactly 1_010_000_000 and the seeds come out to the byte.
+    Decimal, not float, so `1.01B` is exactly 1_010_000_000 and the ledger's figures come out to
+    the byte.
 
     Raises:
         ValueError: one sentence naming the accepted forms.

@@ -1,7 +1,7 @@
 """Parameter counts of a user's model for `memtui estimate --model module:callable`.
 
 The count needs torch and the user's code, neither of which may enter the viewer process
-(DESIGN.md, "The shape"), so it runs in a child: `python -m memtui_agent.estimate.count_params`,
+(docs/design.md#the-shape), so it runs in a child: `python -m memtui_agent.estimate.count_params`,
 which builds the model on the meta device and prints one JSON line. Kept apart from
 `memtui.reports.estimate` so that module stays pure arithmetic.
 """

@@ -1,11 +1,12 @@
 """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors.
 
-The viewer never imports torch (DESIGN.md, "The shape"), so the step runs in a child,
-`python -m memtui_agent.estimate.fake_step`, which trains the model two steps on fake tensors under
-the agent's own hooks and ledger and prints what the ledger saw. This module turns that into the
-answer people ask for: the piles per GPU (sharded as the seeds' ledger shards them, through
-`memtui.reports.estimate`), the activations' high, the first and the steady-state peak, the heaviest
-modules, and given the device's memory a verdict and what would make it fit.
+The viewer never imports torch (docs/design.md#the-shape), so the step runs in a child,
+`python -m memtui_agent.estimate.fake_step`, which trains the model two steps on fake tensors
+under the agent's own hooks and ledger and prints what the ledger saw. This module turns that
+into the answer people ask for: the piles per GPU (sharded as the bytes-per-parameter ledger
+shards them, through `memtui.reports.estimate`), the activations' high, the first and the
+steady-state peak, the heaviest modules, and given the device's memory a verdict and what would
+make it fit.
 
 The verdict keeps a reserve free: the tracked piles are not all a GPU holds (the CUDA context,
 cuBLAS/cuDNN workspaces, temporaries between saved tensors, the caching allocator's rounding and
@@ -163,7 +164,7 @@ def build_result(
     sharding: Sharding,
     device_memory: int | None,
 ) -> dict[str, Any]:
-    """The `memtui estimate --json` object for `--batch` (DESIGN.md): piles, peaks, inputs,
+    """The `memtui estimate --json` object for `--batch` (docs/estimate.md): piles, peaks, inputs,
     verdict and what would make it fit."""
     by_variant = {run["variant"]: run for run in runs}
     base = by_variant[Variant.AS_GIVEN.value]

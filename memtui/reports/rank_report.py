@@ -1,8 +1,9 @@
 """Reports over a session folder: one recording per rank (`memtui run -o DIR -- torchrun ...`).
 
 `memtui report DIR --json` prints `{"ranks": {"0": <report>, ...}}`, each a report as in
-DESIGN.md; the text form adds a per-rank table and the imbalance (max/min per pile across ranks),
-which is where a rank that holds more (a bigger shard, an unbalanced pipeline stage) shows up.
+docs/report-format.md; the text form adds a per-rank table and the imbalance (max/min per pile
+across ranks), which is where a rank that holds more (a bigger shard, an unbalanced pipeline
+stage) shows up.
 """
 
 from __future__ import annotations

@@ -257,7 +257,7 @@ def step_rule(steps: list[Step]) -> str | None:
 
 def peak_phases(recording: Recording) -> PeakPhases:
     """The first update's peak kept apart from the steady state's (warm-up hides one-time
-    allocations such as the optimizer's moments, the seeds warn). Steps whose activations are
+    allocations such as the optimizer's moments, docs/health.md). Steps whose activations are
     not known have no total to compare: a phase of only those has no peak (None)."""
     steps = recording.steps
     if not steps:

@@ -82,7 +82,7 @@ class ModuleEntry(msgspec.Struct):
 
 
 class LeakEntry(msgspec.Struct):
-    """What one holder keeps alive (DESIGN.md, "Leaks"). `kind` is a `LeakKind` value (or a
+    """What one holder keeps alive (docs/design.md#leaks). `kind` is a `LeakKind` value (or a
     newer agent's kind, kept as written)."""
 
     holder: str

@@ -45,7 +45,7 @@ class TextEnum(str, Enum):
 
 
 class Pile(TextEnum):
-    """The tracked memory piles (DESIGN.md, "Memory piles: definitions"), in display order.
+    """The tracked memory piles (docs/design.md#memory-piles), in display order.
 
     `other` is derived from the allocator, never tracked, so it is not one of them.
     """
@@ -100,7 +100,7 @@ class AlertKind(TextEnum):
 
 
 class LeakKind(TextEnum):
-    """What a leaking holder keeps alive (DESIGN.md, "Leaks")."""
+    """What a leaking holder keeps alive (docs/design.md#leaks)."""
 
     RETAINED_GRAPH = "retained_graph"
     """Tensors whose autograd graph still holds its saved tensors (never backpropagated)."""
@@ -172,7 +172,7 @@ class Phase(str, Enum):
 
 
 class StepTrigger(str, Enum):
-    """What closed a step (DESIGN.md, "Steps")."""
+    """What closed a step (docs/design.md#steps)."""
 
     OPTIMIZER = "optimizer"
     """A top-level `optimizer.step()` returned, or a GradScaler skipped that optimizer."""
@@ -246,7 +246,8 @@ class Host(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Something the user should act on. `kind` is one of DESIGN.md's alert kinds.
+    """Something the user should act on. `kind` is one of the alert kinds of
+    docs/report-format.md#alert-kinds.
 
     `group` is the step of an earlier alert this one follows from (e.g. every step after the
     weights turned non-finite), so viewers can fold it under that first alert.
@@ -359,7 +360,7 @@ class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What one holder keeps alive and how fast it grows (DESIGN.md, "Leaks").
+    """What one holder keeps alive and how fast it grows (docs/design.md#leaks).
 
     Sent in the frame of each step whose close took a census (`Step.leaks`); the latest entry
     per holder is the report's `leaks`.

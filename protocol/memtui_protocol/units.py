@@ -2,9 +2,9 @@
 
 Accepted: `24GB`, `22.4GiB`, `512MiB`, plain bytes.
 
-The seeds insist on the difference: a GB is 10**9 bytes, a GiB is 2**30, and "16 GB is about
-14.90 GiB" is not a saving. Parsing honours the suffix exactly; formatting uses one system per
-view (binary by default), never both.
+The difference matters (docs/numbers.md#units-gb-and-gib): a GB is 10**9 bytes, a GiB is 2**30, and
+"16 GB is about 14.90 GiB" is not a saving. Parsing honours the suffix exactly; formatting uses one
+system per view (binary by default), never both.
 """
 
 from __future__ import annotations

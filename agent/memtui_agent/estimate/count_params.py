@@ -3,7 +3,7 @@
 `python -m memtui_agent.estimate.count_params M:F` prints them as one JSON line.
 
 `memtui estimate --model module:callable` runs this in a child process because the viewer never
-imports torch (DESIGN.md, "The shape"), and because a user's module may do anything on import.
+imports torch (docs/design.md#the-shape), and because a user's module may do anything on import.
 The callable runs under `torch.device("meta")`, so a 70B model is built in a second with no
 memory: meta tensors have shapes and dtypes but no storage.
 

@@ -1,6 +1,6 @@
 """DDP's gradient buckets and FSDP2's gathered parameters, measured from the hooks.
 
-Neither is one of the four piles (DESIGN.md, "Memory piles"), and both are memory the job holds:
+Neither is one of the four piles (docs/design.md#memory-piles), and both are memory the job holds:
 DDP keeps its gradient buckets (`job.distributed.DdpBuckets`), FSDP2 all-gathers a module's
 parameters for its forward and backward and frees them after (`FsdpGathered`). FSDP's gathered
 parameters are sampled as its modules' forwards return and as saved tensors are unpacked in

@@ -7,7 +7,7 @@ decide what that means:
   the skip (`Skips`); `scale` and `unscale_` tell the window which loss was scaled and whether the
   gradients were unscaled, `update` releases a held skip with the scale after it.
 - `clip_grad_norm_`/`clip_grad_value_`: a warning when gradients are clipped while still scaled
-  (the seeds' wrong order).
+  (the wrong order: unscale first, then clip; docs/health.md).
 - `torch.utils.checkpoint.checkpoint`: said once per variant, since checkpointed regions hide
   their activations from the saved-tensor hooks.
 - `torch.nn.modules.module._has_any_global_hook`: memtui's own global module hooks left out, so

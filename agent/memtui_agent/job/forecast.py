@@ -1,8 +1,9 @@
 """Forecast the optimizer state the first `step()` will allocate, before it does.
 
-The seeds' failure mode: the forward fits, then `optimizer.step()` dies of out-of-memory because
-it allocates the moments for the first time. Optimizers create state lazily, per parameter that
-has a gradient, with tensors shaped like the parameter in its dtype, plus a float32 step counter.
+The failure mode this forecasts (docs/health.md): the forward fits, then `optimizer.step()` dies
+of out-of-memory because it allocates the moments for the first time. Optimizers create state
+lazily, per parameter that has a gradient, with tensors shaped like the parameter in its dtype,
+plus a float32 step counter.
 The table below is the per-parameter layout of torch.optim's state (checked against torch 2.13);
 an optimizer it does not know gets no forecast rather than a guess.
 """

@@ -1,6 +1,6 @@
 """Every optimizer the job steps, held weakly, with its name, step count and first-step facts.
 
-DESIGN.md, "Steps": each top-level `step()` of any optimizer closes a frame that names it
+docs/design.md#steps: each top-level `step()` of any optimizer closes a frame that names it
 (`AdamW#1`: class, index in order of first top-level step). A `step()` that runs inside another
 optimizer's `step()` (ZeroRedundancyOptimizer's inner optimizer, wrappers) belongs to the outer
 one. Nothing here keeps an optimizer alive: records are keyed weakly by identity, and the outer

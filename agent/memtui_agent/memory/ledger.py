@@ -2,7 +2,7 @@
 
 Every tensor the hooks see is reduced to its storages, keyed by `(device index, data_ptr)`, and
 each storage is counted once with `nbytes()`, so tied weights, views and flat buffers never count
-twice (DESIGN.md, "Memory piles"). A storage can belong to several piles at once (a weight packed
+twice (docs/design.md#memory-piles). A storage can belong to several piles at once (a weight packed
 by autograd as `weight.t()`); it is counted in the first of weights, gradients, optimizer state,
 activations that claims it.
 

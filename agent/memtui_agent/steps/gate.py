@@ -227,7 +227,7 @@ class ActivationGate:
         self.held.retaining = False
 
     def _must_measure(self) -> bool:
-        """Reasons to measure the open step whatever its signature (DESIGN.md, issue 15)."""
+        """Reasons to measure the open step whatever its signature (docs/design.md#steps)."""
         # FSDP's gathered parameters and NaN probes need the module hooks.
         return self.fsdp or self.probing or self._budget.near()
 

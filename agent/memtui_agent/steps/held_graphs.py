@@ -4,7 +4,7 @@ A graph that outlives its step (a validation loss accumulated without `torch.no_
 list of non-detached outputs that never ran backward, a GAN critic graph built in one step and
 backpropagated in the next) keeps its saved tensors alive. Such activations are real memory at
 the close, and a step that holds them is not a repeat of one that did not: "held across steps
-is never carried" (DESIGN.md, "Steps").
+is never carried" (docs/design.md#steps).
 
 The signal must be exact and cost nothing on healthy steps, and it must see graphs built while
 the saved-tensor hooks were off. So each root call's output nodes get one small marker, as a

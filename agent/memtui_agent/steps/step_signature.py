@@ -1,7 +1,7 @@
 """What a step did, read from counters at its backward passes and its close: a carry's proof.
 
 A step whose activations are carried from a measured one must be shown, at its own close, to
-have done what that step did (DESIGN.md, "Steps"). Counters that say it without any per-tensor
+have done what that step did (docs/design.md#steps). Counters that say it without any per-tensor
 hook:
 
 - autograd's own sequence number, which every graph node created on a thread takes the next

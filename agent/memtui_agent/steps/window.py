@@ -1,6 +1,6 @@
 """A step's life: where it opens, what happens in it, and the three ways it closes.
 
-DESIGN.md, "Steps". A step opens when the agent starts and again at every close (`_open`). While
+docs/design.md#steps. A step opens when the agent starts and again at every close (`_open`). While
 it is open, the hooks and wrappers report to it: each top-level backward is a microbatch and
 brings its loss, GradScaler says which scale the backward used and whether the gradients were
 unscaled, and alerts raised on the way wait for the step's frame. It closes in one of three ways:
