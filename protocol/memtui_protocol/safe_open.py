@@ -1,7 +1,8 @@
 """Every file memtui opens that it made or will make, opened without ever following a planted link.
 
 The one opener of the project: a recording, its `.log`, an export, a sidecar, a reply file, a
-notes file, a counter are all created or reopened here, never by hand.
+notes file, a counter are all created or reopened here, never by hand (the bootstrap
+`sitecustomize` alone keeps a copy of the notes writer: `notes.py` says why).
 
 Recordings are often written into shared folders (`/tmp`, a 1777 scratch directory), and the job
 may run as root. So no name is ever resolved first (`Path.resolve()` would follow a planted link
@@ -26,8 +27,8 @@ link, a FIFO (which would block), a folder or another user's file planted at the
 in one line and never written.
 
 Modes are set explicitly (`fchmod`) after the create: a job that set `umask(0o777)` still gets a
-usable 0600 file. Standard library only at import, msgspec included (`written`, which proves what
-memtui wrote, is imported only when an existing file is to be replaced): the attach bootstrap's
+usable 0600 file. Only the standard library at import, not even msgspec (`written`, which proves
+what memtui wrote, is imported only when an existing file is to be replaced): the attach bootstrap's
 reply file (`attach.py`) is written from here inside a job that may have no msgspec, and the
 runtime folder (`runtime_dir.py`), which `written` itself imports, writes its sidecars here.
 """
