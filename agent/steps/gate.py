@@ -134,6 +134,9 @@ class ActivationGate:
         self._blind = False
         """A forward of the open step ran where the agent's saved-tensor pair could not count
         it (the job's own hooks on top): the step's activations are not known."""
+        self._moved = False
+        """The open step began while the agent followed another thread (the first optimizer
+        step came from this one, `hooks.training_thread`): its forwards ran unseen."""
         self._switch = switch
         self._registry = registry
         self._health = health
@@ -199,6 +202,11 @@ class ActivationGate:
         own hooks on top): the open step's activations are not known."""
         self._blind = True
 
+    def thread_moved(self) -> None:
+        """The agent moved to the thread that stepped the first optimizer: the open step's
+        forwards ran on it unseen, its activations are not known."""
+        self._moved = True
+
     def root_returned(self, output: Any, step: int) -> None:
         """A top-level root call of step `step` returned `output`: its graph is watched until
         freed (whether the hooks counted what it saves is noted with it)."""
@@ -239,9 +247,12 @@ class ActivationGate:
         )
         held = self.held.held()
         blind, self._blind = self._blind, False
-        verdict = self.policy.close(reading.step, figures, blind=blind)
+        moved, self._moved = self._moved, False
+        verdict = self.policy.close(reading.step, figures, blind=blind or moved)
         if self.policy.mode is ActivationMode.OFF:
             return verdict
+        if moved:
+            return self._moved_verdict(reading.step)
         if blind:
             return self._blind_verdict(reading.step)
         if held.unarmed:
@@ -351,6 +362,16 @@ class ActivationGate:
         if verdict.alert is not None and alert is None:
             alert = verdict.alert
         return Verdict(measured=False, alert=alert, adopt=True)
+
+    def _moved_verdict(self, step: int) -> Verdict:
+        """The step began on another thread than the one that closed it: not known, said once."""
+        message = (
+            f"step {step} began while memtui followed another thread, and this thread stepped "
+            "the first optimizer: memtui follows that thread from here (one thread per "
+            "recording), so the activations of this step's forward, which it did not see, are "
+            "not known"
+        )
+        return Verdict(measured=False, alert=self._vary("thread moved", message))
 
     def _blind_verdict(self, step: int) -> Verdict:
         """The job's own saved-tensor hooks held the step's tensors: not known, said once."""
