@@ -125,6 +125,7 @@ TWO_THREADS = textwrap.dedent("""
     def train(model, opt, x, y, out, barrier, scaled, wait, stepped):
         opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if scaled else None
+        memtui_agent.watch(model, opt)  # taken from the followed thread only
         barrier.wait()  # both threads start at once
         for step in range(STEPS):
             loss = ((model(x) - y) ** 2).mean()

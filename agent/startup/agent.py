@@ -230,15 +230,22 @@ class Agent:
     # ----- user-facing ------------------------------------------------------------------------
 
     def watch(self, model: Any, optimizer: Any) -> None:
-        """Register a model tree and an optimizer ahead of their first use."""
+        """Register a model tree and an optimizer ahead of their first use.
+
+        Only from the thread the agent follows (hooks/training_thread.py): another thread's
+        model is that thread's, and the agent must not read its gradients. The followed
+        thread's own hooks find what it trains anyway."""
         tracker = self.tracker
         if tracker is None:
             return
-        if model is not None:
-            tracker.registry.lookup(model)
-        if optimizer is not None:
-            tracker.registry.add_optimizer(optimizer)
-        tracker.new_objects()
+        with tracker.thread.following() as followed:
+            if not followed:
+                return
+            if model is not None:
+                tracker.registry.lookup(model)
+            if optimizer is not None:
+                tracker.registry.add_optimizer(optimizer)
+            tracker.new_objects()
 
     def finish(
         self,
