@@ -246,6 +246,34 @@ def test_two_models_on_two_threads_follow_one_thread_and_never_crash(tmp_path: P
     _one_threads_training(read_recording(tmp_path / "run" / "moved.memtui"), results, 1)
 
 
+def test_a_move_that_fails_turns_the_agent_off_and_never_reaches_the_job(tmp_path: Path) -> None:
+    """The move runs inside the job's `optimizer.step()` (the first one, on the thread that
+    takes over): an error there turns every hook off, is said once, and the job trains on with
+    the losses of a plain run."""
+    job = tmp_path / "two_threads.py"
+    job.write_text(
+        TWO_THREADS.replace(
+            "import memtui_agent\n",
+            "import memtui_agent\n"
+            "from memtui_agent.job.modules import ModuleRegistry\n"
+            "def boom(self):\n"
+            "    raise RuntimeError('planted')\n"
+            "ModuleRegistry.forget_objects = boom\n",
+            1,
+        )
+    )
+    plain = _start([sys.executable, str(job), str(STEPS), "2", "plain"], tmp_path / "plain")
+    under = _start([sys.executable, str(job), str(STEPS), "1", "agent", "1"], tmp_path)
+    expected = _finish(plain, "plain")[0].splitlines()[1]
+    stdout, stderr = _finish(under, "under the agent")
+    assert stdout.strip() == expected
+    said = [line for line in stderr.splitlines() if "hook:thread" in line]
+    assert len(said) == 1 and "RuntimeError: planted" in said[0], stderr
+    recording = read_recording(tmp_path / "run1.memtui")
+    assert recording.end is not None and recording.end.status == schema.ExitStatus.OK
+    assert recording.steps == []  # nothing of either thread recorded after the failed move
+
+
 UNJOINED = textwrap.dedent("""
     import json, sys, threading
     import torch

@@ -280,18 +280,26 @@ class Tracker:
         forward, under the same names). The open step's forwards ran where the agent was not
         looking (not known), and its losses were the old thread's; the pair on the old thread
         stays there, ignored."""
-        phase = self.job_phase
-        self._stack.clear()
-        phase.root_depth = 0
-        phase.in_backward = 0
-        phase.in_optimizer = False
-        self.arming.leave_thread(old)
-        self.arming.unhook_grads()  # torch calls a copy of a tensor's hooks: safe mid-backward
-        self.roots.remove()  # likewise, a module's hooks
-        self.registry.forget_objects()
-        self._seen_params.clear()
-        self.window.forget_losses()
-        self.gate.thread_moved()
+        try:
+            phase = self.job_phase
+            self._stack.clear()
+            phase.root_depth = 0
+            phase.in_backward = 0
+            phase.in_optimizer = False
+            self.arming.leave_thread(old)
+            self.arming.unhook_grads()  # torch calls a copy of a tensor's hooks: safe mid-backward
+            self.roots.remove()  # likewise, a module's hooks
+            self.registry.forget_objects()
+            self._seen_params.clear()
+            self.window.forget_losses()
+            self.gate.thread_moved()
+        except Exception as exc:
+            # Runs inside the job's optimizer.step() (`TrainingThread.claim`): never raises
+            # there. Half forgotten, the old thread's tensors could still be read: every hook
+            # turns off (said once), the job goes on unrecorded.
+            for kind in self.enabled:
+                self.enabled[kind] = False
+            self._fail("hook:thread", exc)
 
     # ----- what the agent reads -----------------------------------------------------------------
 
