@@ -96,9 +96,7 @@ class StepHooks:
             # move the agent there meanwhile, and a close here would read that thread's
             # gradients. The backward itself runs outside the section.
             with thread.following() as followed:
-                if not followed:
-                    return original(tensors, *args, **kwargs)
-                outermost = phase.in_backward == 0
+                outermost = followed and phase.in_backward == 0
                 if outermost:
                     self._window.backward_started()
                     self._record_loss(tensors)
@@ -106,7 +104,10 @@ class StepHooks:
                     phase.stack.clear()
                     phase.in_optimizer = False
                     self._backward_starts(args, kwargs)
-                phase.in_backward += 1
+                if followed:
+                    phase.in_backward += 1
+            if not followed:  # the job's call, never inside the section
+                return original(tensors, *args, **kwargs)
             try:
                 result = original(tensors, *args, **kwargs)
             except BaseException:
