@@ -98,14 +98,21 @@ class Job:
 
     def finish(self) -> tuple[int, str]:
         code = self.process.wait(timeout=120)
-        self._reader.join(timeout=10)
+        self._reader.join(timeout=120)  # the pipe ends with the process: a safety net only
         assert self.process.stderr is not None
         return code, self.process.stderr.read()
 
     def kill(self) -> None:
+        """End the job and close its pipes now, never at some later garbage collection (the
+        frames of a failed test keep this object: its pipes then closed inside another test,
+        whose descriptor count changed, test_job_host.py's `open fds: 19 -> 17`)."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        self._reader.join(timeout=120)
+        for pipe in (self.process.stdout, self.process.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 @pytest.fixture
@@ -122,7 +129,10 @@ def memtui(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def plain_losses(steps: int, env: dict[str, str], flags: tuple[str, ...] = ()) -> list[str]:
     job = Job([str(steps), *flags], env)
-    code, stderr = job.finish()
+    try:
+        code, stderr = job.finish()
+    finally:
+        job.kill()
     assert code == 0, stderr
     return [line["loss"] for line in job.lines]
 

@@ -112,6 +112,51 @@ def test_attach_follows_the_thread_that_steps_not_a_helper_running_modules(
     assert first.alerts[0].message.endswith("steps 1-4 were not recorded")
 
 
+SECOND_MODEL_ON_A_THREAD = """
+sys.setswitchinterval(1e-5)  # the threads interleave inside the hooks as on a loaded machine
+other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
+stop = threading.Event()
+def other_loop():
+    while not stop.is_set():
+        other_opt.zero_grad()
+        other(torch.randn(4, 8)).pow(2).mean().backward()
+        other_opt.step()
+worker = threading.Thread(target=other_loop)
+worker.start()
+for _ in range(3):
+    step()
+bootstrap(Action.ATTACH, "reply.json", record=os.path.join(HERE, "rec.memtui"))
+for _ in range(40):
+    step()
+agent = memtui_agent.startup.api.current()
+owner = agent.tracker.owner_thread if agent is not None else None
+stop.set()
+worker.join()
+memtui_agent.startup.api.stop(exit_code=0)
+report(state=state("reply.json"), owner_is_main=owner == MAIN)
+"""
+MAIN_MODEL = 4 * (8 * 16 + 16 + 16 + 1)
+OTHER_MODEL = 4 * (8 * 32 + 32 + 32 + 1)
+
+
+@pytest.mark.slow  # a torch job in a fresh interpreter
+def test_attach_hands_the_agent_only_what_the_stepping_thread_trains(tmp_path: Path) -> None:
+    """Two threads train their own models when the attach comes: the agent joins the thread
+    that steps first and is handed that thread's optimizer and model only. It was handed every
+    optimizer and model of the heap, and read the other thread's gradients at every close
+    while that thread's backward wrote them (issue 32)."""
+    result = _job(tmp_path, SECOND_MODEL_ON_A_THREAD)
+    assert result["state"] == "started"
+    recording = read_recording(tmp_path / "rec.memtui")
+    assert len(recording.steps) >= 3
+    weights = {step.end.weights for step in recording.steps}
+    assert weights == {MAIN_MODEL if result["owner_is_main"] else OTHER_MODEL}
+    assert {step.optimizer for step in recording.steps} == {
+        "AdamW#1" if result["owner_is_main"] else "SGD#1"
+    }
+
+
 SAVE_ON_CPU = """
 for _ in range(2):
     with torch.autograd.graph.save_on_cpu():

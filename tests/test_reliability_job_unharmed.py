@@ -101,51 +101,10 @@ def test_jobs_with_their_own_saved_tensor_hooks_train_exactly_as_plain(tmp_path:
 
 # ----- J2: two models trained on two threads ---------------------------------------------------
 
-TWO_THREADS = textwrap.dedent("""
-    import json, sys, threading
-    import torch
-    from torch import nn
-    import memtui_agent
-    torch.set_num_threads(1)
-    STEPS, RUNS = int(sys.argv[1]), int(sys.argv[2])
-
-    def build(seed, width):
-        # On the main thread: torch's random generator is one for all threads.
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 1))
-        return model, torch.randn(32, 16), torch.randn(32, 1)
-
-    def train(model, x, y, out, started):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        started.wait()
-        for step in range(STEPS):
-            loss = ((model(x) - y) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            out.append(loss.item().hex())
-
-    for run in range(RUNS):
-        results = [[], []]
-        started = threading.Event()
-        threads = [
-            threading.Thread(target=train, args=(*build(i, 64 * (i + 1)), results[i], started))
-            for i in range(2)
-        ]
-        agent = sys.argv[3] == "agent"
-        if agent:
-            memtui_agent.start(record=f"run{run}.memtui", socket=False)
-        for thread in threads:
-            thread.start()
-        started.set()
-        for thread in threads:
-            thread.join()
-        if agent:
-            memtui_agent.stop()
-        print(json.dumps(results), flush=True)
-""")
-RUNS = 15
-STEPS = 100
+TWO_THREADS = (FIXTURES / "two_threads.py").read_text()
+RUNS = 24
+"""Runs in one interpreter, each with an agent of its own: 6 of each arrangement."""
+STEPS = 30
 
 
 def _weights(width: int) -> int:
@@ -153,30 +112,137 @@ def _weights(width: int) -> int:
     return 4 * (16 * width + width + width + 1)
 
 
+MODELS = (_weights(64), _weights(128))
+"""The main thread's model (or the first worker's) and the second worker's."""
+FOLLOWED = {1: 1, 3: 0}
+"""Arrangement -> the thread the agent must follow: the one that steps first."""
+
+
+def _one_threads_training(recording: Any, results: list[list[str]], arrangement: int) -> None:
+    """The recording is one thread's whole training loop: its steps, its model's weights and
+    gradients, its optimizer, its losses; nothing of the other thread's. Where the agent moved
+    to a worker (it follows the main thread, which installed the hooks, until an optimizer
+    steps), step 1 says so and has neither a loss nor activations of another thread's."""
+    what = f"arrangement {arrangement}"
+    assert recording.end is not None and recording.end.status == schema.ExitStatus.OK, what
+    steps = recording.steps
+    assert [step.step for step in steps] == list(range(1, STEPS + 1)), what
+    followed = {step.end.weights for step in steps}
+    assert len(followed) == 1 and followed <= set(MODELS), f"{what}: {followed}"
+    thread = MODELS.index(followed.pop())
+    assert thread == FOLLOWED.get(arrangement, thread), f"{what}: not the thread that stepped"
+    assert {step.end.gradients for step in steps[1:]} == {MODELS[thread]}, what
+    assert {step.optimizer for step in steps} == {"SGD#1"}, what
+    own = [float.fromhex(loss) for loss in results[thread]]
+    if arrangement == 3:  # the main thread, followed from the start
+        assert [step.loss for step in steps] == own, f"{what}: another thread's loss"
+        return
+    assert [step.loss for step in steps] == [None, *own[1:]], f"{what}: another thread's loss"
+    assert steps[0].microbatches == 0 and not activations_known(steps[0]), what
+    said = [alert for alert in steps[0].alerts if alert.kind == schema.AlertKind.ACTIVATIONS_VARY]
+    assert len(said) == 1 and "followed another thread" in said[0].message, what
+
+
 def test_two_models_on_two_threads_follow_one_thread_and_never_crash(tmp_path: Path) -> None:
-    """15 runs of two threads training their own models at once, under one agent each: no
-    crash (SIGSEGV/SIGABRT before issue 27, in 12 of 12 runs of this job), both threads' losses
-    as without the agent, and each recording is one thread's training: its 100 steps, that
-    model's weights and gradients, nothing of the other's."""
+    """24 runs of two threads training their own models at once, in one interpreter, under an
+    agent each, with a thread switch every 10 us (the threads interleave inside the hooks as
+    on a loaded machine): two workers, two workers with GradScaler, the main thread (followed
+    until an optimizer steps) beside a worker that steps first, so the agent moves while the
+    main thread's model is registered and its gradients hooked (SIGSEGV in 3 of 6 such
+    processes before issue 32: the moved agent read the main thread's gradients while its
+    backward wrote them), and the main thread stepping first beside a worker, both optimizers
+    built before the agent (its search of the heap registered the worker's). The move also
+    runs under `memtui run`. No crash, every loss as without the agent, each recording one
+    thread's training only."""
     job = tmp_path / "two_threads.py"
     job.write_text(TWO_THREADS)
-    plain = _start([sys.executable, str(job), str(STEPS), "1", "plain"], tmp_path)
+    plain = _start([sys.executable, str(job), str(STEPS), "4", "plain"], tmp_path / "plain")
     under = _start([sys.executable, str(job), str(STEPS), str(RUNS), "agent"], tmp_path)
-    expected = json.loads(_finish(plain, "plain")[0])
-    stdout, _ = _finish(under, "under the agent")
-    lines = stdout.splitlines()
+    command = [*MEMTUI, "run", "--headless", "-o", "moved.memtui", str(job)]
+    run = _start([*command, str(STEPS), "1", "memtui", "1"], tmp_path / "run")
+    expected = [json.loads(line) for line in _finish(plain, "plain")[0].splitlines()]
+    assert len(expected) == 4
+    lines = _finish(under, "under the agent")[0].splitlines()
     assert len(lines) == RUNS
-    models = {_weights(64), _weights(128)}
-    for run, line in enumerate(lines):
-        assert json.loads(line) == expected, f"run {run}: a thread's losses changed"
-        recording = read_recording(tmp_path / f"run{run}.memtui")
-        assert recording.end is not None and recording.end.status == schema.ExitStatus.OK
-        steps = recording.steps
-        assert [step.step for step in steps] == list(range(1, STEPS + 1)), f"run {run}"
-        followed = {step.end.weights for step in steps}
-        assert len(followed) == 1 and followed <= models, f"run {run}: {followed}"
-        assert {step.end.gradients for step in steps[1:]} == followed, f"run {run}"
-        assert {step.optimizer for step in steps} == {"SGD#1"}, f"run {run}"
+    for index, line in enumerate(lines):
+        results = json.loads(line)
+        arrangement = index % 4
+        assert results == expected[arrangement], f"run {index}: a thread's losses changed"
+        _one_threads_training(read_recording(tmp_path / f"run{index}.memtui"), results, arrangement)
+    results = json.loads(_finish(run, "under memtui run")[0])
+    assert results == expected[1], "memtui run: a thread's losses changed"
+    _one_threads_training(read_recording(tmp_path / "run" / "moved.memtui"), results, 1)
+
+
+def test_a_move_that_fails_turns_the_agent_off_and_never_reaches_the_job(tmp_path: Path) -> None:
+    """The move runs inside the job's `optimizer.step()` (the first one, on the thread that
+    takes over): an error there turns every hook off, is said once, and the job trains on with
+    the losses of a plain run."""
+    job = tmp_path / "two_threads.py"
+    job.write_text(
+        TWO_THREADS.replace(
+            "import memtui_agent\n",
+            "import memtui_agent\n"
+            "from memtui_agent.job.modules import ModuleRegistry\n"
+            "def boom(self):\n"
+            "    raise RuntimeError('planted')\n"
+            "ModuleRegistry.forget_objects = boom\n",
+            1,
+        )
+    )
+    plain = _start([sys.executable, str(job), str(STEPS), "2", "plain"], tmp_path / "plain")
+    under = _start([sys.executable, str(job), str(STEPS), "1", "agent", "1"], tmp_path)
+    expected = _finish(plain, "plain")[0].splitlines()[1]
+    stdout, stderr = _finish(under, "under the agent")
+    assert stdout.strip() == expected
+    said = [line for line in stderr.splitlines() if "hook:thread" in line]
+    assert len(said) == 1 and "RuntimeError: planted" in said[0], stderr
+    recording = read_recording(tmp_path / "run1.memtui")
+    assert recording.end is not None and recording.end.status == schema.ExitStatus.OK
+    assert recording.steps == []  # nothing of either thread recorded after the failed move
+
+
+UNJOINED = textwrap.dedent("""
+    import json, sys, threading
+    import torch
+    torch.set_num_threads(1)
+
+    def train(losses):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(16, 8)
+        for step in range(int(sys.argv[1])):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item().hex())
+        print(json.dumps(losses), flush=True)
+
+    threading.Thread(target=train, args=([],)).start()
+    # The script ends here, its training thread still at work: Python waits for it at exit.
+""")
+
+
+def test_a_script_that_returns_while_its_training_thread_trains_is_recorded_whole(
+    tmp_path: Path,
+) -> None:
+    """`memtui run` stops the agent where Python ends the job, after the threads it waits for:
+    every step of a training thread the script never joined is recorded, and the recording
+    ends `ok` after the last. Before issue 32 the agent stopped as the script returned (0 of
+    40 steps recorded, `End` at once, the hooks gone), reading the piles on the main thread
+    while the training thread wrote its gradients."""
+    job = tmp_path / "unjoined.py"
+    job.write_text(UNJOINED)
+    run = _start([*MEMTUI, "run", "--headless", "-o", "rec.memtui", str(job), "40"], tmp_path)
+    losses = [float.fromhex(loss) for loss in json.loads(_finish(run, "memtui run")[0])]
+    recording = read_recording(tmp_path / "rec.memtui")
+    assert [step.step for step in recording.steps] == list(range(1, 41))
+    assert recording.end is not None and recording.end.status == schema.ExitStatus.OK
+    assert recording.end.time >= recording.steps[-1].t_end
+    # Step 1 began while the agent followed the main thread, which installed it.
+    assert [step.loss for step in recording.steps] == [None, *losses[1:]]
 
 
 # ----- J3: a job that closes descriptors it does not know --------------------------------------

@@ -70,15 +70,11 @@ class GradScalerWrappers:
         self._enabled = enabled
         self._disable = disable
 
-    def _elsewhere(self) -> bool:
-        """Called on a thread other than the one the agent follows (once that is decided)."""
-        return self._thread.confirmed and not self._thread.follows()
-
     def scale(self, original: Wrapper) -> Wrapper:
         def scale(scaler: Any, outputs: Any) -> Any:
             result = original(scaler, outputs)
-            if self._elsewhere():
-                return result
+            if not self._thread.follows():
+                return result  # another thread's loss: not this recording's step
             try:
                 self._window.loss_scaled(outputs, result)
             except Exception:
@@ -89,7 +85,10 @@ class GradScalerWrappers:
 
     def step(self, original: Wrapper) -> Wrapper:
         def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if self._elsewhere():
+            # `scaler.step(optimizer)` steps the optimizer or skips it: either is this thread's
+            # claim to be followed (`TrainingThread.claim`), decided before the scale is noted.
+            thread = self._thread
+            if not (thread.claim() if self._enabled["steps"] else thread.follows()):
                 return original(scaler, optimizer, *args, **kwargs)
             record = self._optimizers.get(optimizer)
             steps_before = record.steps if record is not None else 0
@@ -104,7 +103,7 @@ class GradScalerWrappers:
             try:
                 record = self._optimizers.get(optimizer)
                 stepped = record is not None and record.steps != steps_before
-                if not stepped and self._enabled["steps"] and self._thread.claim():
+                if not stepped and self._enabled["steps"]:
                     self._skips.scaler_skipped(optimizer, scaler)
             except Exception as exc:
                 self._disable("steps", exc)
@@ -115,7 +114,7 @@ class GradScalerWrappers:
     def update(self, original: Wrapper) -> Wrapper:
         def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
-            if not self._elsewhere():
+            if self._thread.follows():
                 self._window.scaler_updated(scaler)
             return result
 
@@ -123,7 +122,7 @@ class GradScalerWrappers:
 
     def unscale_(self, original: Wrapper) -> Wrapper:
         def unscale_(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self._elsewhere():
+            if self._thread.follows():
                 self._window.unscaled()
             return original(scaler, *args, **kwargs)
 
@@ -131,15 +130,17 @@ class GradScalerWrappers:
 
 
 class ClipWarning:
-    """Warns once when gradients are clipped while GradScaler's scale is still in them."""
+    """Warns once when gradients are clipped while GradScaler's scale is still in them (on the
+    followed thread: another thread's clipping says nothing of the recorded step)."""
 
-    def __init__(self, window: StepWindow) -> None:
+    def __init__(self, window: StepWindow, thread: TrainingThread) -> None:
         self._window = window
+        self._thread = thread
         self._warned = False
 
     def clip(self, original: Wrapper) -> Wrapper:
         def clip(*args: Any, **kwargs: Any) -> Any:
-            if not self._warned and self._window.gradients_scaled:
+            if not self._warned and self._window.gradients_scaled and self._thread.follows():
                 self._warned = True
                 self._window.note(
                     schema.Alert(
@@ -156,11 +157,18 @@ class ClipWarning:
 
 
 class CheckpointNotes:
-    """Says once per checkpoint variant what it hides from the activations pile."""
+    """Says once per checkpoint variant what it hides from the activations pile (of the
+    followed thread's model: another thread's checkpoints hide nothing recorded)."""
 
-    def __init__(self, window: StepWindow, emit: Callable[[schema.Message], None]) -> None:
+    def __init__(
+        self,
+        window: StepWindow,
+        emit: Callable[[schema.Message], None],
+        thread: TrainingThread,
+    ) -> None:
         self._window = window
         self._emit = emit
+        self._thread = thread
         self._noted: set[str] = set()
 
     def checkpoint(self, original: Wrapper) -> Wrapper:
@@ -168,7 +176,7 @@ class CheckpointNotes:
             # torch 2.x treats a missing use_reentrant as True (with a warning).
             reentrant = kwargs.get("use_reentrant")
             variant = "reentrant" if reentrant is None or reentrant else "non-reentrant"
-            if variant not in self._noted:
+            if variant not in self._noted and self._thread.follows():
                 self._noted.add(variant)
                 alert = schema.Alert(
                     kind=AlertKind.CHECKPOINT_LIMIT, message=CHECKPOINT_NOTES[variant]

@@ -83,30 +83,38 @@ class RootHooks:
             or _current_graph_task_id() != -1
         ):
             return
-        phase = self._phase
-        phase.root_depth += 1
-        if phase.root_depth > 1:
-            return  # a root called inside another root's forward
-        try:
-            phase.in_optimizer = False
-            self._gate.root_call(module, args, kwargs or {}, self._window.number)
-        except Exception as exc:
-            self._disable("activations", exc)
+        # The gate may arm here (hooking and reading the followed thread's gradients): only
+        # while this thread is still the followed one (`TrainingThread.following`).
+        with self._thread.following() as followed:
+            if not followed:
+                return
+            phase = self._phase
+            phase.root_depth += 1
+            if phase.root_depth > 1:
+                return  # a root called inside another root's forward
+            try:
+                phase.in_optimizer = False
+                self._gate.root_call(module, args, kwargs or {}, self._window.number)
+            except Exception as exc:
+                self._disable("activations", exc)
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
         if is_compiling() or get_ident() != self._thread.ident or _current_graph_task_id() != -1:
             return
-        phase = self._phase
-        phase.root_depth = max(0, phase.root_depth - 1)
-        if phase.root_depth:
-            return
-        try:
-            if sys.exc_info()[1] is not None:
-                if not self._arming.modules_armed:
-                    # Unarmed, the module hooks that say where a forward failed are off.
-                    where = self._registry.name(self._registry.lookup(module))
-                    phase.note_error(Phase.FORWARD, where)
-            else:
-                self._gate.root_returned(output, self._window.number)
-        except Exception as exc:
-            self._disable("activations", exc)
+        with self._thread.following() as followed:
+            if not followed:
+                return
+            phase = self._phase
+            phase.root_depth = max(0, phase.root_depth - 1)
+            if phase.root_depth:
+                return
+            try:
+                if sys.exc_info()[1] is not None:
+                    if not self._arming.modules_armed:
+                        # Unarmed, the module hooks that say where a forward failed are off.
+                        where = self._registry.name(self._registry.lookup(module))
+                        phase.note_error(Phase.FORWARD, where)
+                else:
+                    self._gate.root_returned(output, self._window.number)
+            except Exception as exc:
+                self._disable("activations", exc)

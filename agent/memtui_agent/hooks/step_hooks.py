@@ -29,12 +29,23 @@ from memtui_protocol.schema import Phase, StepTrigger
 
 
 def register_live_optimizers(registry: ModuleRegistry) -> bool:
-    """Whether the job holds optimizers (built before the agent, or not stepped yet),
-    registering them: one search of the heap, at the first backward that needs it."""
+    """Whether the job holds optimizers (built before the agent, or not stepped yet): one
+    search of the heap, at the first backward that needs it. Those that train a parameter of
+    the models this thread ran are registered; another thread's optimizer is not (its
+    gradients are that thread's to write: `training_thread`), nor one over tensors no model
+    holds, which registers when it steps here."""
     found = live_optimizers()
+    if not found:
+        return False
+    mine = {id(parameter) for parameter in registry.parameters()}
     for optimizer in found:
-        registry.add_optimizer(optimizer)
-    return bool(found)
+        if any(
+            id(parameter) in mine
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+        ):
+            registry.add_optimizer(optimizer)
+    return True
 
 
 class StepHooks:
@@ -76,29 +87,44 @@ class StepHooks:
 
     def backward(self, original: Wrapper) -> Wrapper:
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            if get_ident() != self._thread.ident:
+            thread = self._thread
+            if get_ident() != thread.ident:
                 return original(tensors, *args, **kwargs)
             phase = self._phase
-            outermost = phase.in_backward == 0
-            if outermost:
-                self._window.backward_started()
-                self._record_loss(tensors)
-                self._allocator.phase_ended(Phase.FORWARD)
-                phase.stack.clear()
-                phase.in_optimizer = False
-                self._backward_starts(args, kwargs)
-            phase.in_backward += 1
+            # Before and after the job's backward, only while this thread is still the followed
+            # one (`TrainingThread.following`): the first optimizer step of another thread may
+            # move the agent there meanwhile, and a close here would read that thread's
+            # gradients. The backward itself runs outside the section.
+            with thread.following() as followed:
+                outermost = followed and phase.in_backward == 0
+                if outermost:
+                    self._window.backward_started()
+                    self._record_loss(tensors)
+                    self._allocator.phase_ended(Phase.FORWARD)
+                    phase.stack.clear()
+                    phase.in_optimizer = False
+                    self._backward_starts(args, kwargs)
+                if followed:
+                    phase.in_backward += 1
+            if not followed:  # the job's call, never inside the section
+                return original(tensors, *args, **kwargs)
             try:
                 result = original(tensors, *args, **kwargs)
             except BaseException:
-                phase.note_error(Phase.BACKWARD, None)
+                if thread.follows():
+                    phase.note_error(Phase.BACKWARD, None)
                 raise
             finally:
-                phase.in_backward -= 1
-                if outermost:
-                    self._gate.backward_ended()
+                with thread.following() as followed:
+                    # A move meanwhile restarted the count on the new thread (`_thread_moved`).
+                    if followed:
+                        phase.in_backward -= 1
+                        if outermost:
+                            self._gate.backward_ended()
             if outermost and self._window.trigger is not StepTrigger.OPTIMIZER:
-                self._backward_returned()
+                with thread.following() as followed:
+                    if followed:
+                        self._backward_returned()
             return result
 
         return backward

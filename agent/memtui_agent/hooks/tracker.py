@@ -176,8 +176,8 @@ class Tracker:
         self._scaler = GradScalerWrappers(
             self.window, self.optimizers, self.step_hooks, self.enabled, self._disable, self.thread
         )
-        self._clip = ClipWarning(self.window)
-        self._checkpoint = CheckpointNotes(self.window, emit)
+        self._clip = ClipWarning(self.window, self.thread)
+        self._checkpoint = CheckpointNotes(self.window, emit, self.thread)
 
     # ----- install / remove -----------------------------------------------------------------
 
@@ -286,12 +286,32 @@ class Tracker:
 
     def _thread_moved(self, old: int) -> None:
         """The first optimizer step came from another thread than the one followed so far: the
-        agent follows that thread from here. The open step's forwards ran where it was not
-        looking (not known); the pair on the old thread stays there, ignored."""
-        self._stack.clear()
-        self.job_phase.root_depth = 0
-        self.arming.leave_thread(old)
-        self.gate.forward_unseen()
+        agent follows that thread from here (`training_thread`; this runs there, under its
+        lock). What the old thread registered is its own and leaves: its models, optimizers,
+        root and gradient hooks (a model the new thread runs too comes back at its next
+        forward, under the same names). The open step's forwards ran where the agent was not
+        looking (not known), and its losses were the old thread's; the pair on the old thread
+        stays there, ignored."""
+        try:
+            phase = self.job_phase
+            self._stack.clear()
+            phase.root_depth = 0
+            phase.in_backward = 0
+            phase.in_optimizer = False
+            self.arming.leave_thread(old)
+            self.arming.unhook_grads()  # torch calls a copy of a tensor's hooks: safe mid-backward
+            self.roots.remove()  # likewise, a module's hooks
+            self.registry.forget_objects()
+            self._seen_params.clear()
+            self.window.forget_losses()
+            self.gate.thread_moved()
+        except Exception as exc:
+            # Runs inside the job's optimizer.step() (`TrainingThread.claim`): never raises
+            # there. Half forgotten, the old thread's tensors could still be read: every hook
+            # turns off (said once), the job goes on unrecorded.
+            for kind in self.enabled:
+                self.enabled[kind] = False
+            self._fail("hook:thread", exc)
 
     # ----- what the agent reads -----------------------------------------------------------------
 
@@ -325,9 +345,17 @@ class Tracker:
         if is_compiling() or not self.enabled["modules"] or get_ident() != self.thread.ident:
             return
         try:
-            module_id = self.registry.lookup(module)
-            if self.registry.generation != self._synced_generation:
-                self.new_objects()  # not `sync_objects()`: a call less per module call
+            registry = self.registry
+            module_id = registry.known_id(module)
+            if module_id is None or registry.generation != self._synced_generation:
+                # A new tree, or new objects to hook: done only while this thread is followed
+                # (`TrainingThread.following`), never after the agent moved to another.
+                with self.thread.following() as followed:
+                    if not followed:
+                        return
+                    module_id = registry.lookup(module)
+                    if registry.generation != self._synced_generation:
+                        self.new_objects()
             stack = self._stack
             if not stack:
                 self.job_phase.in_optimizer = False
@@ -456,12 +484,19 @@ class Tracker:
             self.new_objects()
 
     def new_objects(self) -> None:
-        """A new model tree or optimizer appeared: count its weights and hook its parameters."""
-        self._synced_generation = self.registry.generation
-        self.roots.hook_roots()
-        self.gate.parameters_found()
-        self.data_parallel.discover(self.registry.live_roots())
-        self.piles.resync()
+        """A new model tree or optimizer appeared: count its weights and hook its parameters.
+
+        Only on the followed thread (`Agent.watch` may be called on any): another thread would
+        read the followed thread's gradients while its backward writes them. The followed
+        thread does it at its next forward or close instead."""
+        with self.thread.following() as followed:
+            if not followed:
+                return
+            self._synced_generation = self.registry.generation
+            self.roots.hook_roots()
+            self.gate.parameters_found()
+            self.data_parallel.discover(self.registry.live_roots())
+            self.piles.resync()
 
     def before_close(self, step: int) -> None:
         """At a close (`steps.step_closer.CloseHooks`): hook parameters found since."""

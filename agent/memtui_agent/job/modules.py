@@ -47,6 +47,9 @@ class ModuleRegistry:
         """Class name -> roots of that class registered so far (`_add_root` numbers them)."""
         self._empty_ids: dict[str, int] = {}
         """Class name -> the name id all of its empty modules share (`lookup`)."""
+        self._parked_names: dict[int, tuple[weakref.ref[Any], int, int, str]] = {}
+        """id(root) -> (weakref, first name id, module count, prefix) of every tree named so
+        far, so one registered again after `forget_objects` keeps its names."""
         self.roots: list[weakref.ref[Any]] = []
         self.optimizers: list[weakref.ref[Any]] = []
         self.param_names: dict[int, str] = {}
@@ -65,6 +68,14 @@ class ModuleRegistry:
         self.parameter_walks = 0
         """How many times `parameters()` walked the trees (facts about them are redone then)."""
 
+    def known_id(self, module: Any) -> int | None:
+        """Name id of a module of a registered tree; None for any other (the hooks' hot path:
+        registering is `lookup`'s, and the hooks do it only while they follow the thread)."""
+        known = self._by_id.get(id(module))
+        if known is not None and known[0]() is module:
+            return known[1]
+        return None
+
     def lookup(self, module: Any) -> int:
         """Name id of a module, registering its tree if it is new.
 
@@ -73,9 +84,9 @@ class ModuleRegistry:
         `forward`), and registering each one would grow the name table, the recording and the
         roots without end. All of one class share one name id instead.
         """
-        known = self._by_id.get(id(module))
-        if known is not None and known[0]() is module:
-            return known[1]
+        known = self.known_id(module)
+        if known is not None:
+            return known
         if _holds_nothing(module):
             return self._empty_module_id(type(module).__name__)
         self._add_root(module)
@@ -97,7 +108,10 @@ class ModuleRegistry:
     def _add_root(self, root: Any) -> None:
         """Name a new tree: the first root of a class by its qualified names (`encoder.fc`),
         a later one of the same class under `Class#N.` (`Net#2.fc`), so two models of one class
-        (a GAN's pair, a teacher and its student, an EMA copy) never share a name."""
+        (a GAN's pair, a teacher and its student, an EMA copy) never share a name. A tree
+        `forget_objects` set aside comes back under its names if it still has its modules."""
+        if self._readd_parked(root):
+            return
         first_id = len(self._names)
         root_name = type(root).__name__
         count = self._roots_of_class[root_name] = self._roots_of_class.get(root_name, 0) + 1
@@ -111,9 +125,56 @@ class ModuleRegistry:
             self.param_names.setdefault(id(parameter), _joined(prefix, qualified))
         self._names.extend(new_names)
         self.roots.append(weakref.ref(root))
+        self._parked_names[id(root)] = (self._parking_ref(root), first_id, len(new_names), prefix)
         self.generation += 1
         if new_names:
             self._publish(schema.Names(kind="module", first_id=first_id, names=new_names))
+
+    def _parking_ref(self, root: Any) -> weakref.ref[Any]:
+        """A weakref to `root` that takes its `_parked_names` entry away when it dies."""
+        key = id(root)
+        table = self._parked_names
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            entry = table.get(key)
+            if entry is not None and entry[0] is ref:
+                del table[key]
+
+        return weakref.ref(root, forget)
+
+    def _readd_parked(self, root: Any) -> bool:
+        """Register a tree forgotten by `forget_objects` again under the ids its names already
+        have in the stream (the same modules in the same order); False if it has none."""
+        parked = self._parked_names.get(id(root))
+        alive = parked[0]() if parked is not None else None
+        if parked is None or alive is None or alive is not root:
+            return False
+        _ref, first_id, count, prefix = parked
+        modules = list(alive.modules())
+        if len(modules) != count:
+            return False  # its tree changed: named afresh
+        for offset, module in enumerate(modules):
+            self._by_id[id(module)] = (weakref.ref(module), first_id + offset)
+        for qualified, parameter in alive.named_parameters(remove_duplicate=False):
+            self.param_names.setdefault(id(parameter), _joined(prefix, qualified))
+        self.roots.append(weakref.ref(alive))
+        self.generation += 1
+        return True
+
+    def forget_objects(self) -> None:
+        """Drop every root and optimizer registered so far: they were another thread's (the
+        thread the agent followed before the first optimizer step came from elsewhere), and
+        the agent must not read their tensors while that thread trains them. Names already in
+        the stream keep their ids, which are never reused; a tree the new thread runs too is
+        registered again under them (`_add_root`)."""
+        self.roots = []
+        self.optimizers = []
+        self._by_id = {}
+        self.param_names = {}
+        self._module_cache = None
+        self._parameter_cache = None
+        self._walked_ids = frozenset()
+        self.generation += 1
 
     def add_optimizer(self, optimizer: Any) -> bool:
         """Remember an optimizer; True the first time it is seen."""

@@ -15,6 +15,13 @@ from typing import Any
 
 import msgspec
 
+# Imported with this module, when the agent starts, never at a close: importing psutil
+# allocates about 180 KiB that stay, and where a close did it (the first one, after its heap
+# reading) they counted as the next step's forward, so the step after that could not confirm
+# it repeated it and said its activations were not known (an attached job's third recorded
+# step, issue 32). tests/test_agent_imports.py checks that a close imports nothing.
+import psutil
+
 from memtui_agent.memory.descriptors import OwnedFd
 from memtui_protocol import schema
 
@@ -56,8 +63,6 @@ def _psutil_rss() -> int:
     """RSS through a cached psutil handle (no /proc)."""
     global _process
     if _process is None:
-        import psutil
-
         _process = psutil.Process()
     return int(_process.memory_info().rss)
 
@@ -74,8 +79,6 @@ def host_now() -> schema.Host:
     slowly, so it is re-read only once a second.
     """
     global _system
-    import psutil
-
     now = time.monotonic()
     if now - _system[0] >= SYSTEM_MEMORY_SECONDS:
         _system = (now, psutil.virtual_memory())

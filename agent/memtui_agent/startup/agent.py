@@ -239,15 +239,22 @@ class Agent:
     # ----- user-facing ------------------------------------------------------------------------
 
     def watch(self, model: Any, optimizer: Any) -> None:
-        """Register a model tree and an optimizer ahead of their first use."""
+        """Register a model tree and an optimizer ahead of their first use.
+
+        Only from the thread the agent follows (hooks/training_thread.py): another thread's
+        model is that thread's, and the agent must not read its gradients. The followed
+        thread's own hooks find what it trains anyway."""
         tracker = self.tracker
         if tracker is None:
             return
-        if model is not None:
-            tracker.registry.lookup(model)
-        if optimizer is not None:
-            tracker.registry.add_optimizer(optimizer)
-        tracker.new_objects()
+        with tracker.thread.following() as followed:
+            if not followed:
+                return
+            if model is not None:
+                tracker.registry.lookup(model)
+            if optimizer is not None:
+                tracker.registry.add_optimizer(optimizer)
+            tracker.new_objects()
 
     def finish(
         self,
@@ -271,10 +278,17 @@ class Agent:
                 "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
                 "keeps no history)",
             )
+        # The job's tensors are read here only where the followed thread is not training
+        # meanwhile (it is this thread, or it has ended): autograd writes gradients without
+        # the GIL, and reading one it is writing crashes the job (hooks/training_thread.py).
+        # A main thread that returns while its training thread goes on ends with the last
+        # close's piles.
+        readable = tracker is not None and not tracker.thread.alive_elsewhere()
         if tracker is not None:
             try:
                 tracker.window.release_held_skip()  # a skipped step whose update() never came
-                tracker.piles.resync(walk_all=True)  # exit piles from the objects alive now
+                if readable:
+                    tracker.piles.resync(walk_all=True)  # exit piles from the objects alive now
             except Exception as exc:
                 self.report_failure("end-piles", exc)
         late: list[schema.StepLate] = []
@@ -284,7 +298,7 @@ class Agent:
             except Exception as exc:
                 self.report_failure("health", exc)
         leaks: list[schema.Leak] = []
-        if tracker is not None:
+        if tracker is not None and readable:
             try:
                 leaks = tracker.closer.final_leaks(tracker.window.closed, namespace, error)
             except Exception as exc:

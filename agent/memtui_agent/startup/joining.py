@@ -128,6 +128,9 @@ class JoinAtNextStep:
         self._describe = describe
         self.thread: int | None = None
         """The training thread: the first to end a step (an optimizer step, or a backward)."""
+        self.stepped: list[weakref.ref[Any]] = []
+        """Optimizers that training thread stepped: the agent is handed those and the models
+        they train, never another thread's (hooks/training_thread.py)."""
         self.boundary = False
         self.finished = False
         self._inside_only = False
@@ -222,8 +225,10 @@ class JoinAtNextStep:
             self.boundary = True
             if self._inside_only:
                 self._force = True  # a whole step ran inside the job's own hooks: join anyway
-            if optimizer is not None and not any(ref() is optimizer for ref in self.optimizers):
-                self.optimizers.append(weakref.ref(optimizer))
+            if optimizer is not None and not any(ref() is optimizer for ref in self.stepped):
+                self.stepped.append(weakref.ref(optimizer))
+                if not any(ref() is optimizer for ref in self.optimizers):
+                    self.optimizers.append(weakref.ref(optimizer))
             if first and not self.finished:
                 self._pre = register_module_forward_pre_hook(self._module_pre)
 
@@ -262,14 +267,21 @@ class JoinAtNextStep:
                 record = tracker.optimizers.record(optimizer)
                 record.forecasted = record.first_step_done = True
                 record.steps = job_step([optimizer]) or 0
+        # Only what this thread trains is handed over: another thread's optimizer and model
+        # are that thread's, and reading their gradients while it writes them crashes the job.
+        # The model this forward runs is found by the module hook below; an optimizer of this
+        # thread that did not step yet registers when it does.
+        own = [o for o in (ref() for ref in self.stepped) if o is not None]
+        trained = {id(p) for o in own for group in o.param_groups for p in group["params"]}
+        for optimizer in own:
             agent.watch(None, optimizer)
         for root in (ref() for ref in self.roots):
-            if root is not None:
+            if root is not None and any(id(p) in trained for p in root.parameters()):
                 agent.watch(root, None)
         window = tracker.window
         # The scan above replaces the step window's own search at the first backward.
         window.trigger = schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
-        steps_before = job_step(optimizers)
+        steps_before = job_step(own or optimizers)
         if steps_before:
             window.closed = steps_before  # frames carry the job's own step numbers
         window.note(

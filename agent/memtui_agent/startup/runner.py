@@ -9,11 +9,13 @@ sees the traceback `python script.py` would print.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import runpy
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -44,20 +46,45 @@ def main(argv: list[str] | None = None) -> int:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             namespace = runpy.run_path(os.path.abspath(target), run_name="__main__")
     except SystemExit as exit_request:
-        api.stop(exit_code=exit_code_of(exit_request), error=exit_request)
+        stop_when_threads_end(exit_code=exit_code_of(exit_request), error=exit_request)
         if not isinstance(exit_request.code, (int, type(None))):
             # Python prints `sys.exit("message")`'s message as the process ends: the job's error.
             copy_error(config.error_file, f"{exit_request.code}\n")
         raise
     except BaseException as error:
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
-        api.stop(exit_code=code, error=error)
+        stop_when_threads_end(exit_code=code, error=error)
         with copied_stderr(config.error_file):
             show_error(error, as_module)
         return code
-    api.stop(exit_code=0, namespace=namespace)
+    stop_when_threads_end(exit_code=0, namespace=namespace)
     del namespace  # the job's globals: freed as they would be without the agent
     return 0
+
+
+def job_threads_running() -> bool:
+    """Whether threads of the job that Python waits for at exit (not daemons) still run."""
+    current = threading.current_thread()
+    return any(
+        thread is not current and not thread.daemon and thread.is_alive()
+        for thread in threading.enumerate()
+    )
+
+
+def stop_when_threads_end(**end: Any) -> None:
+    """Stop the agent where the job ends: now, or, when the script returned while threads of
+    its own still run (a training thread it never joined), where Python ends it, after
+    waiting for them at exit (`atexit` runs then). Stopping now would end the recording and
+    remove the hooks while that thread still trains, and read its tensors meanwhile."""
+    if not job_threads_running():
+        api.stop(**end)
+        return
+
+    def stop_at_exit() -> None:
+        api.stop(**end)
+        end.clear()  # the job's globals (`namespace`): freed as they would be at exit
+
+    atexit.register(stop_at_exit)
 
 
 def show_error(error: BaseException, as_module: bool) -> None:

@@ -144,6 +144,9 @@ class ActivationGate:
         it (the job's own hooks on top): the step's activations are not known."""
         self._call_first = 0
         """The sequence number of the first node the root call in progress may build."""
+        self._moved = False
+        """The open step began while the agent followed another thread (the first optimizer
+        step came from this one, `hooks.training_thread`): its forwards ran unseen."""
         self._switch = switch
         self._registry = registry
         self._health = health
@@ -210,6 +213,11 @@ class ActivationGate:
         own hooks on top): the open step's activations are not known."""
         self._blind = True
 
+    def thread_moved(self) -> None:
+        """The agent moved to the thread that stepped the first optimizer: the open step's
+        forwards ran on it unseen, its activations are not known."""
+        self._moved = True
+
     def root_returned(self, output: Any, step: int) -> None:
         """A top-level root call of step `step` returned `output`: its graph is watched until
         freed (whether the agent's pack hook counted what it saved is noted with it)."""
@@ -252,13 +260,16 @@ class ActivationGate:
         )
         held = self.held.held()
         blind, self._blind = self._blind, False
-        verdict = self.policy.close(reading.step, figures, blind=blind)
+        moved, self._moved = self._moved, False
+        verdict = self.policy.close(reading.step, figures, blind=blind or moved)
         if self.policy.mode is ActivationMode.OFF:
             return verdict
         if held.graphs:
             # Graphs kept across this close: what the next steps build is counted by the pack
             # hook, the only record of what a graph saves.
             self.policy.measure_next(MEASURE_WHILE_HELD)
+        if moved:
+            return self._moved_verdict(reading.step)
         if blind:
             return self._blind_verdict(reading.step)
         if held.unarmed:
@@ -372,6 +383,16 @@ class ActivationGate:
         if verdict.alert is not None and alert is None:
             alert = verdict.alert
         return Verdict(measured=False, alert=alert)
+
+    def _moved_verdict(self, step: int) -> Verdict:
+        """The step began on another thread than the one that closed it: not known, said once."""
+        message = (
+            f"step {step} began while memtui followed another thread, and this thread stepped "
+            "the first optimizer: memtui follows that thread from here (one thread per "
+            "recording), so the activations of this step's forward, which it did not see, are "
+            "not known"
+        )
+        return Verdict(measured=False, alert=self._vary("thread moved", message))
 
     def _blind_verdict(self, step: int) -> Verdict:
         """The job's own saved-tensor hooks held the step's tensors: not known, said once."""

@@ -171,6 +171,20 @@ class StepWindow:
         """An alert for the open step's frame."""
         self.current.raised.append(alert)
 
+    def forget_losses(self) -> None:
+        """The open step's backwards so far were another thread's (the agent moved to the
+        thread that stepped first, `hooks.training_thread`): its microbatches, losses and
+        scales are not this step's."""
+        self.current = msgspec.structs.replace(
+            self.current,
+            microbatches=0,
+            losses=[],
+            scaled_loss=None,
+            scale=None,
+            scaled_backward=False,
+            unscaled=False,
+        )
+
     def optimizer_exists(self) -> None:
         """An optimizer was built or steps: from now on steps close at its `step()`, not at
         backward (an accumulation window must not be cut at each backward)."""
