@@ -6,6 +6,7 @@ sidecars (`runtime_dir`), opening files without following planted links (`safe_o
 notes a process leaves for `memtui run` (`notes`), and the request/answer types of `memtui
 attach` (`attach`) and `memtui estimate` (`estimate`). Every module
 here imports only the standard library and msgspec (an import-linter contract in pyproject.toml
-and `tests/test_import_boundaries.py` hold it), so the viewer can import it where torch is absent
-and the agent can import it inside a training job without pulling in anything of the viewer.
+and `tests/integration/test_import_boundaries.py` hold it), so the viewer can import it where
+torch is absent and the agent can import it inside a training job without pulling in anything
+of the viewer.
 """

@@ -10,8 +10,8 @@ The line is appended through `safe_open.append_own`: the file must still be the 
 ours `memtui run` made, so a link, a FIFO or another user's file planted at the name is never
 written (and never blocks the job). The bootstrap runs in interpreters that may not have memtui
 at all, so it keeps a copy of `note` in plain standard-library code (`_note` in
-`memtui_agent/startup/bootstrap/sitecustomize.py`); `tests/test_reliability_planted.py` holds
-both to the same lines and the same refusals.
+`memtui_agent/startup/bootstrap/sitecustomize.py`);
+`tests/integration/test_reliability_planted.py` holds both to the same lines and the same refusals.
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ UNSAFE_RANGES = (
     (0xE0020, 0xE007F),  # tag characters
 )
 """Every control (Cc), format (Cf), line and paragraph separator (Zl, Zp) and surrogate (Cs)
-code point: what a terminal acts on or hides instead of showing. `tests/test_control_text.py`
-checks the ranges against `unicodedata` for every code point."""
+code point: what a terminal acts on or hides instead of showing.
+`tests/integration/test_control_text.py` checks the ranges against `unicodedata` for every
+code point."""
 
 UNSAFE = re.compile(
     "[" + "".join(f"\\U{low:08x}-\\U{high:08x}" for low, high in UNSAFE_RANGES) + "]"

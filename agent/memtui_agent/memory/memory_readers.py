@@ -19,7 +19,7 @@ import msgspec
 # allocates about 180 KiB that stay, and where a close did it (the first one, after its heap
 # reading) they counted as the next step's forward, so the step after that could not confirm
 # it repeated it and said its activations were not known (an attached job's third recorded
-# step, issue 32). tests/test_agent_imports.py checks that a close imports nothing.
+# step, issue 32). tests/integration/test_agent_imports.py checks that a close imports nothing.
 import psutil
 
 from memtui_agent.memory.descriptors import OwnedFd

@@ -43,7 +43,8 @@ def _note(message: str) -> None:
     A copy of `memtui_protocol.notes.note`, which this interpreter may not be able to import
     (the note is often that it cannot): the same line, and the same opener's rules
     (`safe_open.open_own`: never through a link, never blocking on a FIFO, only a regular file
-    of ours). `tests/test_reliability_planted.py` holds both to the same lines and refusals."""
+    of ours). `tests/integration/test_reliability_planted.py` holds both to the same lines and
+    refusals."""
     path = os.environ.get(NOTES_VARIABLE)
     try:
         if not path:

@@ -1,0 +1,170 @@
+"""Jobs written as users write them, run under `memtui run` as users run it (docs/design.md#steps
+and #leaks).
+
+Each job in `tests/fixtures/growing/` is run in the default mode and with `--activations every`
+(every saved tensor counted). In the default mode no step may state an activations figure (max
+or end) that differs from `every`'s, and at most a fifth may say "not known". The leaking jobs
+print their own count of what their holder keeps alive; memtui must name that holder within 20
+steps of the leak's start, with bytes within 10% of the job's count at the end. The bounded
+queue and the healthy jobs raise no leak.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from repo_paths import FIXTURES
+
+from memtui.model.recording import Recording, read_recording
+from memtui_protocol.schema import AlertKind, LeakKind
+
+JOBS = FIXTURES / "growing"
+STEPS = 40
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Run:
+    recording: Recording
+    counts: dict[str, Any]
+
+
+def _run(job: str, tmp: Path, *options: str) -> Run:
+    recording = tmp / f"{job}-{'-'.join(options) or 'default'}.memtui"
+    command = [sys.executable, "-m", "memtui", "run", "--headless", "-o", str(recording)]
+    result = subprocess.run(
+        [*command, *options, str(JOBS / f"{job}.py"), str(STEPS)],
+        cwd=JOBS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line[4:] for line in result.stdout.splitlines() if line.startswith("JOB ")]
+    return Run(read_recording(recording), json.loads(lines[-1]) if lines else {})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Run]:
+    tmp = tmp_path_factory.mktemp("growing")
+    jobs = [path.stem for path in sorted(JOBS.glob("*.py")) if path.stem != "common"]
+    modes = {"default": (), "every": ("--activations", "every")}
+    # Two at a time: each run is one process on one core, and CI has two.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {
+            (job, mode): pool.submit(_run, job, tmp, *options)
+            for job in jobs
+            for mode, options in modes.items()
+        }
+        return {key: future.result() for key, future in started.items()}
+
+
+def _jobs(runs: dict[tuple[str, str], Run]) -> list[str]:
+    return sorted({job for job, _mode in runs})
+
+
+def test_the_default_never_states_a_wrong_activations_figure(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    assert len(_jobs(runs)) >= 10
+    for job in _jobs(runs):
+        default, every = runs[(job, "default")].recording, runs[(job, "every")].recording
+        assert len(default.steps) == len(every.steps), job
+        unknown = 0
+        for ours, truth in zip(default.steps, every.steps, strict=True):
+            assert ours.step == truth.step
+            if not ours.activations_measured and ours.activations_from is None:
+                unknown += 1
+                continue
+            stated = (ours.max.activations, ours.end.activations)
+            assert stated == (truth.max.activations, truth.end.activations), (job, ours.step)
+        assert unknown * 5 <= len(default.steps), (job, unknown)
+
+
+def test_the_default_still_carries_healthy_repeats(runs: dict[tuple[str, str], Run]) -> None:
+    """Truth is not bought by measuring everything: repeats that are repeats are carried."""
+    for job in ("healthy", "bounded_queue", "module_cache", "hook_outputs", "dropout_schedule"):
+        steps = runs[(job, "default")].recording.steps
+        carried = sum(1 for step in steps if step.activations_from is not None)
+        assert carried * 10 >= len(steps) * 8, (job, carried)
+
+
+LEAKS = {
+    "logits_list": "history",
+    "module_cache": "model.encoder.cache",
+    "hook_outputs": "store (closure of keep_outputs.<locals>.hook)",
+}
+
+
+def test_every_leak_is_named_by_its_holder_soon_with_its_bytes(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    for job, holder in LEAKS.items():
+        run = runs[(job, "default")]
+        alerts = [
+            (step.step, alert)
+            for step in run.recording.steps
+            for alert in step.alerts
+            if alert.kind == AlertKind.LEAK
+        ]
+        assert [alert.where for _, alert in alerts] == [holder], job
+        assert alerts[0][0] - run.counts["first_step"] < 20, (job, alerts[0][0])
+        end = run.recording.end
+        assert end is not None
+        leak = next(leak for leak in end.leaks if leak.holder == holder)
+        assert abs(leak.bytes - run.counts["bytes"]) <= run.counts["bytes"] // 10, job
+        assert leak.kind == LeakKind.TENSORS
+
+
+def test_a_validation_total_without_no_grad_is_a_retained_graph(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    """Its held bytes are the validation graphs' saved tensors, which `every` counts as the
+    activations still held at the job's last close."""
+    run, every = runs[("val_no_grad", "default")], runs[("val_no_grad", "every")]
+    (alert,) = [a for step in run.recording.steps for a in step.alerts if a.kind == AlertKind.LEAK]
+    assert alert.where == "val_total" and "torch.no_grad()" in alert.message
+    end = run.recording.end
+    assert end is not None
+    (leak,) = end.leaks
+    assert leak.kind == LeakKind.RETAINED_GRAPH
+    held = every.recording.steps[-1].end.activations
+    # One more validation graph is built after the last close, before the job ends.
+    per_graph = every.recording.steps[1].end.activations
+    assert abs(leak.bytes - (held + per_graph)) <= (held + per_graph) // 10
+
+
+def test_bounded_and_healthy_jobs_raise_no_leak(runs: dict[tuple[str, str], Run]) -> None:
+    for job in ("bounded_queue", "healthy", "layerdrop", "dropout_schedule", "wgan"):
+        steps = runs[(job, "default")].recording.steps
+        assert not any(alert.kind == AlertKind.LEAK for s in steps for alert in s.alerts), job
+        end = runs[(job, "default")].recording.end
+        assert end is not None and not end.leaks, job
+
+
+def test_activations_vary_is_said_once_per_cause_with_its_numbers(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    for job in _jobs(runs):
+        said = [
+            alert.message
+            for step in runs[(job, "default")].recording.steps
+            for alert in step.alerts
+            if alert.kind == AlertKind.ACTIVATIONS_VARY
+        ]
+        assert len(said) <= 3, (job, said)
+        assert not any("routing, masks" in message for message in said), job
+    (dropout,) = [
+        alert.message
+        for step in runs[("dropout_schedule", "default")].recording.steps
+        for alert in step.alerts
+        if alert.kind == AlertKind.ACTIVATIONS_VARY
+    ]
+    assert "autograd recorded" in dropout and "dropout" in dropout
