@@ -168,7 +168,7 @@ def run_python(tmp_path: Path) -> JobRunner:
         source: str, *args: str, cwd: Path | None = None, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         folder = cwd or tmp_path
-        env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(folder / "rt"))
+        env = scrubbed_env(folder / "rt")
         return subprocess.run(
             [sys.executable, "-c", source, *args],
             cwd=folder, env=env, capture_output=True, text=True, timeout=timeout,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui.model.recording import read_recording
 from memtui_agent.steps.activation_policy import ActivationPolicy, Figures
@@ -274,14 +275,12 @@ for epoch in range(2):
 def test_no_varying_activations_at_an_epochs_end_with_every_step_probed(tmp_path: Path) -> None:
     """`memtui run --headless --nan-check full` (every step measured, every repeat compared)
     on a job whose activations never vary: no `activations_vary`."""
-    import os
     import subprocess
-    import sys
 
     (tmp_path / "train.py").write_text(EPOCH_END_ZERO_GRAD)
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"), OMP_NUM_THREADS="1")
+    env = scrubbed_env(tmp_path / "rt", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "run", "--headless", "--nan-check", "full",
+        [*MEMTUI, "run", "--headless", "--nan-check", "full",
          "-o", "rec.memtui", "train.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

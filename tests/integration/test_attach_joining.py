@@ -9,13 +9,13 @@ does after gdb (or `sys.remote_exec`) ran it, and the reply file says how far th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import scrubbed_env
 
 from memtui.commands import attach_command
 from memtui.model.recording import read_recording
@@ -66,7 +66,7 @@ def report(**values):
 
 
 def _job(tmp_path: Path, body: str) -> dict[str, Any]:
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    env = scrubbed_env(tmp_path / "rt")
     result = subprocess.run(
         [sys.executable, "-c", PRELUDE + body, str(tmp_path)],
         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI
 from repo_paths import FIXTURES
 
 from memtui.model.recording import Recording, read_recording
@@ -39,7 +40,7 @@ class Run:
 def _run(job: str, folder: Path, monitored: bool) -> Run:
     folder.mkdir()
     shutil.copy(JOBS / f"{job}.py", folder)
-    memtui = [sys.executable, "-m", "memtui", "run", "--headless", "-o", "run.memtui"]
+    memtui = [*MEMTUI, "run", "--headless", "-o", "run.memtui"]
     command = [*memtui] if monitored else [sys.executable]
     result = subprocess.run(
         [*command, f"{job}.py", str(STEPS)],

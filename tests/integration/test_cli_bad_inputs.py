@@ -24,6 +24,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI
 from repo_paths import FIXTURES
 
 from memtui.commands.cli import main
@@ -190,7 +191,7 @@ def test_run_says_where_it_records_without_raw_controls(tmp_path: Path) -> None:
     script.write_text(SCRIPT)
     output = tmp_path / "a\x1b]0;x\x07\x1b[31mb.memtui"
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "run", "--headless", "-o", str(output), str(script)],
+        [*MEMTUI, "run", "--headless", "-o", str(output), str(script)],
         capture_output=True, text=True, timeout=120, errors="surrogateescape",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

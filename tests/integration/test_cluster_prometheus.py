@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI
 from repo_paths import REPO
 
 pytestmark = [
@@ -140,9 +141,7 @@ def stop_process(process: subprocess.Popen[Any]) -> None:
 
 
 def memtui(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "memtui", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([*MEMTUI, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -195,14 +194,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         nodes = []
         for node in (0, 1):
             nodes.append(start(f"node{node}", [
-                sys.executable, "-m", "memtui", "run", "--headless",
+                *MEMTUI, "run", "--headless",
                 "--metrics-port", str(free_port(2)), "-o", str(session), "--",
                 torchrun, "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
                 "--master-addr", "127.0.0.1", "--master-port", str(master),
                 str(root / "job.py"), str(stop_file),
             ]))  # fmt: skip
         lone_run = start("lone", [
-            sys.executable, "-m", "memtui", "run", "--headless", "--metrics-port",
+            *MEMTUI, "run", "--headless", "--metrics-port",
             str(free_port()), "-o", str(lone), "--", sys.executable, str(root / "lone.py"),
         ])  # fmt: skip
 

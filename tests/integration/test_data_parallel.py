@@ -4,13 +4,12 @@ the training job computes itself (from DDP's reducer, from each DTensor's local 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_harness import MEMTUI
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui_protocol.schema import Distributed
 
@@ -166,7 +165,7 @@ def test_fsdp2_gathered_parameters_are_not_activations(
     recording = tmp_path / "plain.memtui"
     subprocess.run(
         [*MEMTUI, "run", "--headless", "-o", str(recording), str(plain)],
-        cwd=tmp_path, env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt")),
+        cwd=tmp_path, env=scrubbed_env(tmp_path / "rt"),
         capture_output=True, timeout=120, check=True,
     )  # fmt: skip
     report = subprocess.run(

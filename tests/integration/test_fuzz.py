@@ -16,7 +16,6 @@ import os
 import pickle
 import struct
 import subprocess
-import sys
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from cli_harness import MEMTUI
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -730,7 +730,7 @@ def test_report_on_damaged_files_is_one_line_never_a_traceback(tmp_path: Path) -
     cases = _damaged_files(tmp_path)
     running = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "memtui", "report", str(path)],
+            [*MEMTUI, "report", str(path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -769,7 +769,7 @@ def test_status_of_a_recording_with_an_impossible_pid_is_killed(tmp_path: Path, 
 def _report_cli(path: Path) -> subprocess.CompletedProcess[str]:
     """`memtui report PATH` as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "memtui", "report", str(path)],
+        [*MEMTUI, "report", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,6 @@ allocator documents, and NVML is a stand-in module with pynvml's call signatures
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from cli_harness import scrubbed_env
 
 from memtui.model.recording import read_recording
 from memtui.model.step_rows import gap_rows, pile_rows
@@ -196,7 +196,7 @@ with memtui_agent.monitor(record="rec.memtui", socket=False) as agent:
 
 @pytest.mark.slow
 def test_oom_observer_details_reach_the_final_frame(tmp_path: Path) -> None:
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    env = scrubbed_env(tmp_path / "rt")
     result = subprocess.run(
         [sys.executable, "-c", OOM_OBSERVED],
         cwd=tmp_path,

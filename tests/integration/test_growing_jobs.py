@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI
 from repo_paths import FIXTURES
 
 from memtui.model.recording import Recording, read_recording
@@ -38,7 +38,7 @@ class Run:
 
 def _run(job: str, tmp: Path, *options: str) -> Run:
     recording = tmp / f"{job}-{'-'.join(options) or 'default'}.memtui"
-    command = [sys.executable, "-m", "memtui", "run", "--headless", "-o", str(recording)]
+    command = [*MEMTUI, "run", "--headless", "-o", str(recording)]
     result = subprocess.run(
         [*command, *options, str(JOBS / f"{job}.py"), str(STEPS)],
         cwd=JOBS,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI
 
 from memtui.model.recording import read_recording
 from memtui.reports.report import build_report
@@ -300,7 +300,7 @@ def test_cpu_out_of_memory_in_forward_is_recorded_with_step_phase_and_size(
     oom = [alert for alert in report["alerts"] if alert["kind"] == "oom"]
     assert len(oom) == 1 and oom[0]["step"] == 2
     text = subprocess.run(
-        [sys.executable, "-m", "memtui", "report", str(tmp_path / "rec.memtui")],
+        [*MEMTUI, "report", str(tmp_path / "rec.memtui")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI
 
 pytestmark = pytest.mark.slow  # each test runs torch jobs in fresh interpreters
 
@@ -47,7 +48,7 @@ def _both(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str],
     runs = []
     for command in (
         [sys.executable, "train.py", *args],
-        [sys.executable, "-m", "memtui", "run", "--headless", "--no-record", "train.py", *args],
+        [*MEMTUI, "run", "--headless", "--no-record", "train.py", *args],
     ):
         result = subprocess.run(
             command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300

@@ -9,7 +9,6 @@ L4: a full disk in a session folder read `killed`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -177,7 +176,7 @@ def test_a_full_disk_in_a_session_folder_is_not_called_killed(tmp_path: Path) ->
         f"code=$?; {sys.executable} -m memtui report {folder} --json > {tmp_path}/report.json; "
         "exit $code"
     )
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt"))
+    env = scrubbed_env(tmp_path / "rt")
     result = subprocess.run(
         ["unshare", "-rm", "sh", "-c", inner], cwd=tmp_path, env=env,
         capture_output=True, text=True, timeout=240,

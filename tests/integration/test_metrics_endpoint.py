@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI
 
 pytestmark = pytest.mark.slow  # each test starts a torch job in a fresh interpreter
 
@@ -54,7 +55,7 @@ def run_job(tmp_path: Path, port: int | None, prelude: str = "") -> tuple[dict, 
 
 def report(record: Path) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "report", str(record), "--json"],
+        [*MEMTUI, "report", str(record), "--json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from cli_harness import scrubbed_env
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui.input.sources import LiveSource
 from memtui.model.recording import read_recording
@@ -256,7 +256,7 @@ def test_memtui_run_refuses_a_symlinked_recording_before_the_job_starts(
     script = tmp_path / "job.py"
     script.write_text("open('started', 'w').close()\n")
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "run", "--headless", "-o", "rec.memtui", "job.py"],
+        [*MEMTUI, "run", "--headless", "-o", "rec.memtui", "job.py"],
         cwd=tmp_path, env=scrubbed_env(tmp_path / "rt"), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode != 0

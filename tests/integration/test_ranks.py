@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_harness import MEMTUI
 
 from memtui_agent.startup.autostart import is_launcher, record_path_for_rank
 
@@ -53,7 +54,7 @@ def test_torchrun_ddp_session_has_one_exact_recording_per_rank(
         assert end["optimizer_state"] == 2 * weights + 4 * 4  # AdamW: 2 moments, 4 step tensors
         assert rank["exit"]["status"] == "ok"
     text = subprocess.run(
-        [sys.executable, "-m", "memtui", "report", str(tmp_path / "session")],
+        [*MEMTUI, "report", str(tmp_path / "session")],
         capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
     assert "session of 2 rank(s)" in text and "imbalance" in text

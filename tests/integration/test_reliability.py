@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 import pytest
-from cli_harness import scrubbed_env
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui.input.sources import LiveSource, SourceError
 from memtui.model.recording import Recording, read_recording
@@ -485,7 +485,7 @@ def test_socket_owned_by_another_user_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SourceError, match="another user"):
             LiveSource(path).check()
         result = subprocess.run(
-            [sys.executable, "-m", "memtui", "attach", "--socket", str(path)],
+            [*MEMTUI, "attach", "--socket", str(path)],
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
@@ -751,7 +751,7 @@ def test_stale_socket_and_sidecar_of_a_killed_job_are_cleaned_up(
     assert not socket_path.exists()
     assert not sidecar.exists()
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "attach"],
+        [*MEMTUI, "attach"],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

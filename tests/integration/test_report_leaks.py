@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -17,6 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from cli_harness import MEMTUI
 from repo_paths import FIXTURES
 
 from memtui.input.sources import ReplaySource
@@ -284,7 +284,7 @@ def test_a_real_leaking_job_reads_the_same_in_the_report_and_on_screen(tmp_path:
     the report names the list with the job's own count (within 10%), the text report leads with
     it, and the screen's last step shows exactly the report's figures."""
     output = tmp_path / "run.memtui"
-    memtui = [sys.executable, "-m", "memtui"]
+    memtui = list(MEMTUI)
     run = subprocess.run(
         [*memtui, "run", "--headless", "-o", str(output), "logits_list.py", "40"],
         cwd=GROWING, capture_output=True, text=True, timeout=240,

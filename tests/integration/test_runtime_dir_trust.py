@@ -12,11 +12,11 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI
 
 from memtui_protocol import runtime_dir
 
@@ -30,7 +30,7 @@ def _viewer(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MEMTUI_")}
     env["MEMTUI_RUNTIME_DIR"] = str(runtime)
     return subprocess.run(
-        [sys.executable, "-m", "memtui", *args],
+        [*MEMTUI, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui_protocol import schema, wire
 
@@ -38,7 +39,7 @@ print("DONE", flush=True)
 
 def _start(tmp_path: Path, steps: int, pause: float) -> tuple[subprocess.Popen[str], Path]:
     runtime = tmp_path / "rt"
-    env = dict(os.environ, MEMTUI_RUNTIME_DIR=str(runtime))
+    env = scrubbed_env(runtime)
     job = subprocess.Popen(
         [sys.executable, "-c", JOB, str(steps), str(pause)],
         cwd=tmp_path,
@@ -164,8 +165,8 @@ def test_attach_socket_through_a_forwarded_unix_socket(tmp_path: Path) -> None:
 
     job, runtime = _start(tmp_path, steps=60, pause=0.02)
     listing = subprocess.run(
-        [sys.executable, "-m", "memtui", "attach", "--list"],
-        env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(runtime)),
+        [*MEMTUI, "attach", "--list"],
+        env=scrubbed_env(runtime),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     remote = Path(str(_sidecar(runtime, job.pid)["socket"]))

@@ -8,7 +8,6 @@ frame (`memtui/commands/stop_record.py`).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_harness import MEMTUI, scrubbed_env
 
 from memtui.commands.stop_record import record_stop
 from memtui.input.job_process import JobProcess
@@ -40,9 +40,9 @@ def test_the_job_gets_no_sigterm_handler(tmp_path: Path, through: str) -> None:
     (tmp_path / "job.py").write_text(HANDLER)
     target = ["job.py"] if through == "script" else ["--", sys.executable, "job.py"]
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "run", "--headless", "-o", "rec", *target],
+        [*MEMTUI, "run", "--headless", "-o", "rec", *target],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, MEMTUI_RUNTIME_DIR=str(tmp_path / "rt")),
+        env=scrubbed_env(tmp_path / "rt"),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["handler", "True"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from cli_harness import MEMTUI
 
 from memtui.commands.cli import main
 from memtui.model.recording import read_recording
@@ -102,7 +103,7 @@ def _with_rank(hello: schema.Message, rank: int) -> schema.Message:
 @pytest.mark.slow  # starts an interpreter
 def test_help_says_where_it_writes() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "memtui", "export", "--help"],
+        [*MEMTUI, "export", "--help"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     text = " ".join(result.stdout.split())
