@@ -285,7 +285,8 @@ def _step_without_values(optimizer: Any) -> None:
     step = optimizer.step
 
     def step_without_values(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily(), ValuesAsOne():
+        # TorchDispatchMode.__init__ carries no annotations (torch 2.x).
+        with unset_fake_temporarily(), ValuesAsOne():  # type: ignore[no-untyped-call]
             return step(*args, **kwargs)
 
     optimizer.step = step_without_values
