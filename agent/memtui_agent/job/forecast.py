@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from memtui_agent.memory.ledger import local_tensor
 from memtui_protocol.units import format_bytes
 
-if TYPE_CHECKING:  # annotations only: this module is imported before torch is needed
+if TYPE_CHECKING:  # for annotations only
     import torch
 
 STEP_BYTES = 4
