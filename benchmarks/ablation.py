@@ -71,7 +71,7 @@ def main() -> int:
     agent = memtui_agent.start(
         record=None, socket=False, nan_check=args.nan_check, activations="every"
     )
-    if agent is None:
+    if agent is None or agent.tracker is None:
         raise SystemExit("memtui agent did not start")
     job = build_job(args.job, quick=False)
     for _ in range(8):  # warm-up: optimizer state, allocator, the agent's first sightings

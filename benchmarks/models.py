@@ -50,7 +50,8 @@ class Attention(nn.Module):
             for part in self.qkv(x).split(d, dim=2)
         )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return out
 
 
 class Block(nn.Module):
@@ -66,7 +67,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
 
 
 class GPTLike(nn.Module):
@@ -86,7 +88,8 @@ class GPTLike(nn.Module):
         x = self.tokens(tokens) + self.positions(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
 
 
 class TinyBlock(nn.Module):
@@ -98,7 +101,8 @@ class TinyBlock(nn.Module):
         self.norm = nn.LayerNorm(width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.norm(self.linear(x))
+        out: torch.Tensor = x + self.norm(self.linear(x))
+        return out
 
 
 class Stack(nn.Sequential):
@@ -138,7 +142,7 @@ class BertJob(Job):
     def step(self) -> torch.Tensor:
         """One step through the model's own loss (labels passed in)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.model(input_ids=self.inputs, labels=self.targets).loss
+        loss: torch.Tensor = self.model(input_ids=self.inputs, labels=self.targets).loss
         loss.backward()
         self.optimizer.step()
         return loss.detach()

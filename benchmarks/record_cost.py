@@ -37,7 +37,7 @@ def closed_step(number: int) -> ClosedStep:
     """A closed step shaped like a real close: piles, dtypes, a loss tensor, top modules, the
     host read (as the close reads it, on this thread)."""
     piles = schema.Piles(1 << 20, 1 << 20, 2 << 20, 3 << 20)
-    dtypes = {
+    dtypes: dict[str, dict[str, schema.DtypeStat]] = {
         pile: {"float32": schema.DtypeStat(1 << 20, 12)} for pile in schema.Pile
     }  # fmt: skip
     top = [schema.ModuleBytes(index, 4096) for index in range(10)]

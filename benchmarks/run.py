@@ -335,7 +335,10 @@ def print_recordings(plan: Plan, cells: Cells | None, threads: int, scratch: Pat
     )
     demo_run, hundred_run = training.run_all([run_demo, run_hundred], sizes.parallel)
     measured: list[tuple[str, RecordingSize | Failure]] = [
-        ("demo job (tiny_lm under the runner)", demo_run or recording_size(demo)),
+        (
+            "demo job (tiny_lm under the runner)",
+            demo_run if isinstance(demo_run, Failure) else recording_size(demo),
+        ),
         (
             "100-module model (33 blocks)",
             hundred_run if isinstance(hundred_run, Failure) else recording_size(hundred),

@@ -191,6 +191,7 @@ def main() -> int:
             raise SystemExit("memtui agent did not start")
     scraper = None
     if args.config == "metrics":
+        assert agent is not None  # "metrics" is one of MEMTUI_CONFIGS
         if agent.metrics is None:
             raise SystemExit("the metrics endpoint did not start")
         scraper = _scraper(agent.metrics.port)

@@ -62,7 +62,8 @@ job_host_module = _load_fixture_module("job_host.py", "memtui_job_host")
 
 def live_stream_messages() -> list[schema.Message]:
     """The fixture run as a live socket sees it while the job still runs: no `End` yet."""
-    return fixture_builder.demo_messages(with_end=False)
+    messages: list[schema.Message] = fixture_builder.demo_messages(with_end=False)
+    return messages
 
 
 class FakeSource:
@@ -275,7 +276,8 @@ def torchrun_session(tmp_path: Path) -> Callable[..., tuple[dict[str, Any], str]
 @pytest.fixture
 def demo_messages() -> list[schema.Message]:
     """Hello, Names, 24 Steps, End: exactly what `demo.memtui` holds."""
-    return fixture_builder.demo_messages()
+    messages: list[schema.Message] = fixture_builder.demo_messages()
+    return messages
 
 
 @pytest.fixture
@@ -299,7 +301,8 @@ def builder() -> ModuleType:
 @pytest.fixture
 def make_step() -> Callable[[int], schema.Step]:
     """One fixture-shaped Step with any step number."""
-    return fixture_builder.make_step
+    make: Callable[[int], schema.Step] = fixture_builder.make_step
+    return make
 
 
 async def settle(pilot: Pilot[Any], screen: bool = True) -> None:

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -92,13 +92,14 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         subprocess.Popen.__init__ = original  # type: ignore[method-assign]
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """An unmarked test over its CPU budget fails, with what it used."""
-    outcome = yield
-    report = outcome.get_result()
+    report = yield
     if report.when != "call" or not report.passed or not _unmarked(item):
-        return
+        return report
     used = time.process_time() - item.stash.get(_CPU_AT_SETUP, time.process_time())
     if used > UNMARKED_CPU_BUDGET_S:
         report.outcome = "failed"
@@ -106,3 +107,4 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             f"{item.nodeid} used {used:.1f} s of CPU time, over the {UNMARKED_CPU_BUDGET_S:.0f} s "
             "an unmarked test may use: make it cheaper or mark it @pytest.mark.slow"
         )
+    return report

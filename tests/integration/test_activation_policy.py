@@ -94,6 +94,7 @@ def test_changing_batch_sizes_are_exact_on_every_step(
     assert measured == [True] * 3 + [False, False, True, False, False, True] + [False] * 4
     for step, batch in zip(steps, BATCHES, strict=True):
         if not step.activations_measured:
+            assert step.activations_from is not None
             source = steps[step.activations_from - 1]
             assert source.activations_measured
             assert BATCHES[source.step - 1] == batch

@@ -47,7 +47,8 @@ print("JOB DONE")
 
 
 def _run(run_python: Any, tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
-    return run_python(source)
+    result: subprocess.CompletedProcess[str] = run_python(source)
+    return result
 
 
 def test_failing_hook_is_reported_once_and_switched_off(tmp_path: Path, run_python: Any) -> None:

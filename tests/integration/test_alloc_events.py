@@ -53,7 +53,9 @@ IN_MODEL = [CPP, LINEAR, CALL_IMPL, MODEL, CALL_IMPL, TRAIN]
 IN_OPTIMIZER = [ADAMW, TRAIN]
 
 
-def entry(action: str, size: int, time_us: int | None = None, frames: Any = None, **extra: Any):
+def entry(
+    action: str, size: int, time_us: int | None = None, frames: Any = None, **extra: Any
+) -> dict[str, Any]:
     """One trace entry as `_snapshot()` returns it."""
     item: dict[str, Any] = {"action": action, "size": size, "stream": 0}
     if action == "oom":
@@ -466,7 +468,8 @@ OOM_EVENTS = schema.AllocEvents(
 
 def recorded_messages(builder: Any, with_events: bool = True) -> list[schema.Message]:
     """The fixture run with events on steps 1-4, ended by an OOM in step 5."""
-    messages = builder.demo_messages(with_end=False)[:6]  # hello, names, steps 1-4
+    # hello, names, steps 1-4
+    messages: list[schema.Message] = builder.demo_messages(with_end=False)[:6]
     if with_events:
         messages = [
             msgspec.structs.replace(m, alloc_events=gpu_events(m.step))

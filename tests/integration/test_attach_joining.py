@@ -73,7 +73,8 @@ def _job(tmp_path: Path, body: str) -> dict[str, Any]:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    reported: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return reported
 
 
 HELPER_THREAD = """

@@ -88,7 +88,7 @@ def free_port(consecutive: int = 1) -> int:
     for _ in range(200):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+            base: int = probe.getsockname()[1]
         if base + consecutive > 65535:
             continue
         try:
@@ -226,8 +226,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         )
         killed = memtui("cluster", "--prometheus", url, "--job", "lone", "--once")
         stop_file.touch()
-        for node in nodes:
-            node.wait(max(1.0, deadline - time.monotonic()))
+        for launch in nodes:
+            launch.wait(max(1.0, deadline - time.monotonic()))
         lone_run.wait(max(1.0, deadline - time.monotonic()))
         report = memtui("report", str(session), "--json")
         assert report.returncode == 0, report.stderr

@@ -30,13 +30,17 @@ GIB = 1 << 30
 NOW = 1_800_000_000.0
 
 
-def series(job: str, rank: int, host: str, name: str, value: float, **labels: str) -> dict:
+def series(
+    job: str, rank: int, host: str, name: str, value: float, **labels: str
+) -> dict[str, Any]:
     metric = {"__name__": name, "job": job, "rank": str(rank), "host": host,
               "local_rank": str(rank % 2), "world_size": "3", **labels}  # fmt: skip
     return {"metric": metric, "value": [NOW, str(value)]}
 
 
-def gpu_rank(job: str, rank: int, peak_activations: int, used: int, step: int = 12) -> list[dict]:
+def gpu_rank(
+    job: str, rank: int, peak_activations: int, used: int, step: int = 12
+) -> list[dict[str, Any]]:
     host = f"node{rank // 2}"
     samples = [series(job, rank, host, "memtui_step", step)]
     for stat in ("end", "max", "peak"):
@@ -59,9 +63,9 @@ class FakePrometheus:
     list of targets; `fresh` are the ranks a plain selector still returns."""
 
     def __init__(self) -> None:
-        self.series: list[dict] = []
+        self.series: list[dict[str, Any]] = []
         self.fresh: set[tuple[str, str]] = set()
-        self.targets: list[dict] = []
+        self.targets: list[dict[str, Any]] = []
         self.raw: tuple[int, bytes] | None = None
         self.delay = 0.0
         fake = self
@@ -145,7 +149,9 @@ def test_once_orders_by_headroom_then_peak_and_names_the_dead_rank(
     assert "last step 9" in dead
 
 
-def test_json_is_the_same_view(prometheus: FakePrometheus, capsys: pytest.CaptureFixture[str]):
+def test_json_is_the_same_view(
+    prometheus: FakePrometheus, capsys: pytest.CaptureFixture[str]
+) -> None:
     three_ranks(prometheus)
     assert main(["cluster", "--prometheus", prometheus.url, "--job", "llama", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

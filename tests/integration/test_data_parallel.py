@@ -180,7 +180,7 @@ def test_fsdp2_gathered_parameters_are_not_activations(
 def test_untracked_wrapper_memory_leaves_other() -> None:
     """`other` (allocated minus the piles) no longer hides DDP's separate buckets or FSDP's
     gathered parameters; bucket views are in the gradients already."""
-    from memtui.model.step_rows import distributed_notes, pile_rows
+    from memtui.model.step_rows import Untracked, distributed_notes, pile_rows
     from memtui_protocol import schema
 
     piles = schema.Piles(100, 100, 200, 50)
@@ -194,14 +194,14 @@ def test_untracked_wrapper_memory_leaves_other() -> None:
             distributed=wrapped,
         )  # fmt: skip
         rows = {row.name: row.at_peak for row in pile_rows(step)}
-        assert rows["ddp_buckets"] == extra["ddp_buckets"]
-        assert rows["other"] == 1000 - 450 - extra["ddp_buckets"]
+        assert rows[Untracked.DDP_BUCKETS] == extra["ddp_buckets"]
+        assert rows[Untracked.OTHER] == 1000 - 450 - extra["ddp_buckets"]
     step = schema.Step(
         step=1, t_start=0, t_end=1, end=piles, max=piles, peak=piles,
         allocator=schema.Allocator(allocated=1000, peak_allocated=1000), distributed=gathered,
     )  # fmt: skip
     rows = {row.name: row.at_peak for row in pile_rows(step)}
-    assert rows["fsdp_gathered"] == 300 and rows["other"] == 1000 - 450 - 300
+    assert rows[Untracked.FSDP_GATHERED] == 300 and rows[Untracked.OTHER] == 1000 - 450 - 300
     assert (
         "(gradient_as_bucket_view=True) would share them"
         in distributed_notes(

@@ -38,7 +38,7 @@ def _alert(kind: str, message: str = "m", group: int | None = None) -> schema.Al
 def troubled_run(builder: ModuleType) -> list[schema.Message]:
     """The fixture run (a skipped step 9, NaN loss and activations at 17), with the NaN loss
     again on 18 and 19 (follow-on alerts), a budget overrun said early for step 21 and a leak."""
-    messages = builder.demo_messages()
+    messages: list[schema.Message] = builder.demo_messages()
     for index, message in enumerate(messages):
         if isinstance(message, schema.Step) and message.step in (18, 19):
             messages[index] = msgspec.structs.replace(
@@ -90,7 +90,7 @@ def test_a_healthy_runs_notes_are_counted_not_named(tmp_path: Path, builder: Mod
 def test_a_kind_this_version_does_not_know_is_named_as_written(
     tmp_path: Path, builder: ModuleType
 ) -> None:
-    messages = builder.demo_messages()
+    messages: list[schema.Message] = builder.demo_messages()
     messages.insert(-1, schema.AlertNow(time=0.0, step=24, alert=_alert("thermal_throttle")))
     path = _write(tmp_path, builder, messages)
     assert "thermal_throttle at step 24" in (alert_tally(read_recording(path)).line(None) or "")

@@ -264,7 +264,8 @@ def models(tmp_path: Path) -> Path:
 def _counted(models: Path, spec: str, *extra: str) -> dict[str, int]:
     result = _memtui("--model", spec, "--json", *extra, cwd=models)
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    counted: dict[str, int] = json.loads(result.stdout)
+    return counted
 
 
 @pytest.mark.slow
@@ -341,12 +342,11 @@ def test_a_failing_child_is_relayed_as_its_last_line(
         assert command[:2] == [sys.executable, "-m"]
         return real_run([sys.executable, "-c", child], **options)
 
-    monkeypatch.setattr(model_count.subprocess, "run", run)
+    monkeypatch.setattr("memtui.reports.model_count.subprocess.run", run)
     with pytest.raises(_Failed, match=f"^{re.escape(said)}$"):
         model_count.child_json(["some.module"], "counting m:f", "m:f printed nothing", _Failed)
     monkeypatch.setattr(
-        model_count.subprocess,
-        "run",
+        "memtui.reports.model_count.subprocess.run",
         lambda command, **options: real_run(
             [sys.executable, "-c", "print('x'); print('{\"params\": 5}')"], **options
         ),

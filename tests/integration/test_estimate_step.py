@@ -32,13 +32,8 @@ from memtui.reports.model_estimate import (
     smallest_zero_stage,
     verdict_for,
 )
-from memtui_agent.estimate.fake_step import (
-    Autocast,
-    FakeStepRequest,
-    OptimizerKind,
-    Variant,
-    run_variant,
-)
+from memtui_agent.estimate.fake_step import run_variant
+from memtui_protocol.estimate import Autocast, FakeStepRequest, OptimizerKind, Variant
 
 pytestmark = pytest.mark.slow  # each test starts a torch job or two
 
@@ -61,7 +56,8 @@ def _estimate(model: str, batch: str, *extra: str) -> dict[str, Any]:
         *extra,
     )
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    estimated: dict[str, Any] = json.loads(result.stdout)
+    return estimated
 
 
 def _measured(tmp_path: Path, model: str, batch: str, optimizer: str, *extra: str) -> list[Any]:
@@ -73,7 +69,7 @@ def _measured(tmp_path: Path, model: str, batch: str, optimizer: str, *extra: st
     assert ran.returncode == 0, ran.stderr
     report = _memtui("report", str(recording), "--json")
     assert report.returncode == 0, report.stderr
-    steps = json.loads(report.stdout)["steps"]
+    steps: list[Any] = json.loads(report.stdout)["steps"]
     assert len(steps) == 3
     return steps
 

@@ -102,8 +102,8 @@ FRAMES = [wire.encode(message) for message in MESSAGES]
 DATA = wire.preamble() + b"".join(FRAMES)
 BOUNDARIES = [wire.PREAMBLE.size]
 """`BOUNDARIES[i]` is the offset where frame i starts; the last entry is the end of the data."""
-for _frame in FRAMES:
-    BOUNDARIES.append(BOUNDARIES[-1] + len(_frame))
+for _encoded in FRAMES:
+    BOUNDARIES.append(BOUNDARIES[-1] + len(_encoded))
 HELLO_END = BOUNDARIES[1]
 
 
@@ -360,7 +360,9 @@ def test_reader_on_random_bit_flips_shows_only_real_frames(scratch: Path, bits: 
     assert result.hello == MESSAGES[0]
     assert result.end in (None, MESSAGES[-1])
     assert all(error in MESSAGES for error in result.agent_errors)
-    assert result.module_names in ({}, EXPECTED[len(MESSAGES)][1])
+    expected = EXPECTED[len(MESSAGES)]
+    assert expected is not None
+    assert result.module_names in ({}, expected[1])
     if result.warning is None:
         assert _summary(result) == EXPECTED[len(MESSAGES)]
 
@@ -814,7 +816,9 @@ def test_reader_skips_a_frame_with_a_non_utf8_string(tmp_path: Path) -> None:
     path = tmp_path / "utf8.memtui"
     path.write_bytes(DATA[: BOUNDARIES[3]] + _frame(NOT_UTF8["field"]) + FRAMES[-1])
     recording = read_recording(path)
-    assert _summary(recording)[:-1] == EXPECTED[3][:-1]
+    expected = EXPECTED[3]
+    assert expected is not None
+    assert _summary(recording)[:-1] == expected[:-1]
     assert recording.end == MESSAGES[-1]
     assert recording.warning is not None and "skipped" in recording.warning
 
@@ -869,7 +873,7 @@ def test_late_values_fold_in_work_bounded_by_what_they_carry(
             given += sum(count for _step, count in flood)
             apply(recording, msgspec.structs.replace(_step(frame), late=late))
     finally:
-        msgspec.structs.replace = replace  # type: ignore[assignment]
+        msgspec.structs.replace = replace
     assert all(len(step.alerts) <= schema.MAX_ITEMS for step in recording.steps)
     assert copied[0] <= schema.MAX_LATE_BATCHES * (given + 1), (copied[0], given)
 
@@ -937,14 +941,14 @@ def test_sparse_recordings_cost_the_bytes_they_store(scratch: Path, holes: list[
         read[0] += len(data)
         return data
 
-    os.pread = counting  # type: ignore[assignment]
+    os.pread = counting
     try:
         try:
             result: Recording | RecordingError = read_recording(scratch)
         except RecordingError as exc:
             result = exc
     finally:
-        os.pread = pread  # type: ignore[assignment]
+        os.pread = pread
     info = scratch.stat()
     stored = info.st_blocks * 512
     assert read[0] <= stored + 4096, (read[0], stored)

@@ -276,7 +276,7 @@ def test_a_fifo_in_a_session_folder_is_a_warning(tmp_path: Path) -> None:
 
 
 def test_negative_allocator_level_is_drawn_on_the_bottom_row() -> None:
-    cells = [(" ", None, None)] * 6
+    cells: list[tuple[str, str | None, str | None]] = [(" ", None, None)] * 6
     marked = _with_levels(cells, (-5_000, 10), 100.0, 6)
     assert marked[-1][0] != " "
 

@@ -7,6 +7,7 @@ or be shadowed by the many RL codebases that have their own `agent.py`.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import stat
@@ -203,3 +204,36 @@ print('codes', codes)
     # attach --list with no live job says so, as an answer (exit 0); the others succeed.
     assert out.strip().splitlines()[-1] == "codes [0, 0, 0, 0, 0]"
     assert "no live memtui jobs" in out
+
+
+TYPED_WITHOUT_TORCH = [
+    "memtui_agent.startup.api",
+    "memtui_agent.job.modules",
+]
+"""Agent modules whose annotations name torch's types (under `if TYPE_CHECKING:`) while the
+modules themselves must load before the job imports torch: the public API, and what `start()`
+builds before torch is needed."""
+
+
+def _type_checking_imports(path: Path) -> set[str]:
+    """Modules a file imports inside a top-level `if TYPE_CHECKING:` block."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import):
+                    found |= {alias.name for alias in inner.names}
+                elif isinstance(inner, ast.ImportFrom) and inner.module:
+                    found.add(inner.module)
+    return found
+
+
+def test_torch_types_in_annotations_never_import_torch() -> None:
+    """Typing the agent with torch's classes costs the job no import: these modules name torch
+    in their annotations only, and load in an interpreter where torch cannot be imported."""
+    agent = Path(__file__).parent.parent / "agent"
+    for name in TYPED_WITHOUT_TORCH:
+        path = agent / (name.replace(".", "/") + ".py")
+        assert "torch" in _type_checking_imports(path), name
+    body = "import memtui_agent\n" + "".join(f"import {name}\n" for name in TYPED_WITHOUT_TORCH)
+    _run_blocked({"torch"}, body + "print('loaded')\n")

@@ -162,13 +162,14 @@ def test_the_fingerprint_sees_a_job_monkeypatching_torch_or_the_agent(
     exec(compile("def patched(self): pass", "<job patcher>", "exec"), namespace)
     before = job_host._fingerprint()
     original_close = health.HealthMonitor.close
-    torch.Tensor.memtui_test_patch = namespace["patched"]
-    health.HealthMonitor.close = namespace["patched"]
+    # Planted as a job would: attributes and methods the types do not declare, on purpose.
+    torch.Tensor.memtui_test_patch = namespace["patched"]  # type: ignore[attr-defined]
+    health.HealthMonitor.close = namespace["patched"]  # type: ignore[method-assign]
     try:
         during = job_host._difference(before, job_host._fingerprint())
     finally:
-        del torch.Tensor.memtui_test_patch
-        health.HealthMonitor.close = original_close
+        del torch.Tensor.memtui_test_patch  # type: ignore[attr-defined]
+        health.HealthMonitor.close = original_close  # type: ignore[method-assign]
     assert during == [
         "job code installed in torch or the agent: [] -> "
         "['memtui_agent.steps.health.HealthMonitor.close', 'torch.Tensor.memtui_test_patch']"

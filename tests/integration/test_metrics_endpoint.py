@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_harness import MEMTUI
@@ -39,7 +40,9 @@ print("RESULT " + json.dumps(found))
 """
 
 
-def run_job(tmp_path: Path, port: int | None, prelude: str = "") -> tuple[dict, str, Path]:
+def run_job(
+    tmp_path: Path, port: int | None, prelude: str = ""
+) -> tuple[dict[str, Any], str, Path]:
     script = tmp_path / "job.py"
     script.write_text(prelude + JOB)
     record = tmp_path / "run" / "rank-0.memtui"
@@ -53,13 +56,14 @@ def run_job(tmp_path: Path, port: int | None, prelude: str = "") -> tuple[dict, 
     return json.loads(line.removeprefix("RESULT ")), result.stderr, record
 
 
-def report(record: Path) -> dict:
+def report(record: Path) -> dict[str, Any]:
     result = subprocess.run(
         [*MEMTUI, "report", str(record), "--json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+    loaded: dict[str, Any] = json.loads(result.stdout)
+    return loaded
 
 
 def test_without_a_port_nothing_is_imported_or_started(tmp_path: Path) -> None:

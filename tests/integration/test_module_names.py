@@ -57,8 +57,8 @@ def test_a_loss_module_built_at_every_call_is_named_once(
     names = _module_names(long / "rec.memtui")
     assert names == _module_names(short / "rec.memtui")
     assert names.count("CrossEntropyLoss") == 1
-    steps = read_recording(long / "rec.memtui").steps
-    assert len(steps) == 12 and all(step.activations_measured for step in steps)
+    recorded = read_recording(long / "rec.memtui").steps
+    assert len(recorded) == 12 and all(step.activations_measured for step in recorded)
 
 
 def test_two_roots_of_one_class_get_names_of_their_own() -> None:

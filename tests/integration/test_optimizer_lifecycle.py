@@ -345,7 +345,8 @@ def test_the_viewer_names_the_optimizer_only_where_several_step(
         return found
 
     def step(number: int, **fields: Any) -> schema.Step:
-        return msgspec.structs.replace(make_step(number), **fields)
+        replaced: schema.Step = msgspec.structs.replace(make_step(number), **fields)
+        return replaced
 
     one = [step(n, optimizer="AdamW#1", optimizer_step=n) for n in (1, 2)]
     assert owners(one) == [None, None]

@@ -218,5 +218,6 @@ def test_the_end_of_the_job_counts_what_is_alive_then(tmp_path: Path, shared_pyt
     )
     recording = read_recording(tmp_path / "rec.memtui")
     assert not recording.steps[-1].activations_measured
+    assert recording.end is not None and recording.end.piles is not None
     end = recording.end.piles
     assert [end.weights, end.optimizer_state, end.gradients] == truth

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from cli_harness import MEMTUI
+from rich.text import Text
 
 from memtui_agent.startup.autostart import is_launcher, record_path_for_rank
 
@@ -74,7 +75,7 @@ def test_replay_of_a_session_switches_ranks_with_r(tmp_path: Path) -> None:
 
     for rank, weights in (("0", 1000), ("1", 2000)):
         piles = schema.Piles(weights, 0, 0, 0)
-        messages = [
+        messages: list[schema.Message] = [
             schema.Hello(
                 format_version=schema.FORMAT_VERSION,
                 agent_version="t",
@@ -170,7 +171,7 @@ def test_attach_groups_the_ranks_of_one_job() -> None:
     """Sidecars of one `memtui run` session (same token, with ranks) become one attach entry."""
     from memtui.commands.tui_commands import group_ranks
 
-    sidecars = [
+    sidecars: list[dict[str, Any]] = [
         {"pid": 11, "rank": 1, "session": "s1", "socket": "/r/11.sock", "started_unix": 5.0},
         {"pid": 10, "rank": 0, "session": "s1", "socket": "/r/10.sock", "started_unix": 5.0},
         {"pid": 20, "rank": None, "session": "s2", "socket": "/r/20.sock", "started_unix": 1.0},
@@ -254,9 +255,9 @@ def test_table_columns_grow_when_live_values_widen() -> None:
         async with app.run_test(size=(80, 10)) as pilot:
             table = app.query_one(DataTable)
             table.add_columns("rank", "weights")
-            sync_rows(table, [("0", ("0", "-"))])
+            sync_rows(table, [("0", (Text("0"), Text("-")))])
             await pilot.pause()
-            sync_rows(table, [("0", ("0", "1023.99 MiB"))])
+            sync_rows(table, [("0", (Text("0"), Text("1023.99 MiB")))])
             await pilot.pause()
             assert table.ordered_columns[1].content_width >= len("1023.99 MiB")
 
@@ -271,6 +272,7 @@ def test_processes_in_a_session_folder_get_their_own_index(tmp_path: Path) -> No
     paths = [record_path_for_rank(str(tmp_path), {}) for _ in range(3)]
     assert paths == [str(tmp_path / f"proc-{index}.memtui") for index in range(3)]
     for path in paths:
+        assert path is not None
         Path(path).write_bytes(b"")
     (tmp_path / "rank-1.memtui").write_bytes(b"")
     labels = [label for label, _ in session_files(tmp_path)]

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def _job(**overrides: object) -> dict[str, object]:
 
 
 @pytest.fixture
-def listener(tmp_path: Path) -> socket.socket:
+def listener(tmp_path: Path) -> Iterator[socket.socket]:
     """The socket an attacker would like `attach` to connect to."""
     path = tmp_path / "evil.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

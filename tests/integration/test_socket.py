@@ -53,7 +53,8 @@ def _start(tmp_path: Path, steps: int, pause: float) -> tuple[subprocess.Popen[s
 
 
 def _sidecar(runtime: Path, pid: int) -> dict[str, object]:
-    return json.loads((runtime / f"{pid}.json").read_text())
+    sidecar: dict[str, object] = json.loads((runtime / f"{pid}.json").read_text())
+    return sidecar
 
 
 def _read_until(sock: socket.socket, predicate: object, timeout: float = 20.0) -> list[object]:

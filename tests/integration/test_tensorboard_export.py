@@ -89,8 +89,8 @@ def test_a_session_folder_is_one_run_per_rank(tmp_path: Path, builder: ModuleTyp
     assert main(["export", str(session), "--format", "tensorboard"]) == 0
     out = tmp_path / "session.tensorboard"  # the default: beside the folder
     assert sorted(path.name for path in out.iterdir()) == ["rank-0", "rank-1"]
-    for rank in ("rank-0", "rank-1"):
-        assert len(read_run(out / rank)["piles/end/weights"]) == builder.STEPS
+    for run in ("rank-0", "rank-1"):
+        assert len(read_run(out / run)["piles/end/weights"]) == builder.STEPS
 
 
 def _with_rank(hello: schema.Message, rank: int) -> schema.Message:

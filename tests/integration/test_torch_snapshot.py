@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +29,20 @@ from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
 
 MiB = 1 << 20
-TRAIN_FRAMES = [
+TRAIN_FRAMES: list[dict[str, Any]] = [
     {"filename": "??", "line": 0, "name": "c10::cuda::CUDACachingAllocator::malloc"},
     {"filename": "/home/u/model.py", "line": 42, "name": "forward"},
     {"filename": "/home/u/train.py", "line": 7, "name": "<module>"},
 ]
 
 
-def block(size: int, state: str, address: int, requested: int | None = None, frames=()) -> dict:
+def block(
+    size: int,
+    state: str,
+    address: int,
+    requested: int | None = None,
+    frames: Iterable[dict[str, Any]] = (),
+) -> dict[str, Any]:
     return {
         "size": size,
         "requested_size": size if requested is None else requested,
@@ -45,7 +52,9 @@ def block(size: int, state: str, address: int, requested: int | None = None, fra
     }
 
 
-def segment(device: int, address: int, blocks: list[dict], **sizes: int) -> dict:
+def segment(
+    device: int, address: int, blocks: list[dict[str, Any]], **sizes: int
+) -> dict[str, Any]:
     total = sum(b["size"] for b in blocks)
     allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     active = sum(b["size"] for b in blocks if b["state"] != "inactive")
@@ -274,6 +283,7 @@ def test_snapshot_messages(snap: Path) -> None:
             device.reserved,
         )
         assert isinstance(alert, schema.AlertNow) and alert.alert.kind == "snapshot"
+    assert isinstance(alert1, schema.AlertNow) and isinstance(alert2, schema.AlertNow)
     assert "2 segments" in alert1.alert.message and "30% fragmentation" in alert1.alert.message
     assert "largest allocation 20.00 MiB at /home/u/model.py:42 forward" in alert1.alert.message
     assert "1 out-of-memory event" in alert2.alert.message

@@ -32,10 +32,11 @@ SOCKET = "/run/user/1000/memtui/4242.sock"
 def attached_stream(builder: ModuleType, attached_alert: bool = True) -> list[schema.Message]:
     """What the socket of an agent injected into the fixture job sends, the job still running:
     its hello names the recording, its first step carries the `attached` alert."""
-    messages = builder.demo_messages(with_end=False)
+    messages: list[schema.Message] = builder.demo_messages(with_end=False)
     messages[0] = msgspec.structs.replace(messages[0], recording=RECORDING)
     if attached_alert:
         first = messages[2]
+        assert isinstance(first, schema.Step)
         alert = schema.Alert(kind="attached", message="attached at step 1")
         messages[2] = msgspec.structs.replace(first, alerts=[alert, *first.alerts])
     return messages

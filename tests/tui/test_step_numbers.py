@@ -141,7 +141,7 @@ def test_the_window_counts_recorded_steps_apart_from_the_jobs_numbers() -> None:
         def reset_step(self) -> None: ...
 
     emitted: list[Any] = []
-    window = StepWindow(Closer(), Stand(), Stand(), emitted.append, lambda: True)  # type: ignore[arg-type]
+    window = StepWindow(Closer(), Stand(), Stand(), emitted.append, lambda: True)
     window.closed = ATTACHED_AFTER  # what the attach does
     for _ in range(3):
         window.optimizer_stepped(OptimizerRecord(kind="SGD", name="SGD#1", steps=1))

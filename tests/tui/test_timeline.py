@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 from rich.console import Console
 from rich.style import Style
@@ -36,7 +37,7 @@ GIB = 2**30
 def styled(line: Text) -> list[tuple[str, Style]]:
     """Each character of a line with the style it is drawn in."""
     console = Console(width=400, color_system="truecolor")
-    out = []
+    out: list[tuple[str, Style]] = []
     for segment in line.render(console):
         style = segment.style or Style()
         out.extend((char, style) for char in segment.text)
@@ -51,7 +52,7 @@ def fg(style: Style) -> str | None:
     return style.color.name if style.color else None
 
 
-def small_data(**changes: object) -> TimelineView:
+def small_data(**changes: Any) -> TimelineView:
     """Three steps: a full column, a half column, an empty one; cursor on the last."""
     data = TimelineView(
         steps=(1, 2, 3),

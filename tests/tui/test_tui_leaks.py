@@ -62,6 +62,7 @@ def test_the_gap_panel_lists_the_leaks_as_of_the_cursor_step(tui: Any, builder: 
         ]
         assert app.session.recording is not None
         report = build_report(app.session.recording)["leaks"]
+        assert gap.view is not None
         assert [
             (row.holder, row.bytes, row.per_step, row.first_step) for row in gap.view.leaks
         ] == [

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from repo_paths import FIXTURES
+from rich.text import Text
 from textual.app import App
 from textual.pilot import Pilot
 from textual.widgets import DataTable, RichLog
@@ -310,7 +311,7 @@ def test_attach_screen_escape_returns_nothing() -> None:
 
 def test_quit_while_the_job_runs_asks_first(tui: Any, live_messages: Messages) -> None:
     job = tui.FakeJob(["epoch 1", "epoch 2"])
-    app = MemtuiApp(tui.source(live_messages, live=True), job=job)  # type: ignore[arg-type]
+    app = MemtuiApp(tui.source(live_messages, live=True), job=job)
 
     async def body(pilot: Pilot[Any]) -> None:
         assert len(app.query_one("#output", RichLog).lines) == 2
@@ -334,7 +335,7 @@ def test_quit_after_the_job_ended_does_not_ask(tui: Any, demo_messages: Messages
     job = tui.FakeJob()
     job.code = 0
     source = tui.source(demo_messages, live=True)
-    app = MemtuiApp(source, job=job)  # type: ignore[arg-type]
+    app = MemtuiApp(source, job=job)
 
     async def body(pilot: Pilot[Any]) -> None:
         assert app.session.exit_code == 0
@@ -650,8 +651,8 @@ def test_a_tick_with_equal_rows_updates_no_cell(tui: Any, demo_messages: Message
         sync_rows(table, rows)
         assert updates == []
         key, cells = rows[0]
-        sync_rows(table, [(key, (*cells[:-1], "999")), *rows[1:]])
+        sync_rows(table, [(key, (*cells[:-1], Text("999"))), *rows[1:]])
         assert len(updates) == 1
-        assert table.get_row(key)[-1] == "999"
+        assert str(table.get_row(key)[-1]) == "999"
 
     tui.drive(app, body)

@@ -48,7 +48,7 @@ def live_app(tui: Any, messages: list[schema.Message]) -> MemtuiApp:
         # snap_compare runs the app itself; end the fake once the screenshot is taken.
         until=lambda: app is not None and app.return_value is not None,
     )
-    app = MemtuiApp(source, job=tui.FakeJob(JOB_OUTPUT))  # type: ignore[arg-type]
+    app = MemtuiApp(source, job=tui.FakeJob(JOB_OUTPUT))
     return app
 
 

@@ -106,7 +106,9 @@ class Job:
 def reading(step: int, activations: int) -> CloseReading:
     """A close's reading whose activation figures are `activations` bytes."""
     high = schema.Piles(weights=24, activations=activations)
-    dtypes = {Pile.ACTIVATIONS: {"float32": schema.DtypeStat(activations, 1)}}
+    dtypes: dict[str, dict[str, schema.DtypeStat]] = {
+        Pile.ACTIVATIONS: {"float32": schema.DtypeStat(activations, 1)}
+    }
     ledger = LedgerReading(schema.Piles(weights=24), high, high, dtypes, [])
     return CloseReading(step, ledger, schema.Allocator())
 

@@ -300,9 +300,10 @@ class Loud(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         CALLS.append("Loud.__torch_function__")
-        return super().__torch_function__(func, types, args, kwargs or {})
+        # torch's own carries no annotations
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
 
-    def untyped_storage(self) -> Any:  # type: ignore[override]
+    def untyped_storage(self) -> Any:
         CALLS.append("Loud.untyped_storage")
         return super().untyped_storage()
 
@@ -313,11 +314,13 @@ class Wrapper(torch.Tensor):
     @staticmethod
     def __new__(cls, inner: torch.Tensor) -> Wrapper:
         made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
-        made.inner = inner
+        made.inner = inner  # type: ignore[method-assign,assignment]  # shadows Tensor.inner
         return made
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    @classmethod  # torch types Tensor's as a plain function: a subclass's is a classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         CALLS.append("Wrapper.__torch_dispatch__")
         raise NotImplementedError
 
@@ -338,7 +341,7 @@ def test_tensor_subclasses_and_modes_run_none_of_their_python() -> None:
     wrapped = Wrapper(torch.randn(64))
     sparse = torch.randn(8, 8).relu().to_sparse()
     CALLS.clear()
-    with Watching():
+    with Watching():  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is untyped
         census = take_census([("loud", loud), ("wrapped", wrapped), ("sparse", sparse)])
     assert CALLS == []
     assert census.holdings["loud"].bytes == 256

@@ -152,7 +152,8 @@ def test_slug_follows_github() -> None:
 
 def code_blocks(section: str) -> list[str]:
     """The contents of a markdown section's fenced code blocks, one string each."""
-    blocks, current = [], None
+    blocks: list[str] = []
+    current: list[str] | None = None
     for line in section.splitlines():
         if _FENCE.match(line):
             if current is None:

@@ -53,7 +53,8 @@ def steps(builder: ModuleType) -> list[schema.Step]:
 
 
 def us(builder: ModuleType, unix: float) -> float:
-    return round((unix - builder.STARTED_UNIX) * 1e6, 3)
+    started: float = builder.STARTED_UNIX
+    return round((unix - started) * 1e6, 3)
 
 
 def test_chrome_trace_counters_match_steps(

@@ -72,7 +72,8 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
-        return answer.read().decode()
+        text: str = answer.read().decode()
+        return text
 
 
 def test_connections_that_never_finish_their_request_add_no_thread(

@@ -11,6 +11,7 @@ share a spelling, with the reason.
 
 from __future__ import annotations
 
+import argparse
 import ast
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,10 +58,14 @@ def _deciding(tree: ast.AST) -> Iterator[ast.expr]:
 
 def spelt_by_hand(folder: Path) -> set[tuple[str, str]]:
     """(file relative to `folder`, value) of each concept value spelt as a literal there."""
-    found = set()
+    found: set[tuple[str, str]] = set()
     for path in sorted(folder.rglob("*.py")):
         for node in _deciding(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Constant) and node.value in SPELLINGS:
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value in SPELLINGS)
+            ):
                 found.add((path.relative_to(folder).as_posix(), node.value))
     return found
 
@@ -95,16 +100,16 @@ def test_the_check_sees_a_hand_spelt_kind(tmp_path: Path) -> None:
 
 def test_cli_choices_are_the_enums() -> None:
     """`--nan-check` and `--activations` offer exactly the members, defaulting to theirs."""
-    subcommands = next(
-        action.choices  # type: ignore[attr-defined]
-        for action in build_parser()._actions
-        if action.dest == "command"
-    )
+    command_action = next(action for action in build_parser()._actions if action.dest == "command")
+    assert isinstance(command_action, argparse._SubParsersAction)
+    subcommands: dict[str, argparse.ArgumentParser] = command_action.choices
     for command in ("run", "demo"):
         actions = {action.dest: action for action in subcommands[command]._actions}
         activations = actions["activations"]
+        assert activations.choices is not None
         assert list(activations.choices) == [mode.value for mode in ActivationMode]
         assert activations.default == ActivationMode.AUTO
     nan_check = {action.dest: action for action in subcommands["run"]._actions}["nan_check"]
+    assert nan_check.choices is not None
     assert list(nan_check.choices) == [check.value for check in NanCheck]
     assert nan_check.default == NanCheck.DEFAULT

@@ -38,7 +38,7 @@ SAFETY_NET = 60.0
 
 def long_messages(builder: ModuleType, steps: int) -> list[schema.Message]:
     """The demo job run for `steps` steps, an alert with unsafe characters now and then."""
-    messages = builder.demo_messages(with_end=False)[:2]
+    messages: list[schema.Message] = builder.demo_messages(with_end=False)[:2]
     for number in range(1, steps + 1):
         step = builder.make_step((number - 1) % builder.STEPS + 1)
         alerts = list(step.alerts)
@@ -98,7 +98,7 @@ def test_a_recording_that_keeps_growing_is_read_to_its_size_at_the_start(
     """Every read lets the 'job' append a frame (a writer faster than any reader): the read
     still ends, at the size the file had, with the frame that size cut in two finished."""
     path = tmp_path / "growing.memtui"
-    messages = builder.demo_messages(with_end=False)
+    messages: list[schema.Message] = builder.demo_messages(with_end=False)
     cut = wire.encode(msgspec.structs.replace(builder.make_step(1), step=builder.STEPS + 1))
     path.write_bytes(builder.encode_recording(messages) + cut[: len(cut) // 2])
     writer = os.open(path, os.O_WRONLY | os.O_APPEND)

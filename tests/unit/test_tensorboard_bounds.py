@@ -127,7 +127,7 @@ def test_the_files_are_private_whatever_the_umask(tmp_path: Path, builder: Modul
 def many_kinds(builder: ModuleType, steps: int) -> list[schema.Message]:
     """A recording whose every step raises an alert of a kind of its own (a newer agent's
     kinds, kept as written)."""
-    messages = builder.demo_messages(with_end=False)[:2]
+    messages: list[schema.Message] = builder.demo_messages(with_end=False)[:2]
     for number in range(1, steps + 1):
         alert = schema.Alert(kind=f"kind-{number}", message=f"at step {number}")
         step = builder.make_step((number - 1) % builder.STEPS + 1)

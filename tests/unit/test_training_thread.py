@@ -9,6 +9,7 @@ these pin the parts it relies on, without a training job.
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -118,7 +119,7 @@ def _optimizer(module: nn.Module) -> Any:
     building a real one first imports torch's compiler, seconds on a loaded machine."""
     optimizer = object.__new__(torch.optim.SGD)
     optimizer.param_groups = [{"params": list(module.parameters())}]
-    optimizer.state = {}
+    optimizer.state = defaultdict(dict)  # what torch's Optimizer.__init__ sets
     return optimizer
 
 

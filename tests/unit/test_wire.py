@@ -54,7 +54,7 @@ def test_round_trip_every_message_type() -> None:
 def test_byte_at_a_time_feeding_gives_the_same_messages() -> None:
     data = _stream(_hello(), _step(1), _step(2))
     decoder = wire.FrameDecoder()
-    out = []
+    out: list[schema.Message] = []
     for index in range(len(data)):
         out.extend(decoder.feed(data[index : index + 1]))
     assert [type(message).__name__ for message in out] == ["Hello", "Step", "Step"]

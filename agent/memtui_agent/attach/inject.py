@@ -19,7 +19,7 @@ attach` waits on, and every failure is answered there, never raised into the job
 from __future__ import annotations
 
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -30,7 +30,14 @@ from memtui_protocol import schema
 from memtui_protocol.attach import Action, Answer, AttachRequest, write_reply
 from memtui_protocol.config import DEFAULT_METRICS_ADDR
 
-_pending: Any = None
+if TYPE_CHECKING:  # for annotations only
+    import weakref
+
+    import torch
+
+    from memtui_agent.startup.agent import Agent
+
+_pending: Arming | Detaching | None = None
 """The attach (`JoinAtNextStep`) or detach (`Detaching`) waiting for its moment."""
 
 
@@ -42,7 +49,7 @@ def handle(request: AttachRequest) -> None:
         attach(request)
 
 
-def _reply_running(reply: str, agent: Any) -> None:
+def _reply_running(reply: str, agent: Agent) -> None:
     write_reply(
         reply,
         Answer.RUNNING,
@@ -55,7 +62,12 @@ def _reply_running(reply: str, agent: Any) -> None:
 class Arming(JoinAtNextStep):
     """An attach waiting for the job's next step boundary, answering in its reply file."""
 
-    def __init__(self, request: AttachRequest, optimizers: list[Any], roots: list[Any]) -> None:
+    def __init__(
+        self,
+        request: AttachRequest,
+        optimizers: list[weakref.ref[torch.optim.Optimizer]],
+        roots: list[weakref.ref[torch.nn.Module]],
+    ) -> None:
         self.request = request
         self.reply = request.reply
         options = request.options
@@ -75,7 +87,7 @@ class Arming(JoinAtNextStep):
             describe=attached_message,
         )
 
-    def _answer_started(self, agent: Any) -> None:
+    def _answer_started(self, agent: Agent) -> None:
         write_reply(
             self.reply,
             Answer.STARTED,
@@ -155,7 +167,7 @@ def detach(request: AttachRequest) -> None:
 class Detaching:
     """A module pre-hook that stops the agent on the thread whose saved-tensor hooks it owns."""
 
-    def __init__(self, agent: Any, reply: str) -> None:
+    def __init__(self, agent: Agent, reply: str) -> None:
         self.agent = agent
         self.reply = reply
         self.finished = False
@@ -164,12 +176,12 @@ class Detaching:
     def arm(self) -> None:
         """Registered in `__init__`; kept for symmetry with `Arming`."""
 
-    def _module_pre(self, module: Any, args: Any) -> None:
+    def _module_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self.finished or is_compiling():
             return
         tracker = self.agent.tracker
-        if get_ident() != tracker.owner_thread:
-            return
+        if tracker is None or get_ident() != tracker.owner_thread:
+            return  # (a started agent always has its tracker: None is for mypy)
         if not tracker.arming.pack_removable or in_backward():
             return  # the job's own saved-tensor hooks are on top: popping now would pop theirs
         self.finished = True
@@ -185,6 +197,6 @@ class Detaching:
             write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")
 
 
-def _port(value: Any) -> int | None:
+def _port(value: object) -> int | None:
     """`memtui attach --metrics-port`: a TCP port, or None (no endpoint)."""
     return value if isinstance(value, int) and 0 <= value <= 65535 else None

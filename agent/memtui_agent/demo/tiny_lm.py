@@ -71,7 +71,8 @@ class CausalSelfAttention(nn.Module):
         v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(b, t, d)
-        return self.proj(y)
+        out: torch.Tensor = self.proj(y)  # a Module call is typed Any by torch
+        return out
 
 
 class Block(nn.Module):
@@ -113,7 +114,8 @@ class Block(nn.Module):
             Tensor of the same shape as ``x``.
         """
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class TinyLM(nn.Module):
@@ -171,7 +173,8 @@ class TinyLM(nn.Module):
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
 
 
 def make_batch(

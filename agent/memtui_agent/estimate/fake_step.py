@@ -39,9 +39,9 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtui_agent.estimate.count_params import CountError, one_line, resolve
 from memtui_protocol.estimate import (
@@ -53,6 +53,9 @@ from memtui_protocol.estimate import (
     StepFigures,
     Variant,
 )
+
+if TYPE_CHECKING:  # for annotations only: torch is imported where the step runs
+    import torch
 
 _OPTIMIZERS: dict[OptimizerKind, tuple[str, dict[str, Any]]] = {
     OptimizerKind.SGD: ("SGD", {"lr": 1e-3}),
@@ -170,11 +173,11 @@ def double_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def repeated_blocks(model: Any) -> Any:
+def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | torch.nn.Sequential | None:
     """The model's largest `nn.ModuleList` or `nn.Sequential` by parameters (its layers)."""
     import torch
 
-    containers = [
+    containers: list[torch.nn.ModuleList | torch.nn.Sequential] = [
         module
         for module in model.modules()
         if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= 2
@@ -184,7 +187,7 @@ def repeated_blocks(model: Any) -> Any:
     return max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
 
 
-def apply_checkpointing(model: Any) -> None:
+def apply_checkpointing(model: torch.nn.Module) -> None:
     """Activation checkpointing as the estimate assumes it (module docstring: reentrant).
 
     Raises:
@@ -220,7 +223,9 @@ def apply_checkpointing(model: Any) -> None:
         block.forward = checkpointed
 
 
-def make_optimizer(kind: OptimizerKind, parameters: Any) -> Any:
+def make_optimizer(
+    kind: OptimizerKind, parameters: Iterable[torch.Tensor]
+) -> torch.optim.Optimizer:
     """The torch.optim optimizer `--optimizer` names, over the trainable parameters."""
     import torch
 
@@ -228,13 +233,14 @@ def make_optimizer(kind: OptimizerKind, parameters: Any) -> Any:
     trainable = [p for p in parameters if p.requires_grad]
     if not trainable:
         raise FakeStepError("the model has no trainable parameters: nothing to train")
-    return getattr(torch.optim, name)(trainable, **options)
+    optimizer: torch.optim.Optimizer = getattr(torch.optim, name)(trainable, **options)
+    return optimizer
 
 
 def train_steps(
-    model: Any,
+    model: torch.nn.Module,
     batch: Mapping[str, Any],
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer,
     autocast: Autocast | None,
     spec: str,
     steps: int = 2,
@@ -256,7 +262,7 @@ def train_steps(
     return where
 
 
-def _step_without_values(optimizer: Any) -> None:
+def _step_without_values(optimizer: torch.optim.Optimizer) -> None:
     """Make `optimizer.step()` runnable on fake parameters.
 
     Optimizers keep their step count in a scalar tensor made from a Python number, and some
@@ -285,10 +291,11 @@ def _step_without_values(optimizer: Any) -> None:
     step = optimizer.step
 
     def step_without_values(*args: Any, **kwargs: Any) -> Any:
-        with unset_fake_temporarily(), ValuesAsOne():
+        # TorchDispatchMode.__init__ carries no annotations (torch 2.x).
+        with unset_fake_temporarily(), ValuesAsOne():  # type: ignore[no-untyped-call]
             return step(*args, **kwargs)
 
-    optimizer.step = step_without_values
+    optimizer.step = step_without_values  # type: ignore[method-assign]  # this optimizer only
 
 
 def _figures(step: Any) -> StepFigures:

@@ -11,10 +11,13 @@ persistent piles are walked at every close. A failure turns all of it off, repor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memtui_agent.job.distributed import DistributedMemory
 from memtui_protocol import schema
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
 
 
 class DataParallelHooks:
@@ -33,7 +36,7 @@ class DataParallelHooks:
         self._disable = disable
         self._fsdp = False
 
-    def discover(self, roots: Iterable[Any]) -> None:
+    def discover(self, roots: Iterable[torch.nn.Module]) -> None:
         """Look for the wrappers among newly registered model roots."""
         if not self._enabled["distributed"]:
             return
@@ -45,12 +48,12 @@ class DataParallelHooks:
         except Exception as exc:
             self._failed(exc)
 
-    def module_returned(self, module: Any) -> None:
+    def module_returned(self, module: torch.nn.Module) -> None:
         """A module's forward returned: sample before FSDP's own post-forward hook reshards."""
         if self.memory.fsdp.is_fsdp_module(module):
             self.sample_gathered()
 
-    def gathered_parameter(self, parameter: Any) -> bool:
+    def gathered_parameter(self, parameter: torch.Tensor) -> bool:
         """Whether a parameter autograd saves is FSDP's all-gathered one (sampled then)."""
         if not self.memory.fsdp.is_gathered_parameter(parameter):
             return False

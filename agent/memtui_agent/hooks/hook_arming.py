@@ -22,20 +22,25 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.steps.pile_count import PersistentPiles
 
+if TYPE_CHECKING:  # for annotations only
+    from torch.utils.hooks import RemovableHandle
 
-def forget_when_freed(obj: Any, table: dict[int, Any]) -> weakref.ref[Any]:
+_Held = TypeVar("_Held")
+
+
+def forget_when_freed(obj: _Held, table: dict[int, Any]) -> weakref.ref[_Held]:
     """A weakref to `obj` that removes `table[id(obj)]` when `obj` dies, so id()-keyed tables
     neither grow with the job's dead objects nor mistake a new one at the same id."""
     key = id(obj)
 
-    def forget(ref: weakref.ref[Any]) -> None:
+    def forget(ref: weakref.ref[_Held]) -> None:
         entry = table.get(key)
         if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
             del table[key]
@@ -60,8 +65,8 @@ class HookArming:
         """The one object pushed, so the top of the stack can be recognised as ours."""
         self._unpack = unpack
         self._grad_ready = grad_ready
-        self._module_handles: list[Any] = []
-        self.grad_hooked: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._module_handles: list[RemovableHandle] = []
+        self.grad_hooked: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
         self.pushed_on: int | None = None
         """The thread whose saved-tensor stack holds the agent's pair (None: not pushed)."""
@@ -172,7 +177,7 @@ class HookArming:
 
     # ----- gradient hooks ----------------------------------------------------------------------
 
-    def hook_grads(self, parameters: list[Any]) -> None:
+    def hook_grads(self, parameters: list[torch.Tensor]) -> None:
         """A post-accumulate-grad hook on each leaf parameter that requires a gradient."""
         hooked = self.grad_hooked
         for parameter in parameters:
@@ -197,7 +202,7 @@ class HookArming:
         """Whether the set is installed (the module hooks stand for it)."""
         return self.modules_armed
 
-    def arm(self, parameters: list[Any]) -> None:
+    def arm(self, parameters: list[torch.Tensor]) -> None:
         """Install module, saved-tensor and gradient hooks (on the training thread)."""
         self.arm_modules()
         self.push_pack()

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
+
+if TYPE_CHECKING:  # annotations only (torch is not imported here at run time)
+    import torch
 
 Wrapper = Callable[..., Any]
 
@@ -45,7 +48,9 @@ class SkipSink(Protocol):
     """Where a noticed skip goes (the tracker: it registers the optimizer, then tells the
     step window)."""
 
-    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
+    def scaler_skipped(
+        self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> None:
         """`scaler.step(optimizer)` returned without stepping `optimizer`."""
         ...
 
@@ -71,7 +76,7 @@ class GradScalerWrappers:
         self._disable = disable
 
     def scale(self, original: Wrapper) -> Wrapper:
-        def scale(scaler: Any, outputs: Any) -> Any:
+        def scale(scaler: torch.amp.GradScaler, outputs: Any) -> Any:
             result = original(scaler, outputs)
             if not self._thread.follows():
                 return result  # another thread's loss: not this recording's step
@@ -84,7 +89,12 @@ class GradScalerWrappers:
         return scale
 
     def step(self, original: Wrapper) -> Wrapper:
-        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        def step(
+            scaler: torch.amp.GradScaler,
+            optimizer: torch.optim.Optimizer,
+            *args: Any,
+            **kwargs: Any,
+        ) -> Any:
             # `scaler.step(optimizer)` steps the optimizer or skips it: either is this thread's
             # claim to be followed (`TrainingThread.claim`), decided before the scale is noted.
             thread = self._thread
@@ -95,8 +105,9 @@ class GradScalerWrappers:
             try:
                 # The scale this step's backward used; `update()` changes it in place later,
                 # and the step may close inside `original` (the optimizer's post hook).
-                if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
-                    self._window.scale_used(scaler._scale.detach().clone())
+                scale = getattr(scaler, "_scale", None) if scaler.is_enabled() else None
+                if scale is not None:
+                    self._window.scale_used(scale.detach().clone())
             except Exception as exc:
                 self._disable("scaler", exc)
             result = original(scaler, optimizer, *args, **kwargs)
@@ -112,7 +123,7 @@ class GradScalerWrappers:
         return step
 
     def update(self, original: Wrapper) -> Wrapper:
-        def update(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        def update(scaler: torch.amp.GradScaler, *args: Any, **kwargs: Any) -> Any:
             result = original(scaler, *args, **kwargs)
             if self._thread.follows():
                 self._window.scaler_updated(scaler)
@@ -121,7 +132,7 @@ class GradScalerWrappers:
         return update
 
     def unscale_(self, original: Wrapper) -> Wrapper:
-        def unscale_(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+        def unscale_(scaler: torch.amp.GradScaler, *args: Any, **kwargs: Any) -> Any:
             if self._thread.follows():
                 self._window.unscaled()
             return original(scaler, *args, **kwargs)
@@ -198,7 +209,7 @@ two other dicts only flag entries of `_global_forward_hooks`)."""
 AGENT_PACKAGE = __name__.split(".", 1)[0] + "."
 
 
-def _ours(hook: Any) -> bool:
+def _ours(hook: object) -> bool:
     module = getattr(hook, "__module__", None)
     return isinstance(module, str) and module.startswith(AGENT_PACKAGE)
 

@@ -14,7 +14,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
@@ -26,6 +26,10 @@ from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.steps.gate import ActivationGate
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol.schema import Phase
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
+    from torch.utils.hooks import RemovableHandle
 
 
 class RootHooks:
@@ -49,7 +53,7 @@ class RootHooks:
         self._disable = disable
         self._thread = thread
         """The thread whose forwards are followed (`training_thread`)."""
-        self._hooked: dict[int, tuple[weakref.ref[Any], list[Any]]] = {}
+        self._hooked: dict[int, tuple[weakref.ref[torch.nn.Module], list[RemovableHandle]]] = {}
         """id(root module) -> (weakref, its pre/post hook handles)."""
 
     def hook_roots(self) -> None:
@@ -72,7 +76,9 @@ class RootHooks:
                 handle.remove()
         self._hooked.clear()
 
-    def _pre(self, module: Any, args: Any, kwargs: Any = None) -> None:
+    def _pre(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
         # `kwargs` may be missing: when the agent is removed (detach) from a global pre-hook of
         # the same call, torch still calls this hook from its copied list, but without the
         # keyword arguments (its with-kwargs mark left with the handle). Never an error then.
@@ -98,7 +104,7 @@ class RootHooks:
             except Exception as exc:
                 self._disable("activations", exc)
 
-    def _post(self, module: Any, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: object) -> None:
         if is_compiling() or get_ident() != self._thread.ident or _current_graph_task_id() != -1:
             return
         with self._thread.following() as followed:

@@ -11,9 +11,12 @@ modified in place before backward used it, so `unpack` makes that check itself.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
-from memtui_agent.memory.ledger import Ledger
+from memtui_agent.memory.ledger import Key, Ledger
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
 
 
 class Saved:
@@ -27,7 +30,7 @@ class Saved:
 
     __slots__ = ("__weakref__", "keys", "ledger", "tensor", "version")
 
-    def __init__(self, tensor: Any, keys: list[Any], ledger: Ledger, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor, keys: list[Key], ledger: Ledger, version: int) -> None:
         self.tensor = tensor
         self.keys = keys
         self.ledger = ledger
@@ -51,7 +54,7 @@ class SavedOne:
 
     __slots__ = ("__weakref__", "key", "ledger", "tensor", "version")
 
-    def __init__(self, tensor: Any, key: Any, ledger: Ledger, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor, key: Key, ledger: Ledger, version: int) -> None:
         self.tensor = tensor
         self.key = key
         self.ledger = ledger
@@ -73,10 +76,13 @@ class SavedWeight:
 
     __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: Any, version: int) -> None:
+    def __init__(self, tensor: torch.Tensor, version: int) -> None:
         self.tensor = tensor
         self.version = version
 
+
+Packed: TypeAlias = "Saved | SavedOne | SavedWeight | torch.Tensor"
+"""What the agent's pack hook gives autograd to keep: a tracked tensor's holder, or the tensor."""
 
 MODIFIED_HINT = (
     "Hint: the backtrace further above shows the operation that failed to compute its "
@@ -85,19 +91,23 @@ MODIFIED_HINT = (
 )
 
 
-def unpack(saved: Any) -> Any:
+def unpack(saved: Packed) -> torch.Tensor:
+    """The tensor a `Saved*` holds (after autograd's version check), or the tensor packed as
+    it is."""
     if unpack_samplers:
         unpack_samplers[0]()
     kind = type(saved)
     if kind is SavedOne or kind is Saved or kind is SavedWeight:
-        tensor = saved.tensor
-        if tensor._version != saved.version:
+        # Narrowed by the exact-type test above, which mypy does not follow through `kind`.
+        held: SavedOne | Saved | SavedWeight = saved  # type: ignore[assignment]
+        tensor = held.tensor
+        if tensor._version != held.version:
             # What autograd raises without saved-tensor hooks: with them it checks nothing, and
             # a job that modified a saved tensor in place would train on wrong gradients.
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
                 f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
-                f"{tensor._version}; expected version {saved.version} instead. {MODIFIED_HINT}"
+                f"{tensor._version}; expected version {held.version} instead. {MODIFIED_HINT}"
             )
         return tensor
-    return saved
+    return saved  # type: ignore[return-value]  # a plain tensor, by the exact-type test above

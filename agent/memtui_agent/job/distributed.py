@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtui_agent.memory.ledger import local_tensor
 from memtui_protocol import schema
 
+if TYPE_CHECKING:  # for annotations only: FSDP is imported only by jobs that use it
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
-def _unique_nbytes(tensors: list[Any]) -> int:
+
+def _unique_nbytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages of `tensors` (each storage once)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
@@ -45,10 +50,10 @@ class DdpBuckets:
     """DDP wrappers among the watched roots and the size of their gradient buckets."""
 
     def __init__(self) -> None:
-        self._wrappers: list[tuple[weakref.ref[Any], int]] = []
+        self._wrappers: list[tuple[weakref.ref[DistributedDataParallel], int]] = []
         """Each DDP wrapper (weakly) and its bucket bytes, fixed once DDP is built."""
 
-    def discover(self, roots: list[Any]) -> None:
+    def discover(self, roots: list[torch.nn.Module]) -> None:
         """Remember the DDP wrappers among newly registered model roots."""
         ddp_type = _ddp_class()
         if ddp_type is None:
@@ -81,13 +86,13 @@ class DdpBuckets:
         return buckets, view, min(in_gradients, buckets)
 
 
-def _ddp_class() -> Any:
+def _ddp_class() -> type[DistributedDataParallel] | None:
     """DDP's class if the job imported it (importing it here would cost the job time and RSS)."""
     module = sys.modules.get("torch.nn.parallel.distributed")
     return getattr(module, "DistributedDataParallel", None)
 
 
-def _bucketed_parameters(wrapper: Any) -> list[Any]:
+def _bucketed_parameters(wrapper: DistributedDataParallel) -> list[torch.Tensor]:
     """The parameters DDP reduces through buckets: trainable, dense, not ignored."""
     ignored = set(getattr(wrapper, "parameters_to_ignore", ()) or ())
     params = []
@@ -107,13 +112,13 @@ class _Group:
 
     __slots__ = ("_params", "storages")
 
-    def __init__(self, params: list[Any]) -> None:
+    def __init__(self, params: list[object]) -> None:
         # Weakly: a model the job drops must not be kept alive by the agent.
         self._params = [weakref.ref(param) for param in params]
-        self.storages: list[Any] = []
+        self.storages: list[torch.UntypedStorage] = []
 
     @property
-    def params(self) -> list[Any]:
+    def params(self) -> list[object]:
         """FSDP's parameter objects of the group that are still alive."""
         return [param for param in (ref() for ref in self._params) if param is not None]
 
@@ -149,7 +154,7 @@ class FsdpGathered:
         self.now = 0
         self.max = 0
 
-    def discover(self, roots: list[Any]) -> None:
+    def discover(self, roots: list[torch.nn.Module]) -> None:
         """Find the FSDP2-sharded modules among newly registered model roots."""
         fsdp_type = _fsdp_class()
         if fsdp_type is None:
@@ -164,11 +169,11 @@ class FsdpGathered:
                     self._groups.append(_Group(list(group.fsdp_params)))
                 self.active = True
 
-    def is_fsdp_module(self, module: Any) -> bool:
+    def is_fsdp_module(self, module: torch.nn.Module) -> bool:
         """Whether forward is leaving a module FSDP gathers parameters for."""
         return id(module) in self._module_ids
 
-    def is_gathered_parameter(self, parameter: Any) -> bool:
+    def is_gathered_parameter(self, parameter: torch.Tensor) -> bool:
         """Whether `parameter` is one of FSDP's unsharded parameters (created lazily by FSDP)."""
         if id(parameter) in self._unsharded_ids:
             return True
@@ -201,7 +206,7 @@ class FsdpGathered:
         return result
 
 
-def _fsdp_class() -> Any:
+def _fsdp_class() -> type[FSDPModule] | None:
     """FSDP2's module class if the job imported it (`torch.distributed.fsdp` pulls in DTensor:
     seconds of imports no job without FSDP should pay)."""
     module = sys.modules.get("torch.distributed.fsdp")
@@ -215,7 +220,7 @@ class DistributedMemory:
         self.ddp = DdpBuckets()
         self.fsdp = FsdpGathered()
 
-    def discover(self, roots: list[Any]) -> None:
+    def discover(self, roots: list[torch.nn.Module]) -> None:
         """Look for DDP and FSDP2 wrappers among newly registered model roots."""
         self.ddp.discover(roots)
         self.fsdp.discover(roots)

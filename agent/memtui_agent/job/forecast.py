@@ -11,10 +11,13 @@ an optimizer it does not know gets no forecast rather than a guess.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtui_agent.memory.ledger import local_tensor
 from memtui_protocol.units import format_bytes
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
 
 STEP_BYTES = 4
 """`state["step"]` is a float32 scalar tensor in torch.optim (its own storage)."""
@@ -42,11 +45,11 @@ class Forecast:
         return grown == self.bytes if self.exact else 0 <= grown <= self.bytes
 
 
-def _full(parameter: Any) -> int:
+def _full(parameter: torch.Tensor) -> int:
     return parameter.numel() * parameter.element_size()
 
 
-def _adafactor(parameter: Any, group: dict[str, Any]) -> int:
+def _adafactor(parameter: torch.Tensor, group: dict[str, Any]) -> int:
     """Factored second moments: one row and one column vector per matrix, full for vectors."""
     size = parameter.element_size()
     if parameter.dim() < 2:
@@ -58,7 +61,9 @@ def _adafactor(parameter: Any, group: dict[str, Any]) -> int:
     return leading * (shape[-2] + shape[-1]) * size + STEP_BYTES
 
 
-def per_parameter_bytes(optimizer: Any, parameter: Any, group: dict[str, Any]) -> int | None:
+def per_parameter_bytes(
+    optimizer: torch.optim.Optimizer, parameter: torch.Tensor, group: dict[str, Any]
+) -> int | None:
     """Bytes of state one parameter will get, or None for an optimizer we cannot forecast."""
     name = type(optimizer).__name__
     parameter = local_tensor(parameter)  # state is shaped like this rank's shard (FSDP, TP)
@@ -86,7 +91,7 @@ def per_parameter_bytes(optimizer: Any, parameter: Any, group: dict[str, Any]) -
     return None
 
 
-def _lbfgs(optimizer: Any) -> Forecast | None:
+def _lbfgs(optimizer: torch.optim.Optimizer) -> Forecast | None:
     """LBFGS (one state for all parameters, in torch 2.x's layout): the flat direction `d` and
     `prev_flat_grad`, and per iteration that updates the history one flat `y` and `s` and two
     scalars (`ro`, `al`), plus the scalar `H_diag`; at most `min(max_iter - 1, history_size)`
@@ -104,7 +109,7 @@ def _lbfgs(optimizer: Any) -> Forecast | None:
     return Forecast(flat * (2 + 2 * history) + size * (1 + 2 * history), exact=False)
 
 
-def forecast_first_step(optimizer: Any, closure: bool = False) -> Forecast | None:
+def forecast_first_step(optimizer: torch.optim.Optimizer, closure: bool = False) -> Forecast | None:
     """State bytes the optimizer will hold after its first step, counting only parameters that
     have a gradient now (the ones the step will initialise). None if the type is unknown.
 

@@ -11,22 +11,29 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from memtui_protocol import schema
 
+if TYPE_CHECKING:  # annotations only: the registry is built before the job imports torch
+    import torch
+
 REWALK_EVERY = 64
 
+_ParameterCache = tuple[tuple[int, int, tuple[int, ...]], "list[weakref.ref[torch.Tensor]]"]
+"""(generation, tree generation, parameter count of each group) and weakrefs to the parameters
+found then."""
 
-def _parameter_values(module: Any) -> Any:
+
+def _parameter_values(module: torch.nn.Module) -> Iterable[torch.nn.Parameter | None]:
     return module._parameters.values()
 
 
-def _buffer_values(module: Any) -> Any:
+def _buffer_values(module: torch.nn.Module) -> Iterable[torch.Tensor | None]:
     return module._buffers.values()
 
 
-def _holds_nothing(module: Any) -> bool:
+def _holds_nothing(module: torch.nn.Module) -> bool:
     """No child, and no parameter or buffer that is set (a loss's `weight` buffer is None)."""
     if getattr(module, "_modules", None):
         return False
@@ -41,19 +48,19 @@ class ModuleRegistry:
 
     def __init__(self, publish: Callable[[schema.Names], None]) -> None:
         self._publish = publish
-        self._by_id: dict[int, tuple[weakref.ref[Any], int]] = {}
+        self._by_id: dict[int, tuple[weakref.ref[torch.nn.Module], int]] = {}
         self._names: list[str] = []
         self._roots_of_class: dict[str, int] = {}
         """Class name -> roots of that class registered so far (`_add_root` numbers them)."""
         self._empty_ids: dict[str, int] = {}
         """Class name -> the name id all of its empty modules share (`lookup`)."""
-        self._parked_names: dict[int, tuple[weakref.ref[Any], int, int, str]] = {}
+        self._parked_names: dict[int, tuple[weakref.ref[torch.nn.Module], int, int, str]] = {}
         """id(root) -> (weakref, first name id, module count, prefix) of every tree named so
         far, so one registered again after `forget_objects` keeps its names."""
-        self.roots: list[weakref.ref[Any]] = []
-        self.optimizers: list[weakref.ref[Any]] = []
+        self.roots: list[weakref.ref[torch.nn.Module]] = []
+        self.optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self.param_names: dict[int, str] = {}
-        self._module_cache: tuple[tuple[int, int], list[weakref.ref[Any]]] | None = None
+        self._module_cache: tuple[tuple[int, int], list[weakref.ref[torch.nn.Module]]] | None = None
         """((generation, tree_generation), weakrefs to every module) of the last walk."""
         self._walks = 0
         self.generation = 0
@@ -61,14 +68,14 @@ class ModuleRegistry:
         self.tree_generation = 0
         """Bumped by `note_tree_change` (torch's registration hooks, `Module._apply`): a module,
         parameter or buffer was added or replaced somewhere."""
-        self._parameter_cache: tuple[Any, list[weakref.ref[Any]]] | None = None
+        self._parameter_cache: _ParameterCache | None = None
         self._parameter_calls = 0
         self._walked_ids: frozenset[int] = frozenset()
         """id() of every module found by the last walk of the trees."""
         self.parameter_walks = 0
         """How many times `parameters()` walked the trees (facts about them are redone then)."""
 
-    def known_id(self, module: Any) -> int | None:
+    def known_id(self, module: torch.nn.Module) -> int | None:
         """Name id of a module of a registered tree; None for any other (the hooks' hot path:
         registering is `lookup`'s, and the hooks do it only while they follow the thread)."""
         known = self._by_id.get(id(module))
@@ -76,7 +83,7 @@ class ModuleRegistry:
             return known[1]
         return None
 
-    def lookup(self, module: Any) -> int:
+    def lookup(self, module: torch.nn.Module) -> int:
         """Name id of a module, registering its tree if it is new.
 
         A new module that holds nothing (no parameter, buffer or child) is not a tree: jobs
@@ -105,7 +112,7 @@ class ModuleRegistry:
         """The qualified name behind an id."""
         return self._names[module_id] if 0 <= module_id < len(self._names) else "<no module>"
 
-    def _add_root(self, root: Any) -> None:
+    def _add_root(self, root: torch.nn.Module) -> None:
         """Name a new tree: the first root of a class by its qualified names (`encoder.fc`),
         a later one of the same class under `Class#N.` (`Net#2.fc`), so two models of one class
         (a GAN's pair, a teacher and its student, an EMA copy) never share a name. A tree
@@ -130,19 +137,19 @@ class ModuleRegistry:
         if new_names:
             self._publish(schema.Names(kind="module", first_id=first_id, names=new_names))
 
-    def _parking_ref(self, root: Any) -> weakref.ref[Any]:
+    def _parking_ref(self, root: torch.nn.Module) -> weakref.ref[torch.nn.Module]:
         """A weakref to `root` that takes its `_parked_names` entry away when it dies."""
         key = id(root)
         table = self._parked_names
 
-        def forget(ref: weakref.ref[Any]) -> None:
+        def forget(ref: weakref.ref[torch.nn.Module]) -> None:
             entry = table.get(key)
             if entry is not None and entry[0] is ref:
                 del table[key]
 
         return weakref.ref(root, forget)
 
-    def _readd_parked(self, root: Any) -> bool:
+    def _readd_parked(self, root: torch.nn.Module) -> bool:
         """Register a tree forgotten by `forget_objects` again under the ids its names already
         have in the stream (the same modules in the same order); False if it has none."""
         parked = self._parked_names.get(id(root))
@@ -176,7 +183,7 @@ class ModuleRegistry:
         self._walked_ids = frozenset()
         self.generation += 1
 
-    def add_optimizer(self, optimizer: Any) -> bool:
+    def add_optimizer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Remember an optimizer; True the first time it is seen."""
         if any(ref() is optimizer for ref in self.optimizers):
             return False
@@ -184,7 +191,7 @@ class ModuleRegistry:
         self.generation += 1
         return True
 
-    def live_roots(self) -> Iterator[Any]:
+    def live_roots(self) -> Iterator[torch.nn.Module]:
         """Roots still alive; dead ones are dropped so their memory no longer counts."""
         alive = [ref for ref in self.roots if ref() is not None]
         self.roots = alive
@@ -193,7 +200,7 @@ class ModuleRegistry:
             if root is not None:
                 yield root
 
-    def live_optimizers(self) -> Iterator[Any]:
+    def live_optimizers(self) -> Iterator[torch.optim.Optimizer]:
         """Optimizers still alive."""
         self.optimizers = [ref for ref in self.optimizers if ref() is not None]
         for ref in self.optimizers:
@@ -201,7 +208,7 @@ class ModuleRegistry:
             if optimizer is not None:
                 yield optimizer
 
-    def modules(self) -> list[Any]:
+    def modules(self) -> list[torch.nn.Module]:
         """Every module of every live root, walked again only when it may have changed.
 
         Walking `named_modules()` each step costs more than the rest of a step close; the list
@@ -217,7 +224,7 @@ class ModuleRegistry:
                 return modules
         # The cache holds weak references only: a module the job drops (a swapped head, a
         # whole model) is freed at once, exactly as without the agent; a dead one forces a walk.
-        seen: dict[int, Any] = {}
+        seen: dict[int, torch.nn.Module] = {}
         for root in self.live_roots():
             for module in root.modules():
                 seen.setdefault(id(module), module)
@@ -226,7 +233,7 @@ class ModuleRegistry:
         self._walked_ids = frozenset(seen)
         return modules
 
-    def note_tree_change(self, module: Any, *_args: Any) -> None:
+    def note_tree_change(self, module: torch.nn.Module, *_args: object) -> None:
         """A module of a known tree registered or converted a child, parameter or buffer: walk
         the trees again.
 
@@ -241,12 +248,12 @@ class ModuleRegistry:
         if id(module) in self._walked_ids or id(module) in self._by_id:
             self.tree_generation += 1
 
-    def weight_tensors(self, parameters: list[Any]) -> list[Any]:
+    def weight_tensors(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
         """`parameters` (this close's `self.parameters()`) and the buffers of every root."""
         buffers = list(chain.from_iterable(map(_buffer_values, self.modules())))
         return parameters + [t for t in buffers if t is not None]
 
-    def parameters(self) -> list[Any]:
+    def parameters(self) -> list[torch.Tensor]:
         """Every known parameter once: those of the modules, then optimizer-only ones.
 
         Read from each module's `_parameters` when the trees may have changed (a registration
@@ -268,33 +275,34 @@ class ModuleRegistry:
             found = [parameter for ref in cache[1] if (parameter := ref()) is not None]
             if len(found) == len(cache[1]):
                 return found
-        found = list(chain.from_iterable(map(_parameter_values, self.modules())))
+        walked: list[torch.Tensor | None]
+        walked = list(chain.from_iterable(map(_parameter_values, self.modules())))
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                found += group["params"]
-        unique = dict(zip(map(id, found), found, strict=False))
+                walked += group["params"]
+        unique = dict(zip(map(id, walked), walked, strict=False))
         unique.pop(id(None), None)
-        parameters = list(unique.values())
+        parameters = cast("list[torch.Tensor]", list(unique.values()))  # None popped just above
         self.parameter_walks += 1
         self._parameter_cache = (key, [weakref.ref(parameter) for parameter in parameters])
         return parameters
 
     @staticmethod
-    def gradients(parameters: list[Any]) -> list[Any]:
+    def gradients(parameters: list[torch.Tensor]) -> list[torch.Tensor]:
         """The `.grad` of each of `parameters` (this step's `parameters()`) that has one."""
         return [grad for p in parameters if (grad := p.grad) is not None]
 
-    def optimizer_state_tensors(self) -> list[Any]:
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
         """Every tensor held in the state of every live optimizer."""
         return state_tensors(self.live_optimizers())
 
 
-def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
+def state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
     """Every tensor held in `optimizer.state`, one level of lists and tuples included."""
     import torch
 
     tensor = torch.Tensor
-    found: list[Any] = []
+    found: list[torch.Tensor] = []
     for optimizer in optimizers:
         states = [state for state in list(optimizer.state.values()) if type(state) is dict]
         values = list(chain.from_iterable(map(dict.values, states)))
@@ -309,7 +317,7 @@ def state_tensors(optimizers: Iterable[Any]) -> list[Any]:
     return found
 
 
-def holds_sequences(optimizers: Iterable[Any]) -> bool:
+def holds_sequences(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
     """Whether some optimizer keeps lists or tuples in its state (LBFGS's history): tensors
     appended to them change no count a close can read without walking the state."""
     for optimizer in optimizers:
@@ -319,7 +327,7 @@ def holds_sequences(optimizers: Iterable[Any]) -> bool:
     return False
 
 
-def state_bytes(optimizer: Any) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the unique storages in one optimizer's state (its first step's growth)."""
     from memtui_agent.memory.ledger import storages_of
 

@@ -13,11 +13,14 @@ import sys
 import weakref
 from dataclasses import dataclass
 from types import CodeType, FrameType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memtui_agent.job.forecast import Forecast
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,7 +45,7 @@ class OptimizerRecord:
 class _OuterStep:
     """The top-level `step()` now running: whose, and which wrapper frame runs it."""
 
-    optimizer: weakref.ref[Any]
+    optimizer: weakref.ref[torch.optim.Optimizer]
     frame_id: int
     code: CodeType
 
@@ -55,18 +58,19 @@ class OptimizerBook:
         self._named = 0
         self._outer: _OuterStep | None = None
 
-    def record(self, optimizer: Any) -> OptimizerRecord:
+    def record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """The record of `optimizer`, made on first sight."""
-        found = self._records.get(optimizer)
+        found: OptimizerRecord | None = self._records.get(optimizer)
         if found is None:
             found = self._records[optimizer] = OptimizerRecord(kind=type(optimizer).__name__)
         return found
 
-    def get(self, optimizer: Any) -> OptimizerRecord | None:
+    def get(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord | None:
         """The record of `optimizer` if it was seen."""
-        return self._records.get(optimizer)
+        found: OptimizerRecord | None = self._records.get(optimizer)
+        return found
 
-    def enter(self, optimizer: Any, wrapper: FrameType) -> bool:
+    def enter(self, optimizer: torch.optim.Optimizer, wrapper: FrameType) -> bool:
         """A `step()` starts (its pre hook, `wrapper` being torch's step wrapper frame).
 
         Returns whether it is a top-level step. An outer step that raised never ran its post
@@ -78,7 +82,7 @@ class OptimizerBook:
         self._named_record(optimizer)
         return True
 
-    def leave(self, optimizer: Any, wrapper: FrameType) -> OptimizerRecord | None:
+    def leave(self, optimizer: torch.optim.Optimizer, wrapper: FrameType) -> OptimizerRecord | None:
         """A `step()` returned (its post hook). The record when it was the top-level one, whose
         step count then grows; None for a nested step."""
         outer = self._outer
@@ -87,13 +91,13 @@ class OptimizerBook:
         self._outer = None
         return self.count_step(optimizer)
 
-    def count_step(self, optimizer: Any) -> OptimizerRecord:
+    def count_step(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """One more top-level step of `optimizer` (a GradScaler skip counts as one)."""
         record = self._named_record(optimizer)
         record.steps += 1
         return record
 
-    def _named_record(self, optimizer: Any) -> OptimizerRecord:
+    def _named_record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         """Its record, named at its first top-level step (index in order of first step)."""
         record = self.record(optimizer)
         if record.name is None:
@@ -118,7 +122,7 @@ class OptimizerBook:
         return {r.name: r.steps for r in self._records.values() if r.name is not None}
 
 
-def live_optimizers() -> list[Any]:
+def live_optimizers() -> list[torch.optim.Optimizer]:
     """Every torch.optim optimizer alive in the process: one walk of the garbage collector's
     objects, done once (the first backward of a job whose optimizers have not stepped yet)."""
     import gc

@@ -16,7 +16,6 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from typing import Any
 
 import torch
 
@@ -35,11 +34,11 @@ class ParameterFacts:
     dense gradient's."""
 
     nbytes: list[int]
-    dtypes: list[Any]
+    dtypes: list[torch.dtype]
     devices: list[int]
 
     @classmethod
-    def of(cls, parameters: list[Any]) -> ParameterFacts | None:
+    def of(cls, parameters: list[torch.Tensor]) -> ParameterFacts | None:
         """The facts, or None for parameters that are not all plain strided tensors."""
         tensor = torch.Tensor
         if set(map(type, parameters)) - {torch.nn.Parameter, tensor}:
@@ -60,17 +59,17 @@ class ParameterFacts:
 class GradientBatch:
     """The gradients present at this close, and what is known of them without another pass."""
 
-    tensors: list[Any]
+    tensors: list[torch.Tensor]
     summary: tuple[int, dict[str, DtypeStat]] | None = None
     """(bytes, dtype inventory) when every gradient owns a storage of its own; None otherwise."""
     pointers: list[int] = field(default_factory=list)
     """Their data pointers (each the start of its own storage), with `summary`."""
-    groups: dict[tuple[Any, Any], list[Any]] | None = None
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] | None = None
     """`(device, dtype) -> gradients` for the fused check, when they are all on one device in
     one dtype (otherwise the health check groups them)."""
 
 
-def gather(parameters: list[Any], facts: ParameterFacts | None) -> GradientBatch:
+def gather(parameters: list[torch.Tensor], facts: ParameterFacts | None) -> GradientBatch:
     """The `.grad` of each of `parameters` that has one, with its pile figures when exact.
 
     `facts` describes `parameters` (same list, same order); without it (parameters of a

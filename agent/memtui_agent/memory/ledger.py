@@ -75,7 +75,7 @@ NO_MODULE = -1
 
 Key = int
 """A storage's identity: its data pointer and device in one int (`storage_key`)."""
-StorageInfo = tuple[Key, int, str, Any]
+StorageInfo = tuple[Key, int, str, torch.UntypedStorage]
 """(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
 NODE_SHIFT = 80
 """Bits of a `saved_nodes` value below the node's sequence number: a key is under 2^66 (an
@@ -85,7 +85,7 @@ ENTRY_POOL = 4096
 tracks, which matters because each young-generation collection also walks autograd graphs."""
 
 
-def local_tensor(tensor: Any) -> Any:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (its local shard); any other tensor as it is.
 
     Health checks and forecasts must work on the local shard: operating on the DTensor itself
@@ -102,14 +102,16 @@ def storage_key(device: int, pointer: int) -> Key:
     return (pointer << 8) | (device + 1)
 
 
-_dtype_names: dict[Any, str] = {}
+_dtype_names: dict[torch.dtype, str] = {}
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
 
 
-def dtype_inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
+def dtype_inventory(
+    storages: Iterable[tuple[int, torch.dtype]],
+) -> tuple[int, dict[str, DtypeStat]]:
     """Total bytes and dtype inventory of `(nbytes, dtype)` pairs, one per unique storage."""
-    inventory: dict[Any, list[int]] = {}
+    inventory: dict[torch.dtype, list[int]] = {}
     for size, dtype in storages:
         stat = inventory.get(dtype)
         if stat is None:
@@ -123,7 +125,7 @@ def dtype_inventory(storages: Any) -> tuple[int, dict[str, DtypeStat]]:
     return total, named
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     """`torch.float32` -> `"float32"`, cached because it runs on every pack."""
     name = _dtype_names.get(dtype)
     if name is None:
@@ -149,7 +151,7 @@ def count_fake_storages(enabled: bool) -> None:
     _fake_storages = enabled
 
 
-def storages_of(tensor: Any) -> list[StorageInfo]:
+def storages_of(tensor: torch.Tensor) -> list[StorageInfo]:
     """The storages a tensor keeps alive: one for strided tensors, several for sparse ones.
 
     Meta tensors own no memory and give an empty list, as do empty storages (fake tensors too,
@@ -195,7 +197,7 @@ def storages_of(tensor: Any) -> list[StorageInfo]:
     return found
 
 
-def plain_storage(tensor: Any) -> StorageInfo | None:
+def plain_storage(tensor: torch.Tensor) -> StorageInfo | None:
     """`storages_of` for the hooks' common case, a plain strided tensor, without building a
     list (it runs for every saved tensor and every gradient); None for anything else.
 
@@ -213,7 +215,7 @@ def plain_storage(tensor: Any) -> StorageInfo | None:
     return key, storage.nbytes(), name, storage
 
 
-def _inner_storages(wrapper: Any, depth: int = 0) -> list[StorageInfo]:
+def _inner_storages(wrapper: torch.Tensor, depth: int = 0) -> list[StorageInfo]:
     """Storages of a traceable wrapper subclass's inner tensors (bounded recursion)."""
     flatten = getattr(wrapper, "__tensor_flatten__", None)
     if flatten is None or depth > 4:
@@ -233,7 +235,7 @@ class _Entry:
     __slots__ = ("act_refs", "dtype", "mask", "module", "nbytes", "pile", "ref")
 
     def __init__(self, nbytes: int, dtype: str) -> None:
-        self.ref: weakref.ref[Any] | None = None
+        self.ref: weakref.ref[torch.UntypedStorage] | None = None
         self.reset(nbytes, dtype)
 
     def reset(self, nbytes: int, dtype: str) -> _Entry:
@@ -333,7 +335,7 @@ class Ledger:
 
     # ----- membership ----------------------------------------------------------------------
 
-    def sync(self, pile: PileIndex, tensors: Iterable[Any]) -> bool:
+    def sync(self, pile: PileIndex, tensors: Iterable[torch.Tensor]) -> bool:
         """Make `pile` exactly the storages of `tensors` (weights or optimizer state or grads).
 
         Called at a step close when the pile may have changed (`pile_watch.PileWatch`); it catches
@@ -402,7 +404,7 @@ class Ledger:
         return changed
 
     def summarize(
-        self, pile: PileIndex, tensors: list[Any]
+        self, pile: PileIndex, tensors: list[torch.Tensor]
     ) -> tuple[int, dict[str, DtypeStat]] | None:
         """Bytes and dtype inventory of `tensors`' unique storages, as `sync` would count them
         for `pile`, without making them members (no entry, no weakref, no free callback).
@@ -457,7 +459,7 @@ class Ledger:
         tells a step close that the pile changed without a walk."""
         return len(self._members[pile])
 
-    def add(self, pile: PileIndex, tensor: Any) -> None:
+    def add(self, pile: PileIndex, tensor: torch.Tensor) -> None:
         """Claim the storages of one tensor for a persistent pile (a fresh gradient)."""
         infos = storages_of(tensor)
         with self._lock:
@@ -466,7 +468,13 @@ class Ledger:
                     self._claim(info, pile)
 
     def claim(
-        self, pile: PileIndex, key: Key, nbytes: int, dtype: str, storage: Any, tensor: Any = None
+        self,
+        pile: PileIndex,
+        key: Key,
+        nbytes: int,
+        dtype: str,
+        storage: torch.UntypedStorage,
+        tensor: torch.Tensor | None = None,
     ) -> None:
         """Claim one storage for a persistent pile (a fresh gradient's, read by its hook).
 
@@ -498,7 +506,7 @@ class Ledger:
         if entry is not None:
             self._set_mask(key, entry, entry.mask & ~_BITS[pile])
 
-    def _freed(self, ref: weakref.ref[Any]) -> None:
+    def _freed(self, ref: weakref.ref[torch.UntypedStorage]) -> None:
         """A claimed storage was deallocated: it leaves every pile."""
         with self._lock:
             key = self._ref_keys.pop(id(ref), None)

@@ -39,7 +39,7 @@ _REQUIRES_GRAD = _T["requires_grad"]
 _IS_LEAF = _T["is_leaf"]
 _LAYOUT = _T["layout"]
 _UNTYPED_STORAGE = _T["untyped_storage"]
-_SPARSE_PARTS: dict[Any, tuple[Any, ...]] = {
+_SPARSE_PARTS: dict[torch.layout, tuple[Any, ...]] = {
     torch.sparse_coo: (_T["_indices"], _T["_values"]),
     torch.sparse_csr: (_T["crow_indices"], _T["col_indices"], _T["values"]),
     torch.sparse_bsr: (_T["crow_indices"], _T["col_indices"], _T["values"]),
@@ -78,14 +78,14 @@ def census_guards() -> Iterator[None]:
         yield
 
 
-def storages(tensor: Any) -> list[tuple[Key, int]] | None:
+def storages(tensor: torch.Tensor) -> list[tuple[Key, int]] | None:
     """`(key, nbytes)` of the storages a tensor keeps alive, keyed as the ledger keys them;
     None for a tensor with no storage of its own (a wrapper subclass, whose inner tensors the
     walk finds among its attributes). Meta and fake tensors own no memory: an empty list."""
     layout = _LAYOUT.__get__(tensor)
     parts = _SPARSE_PARTS.get(layout)
     pieces = [tensor] if parts is None else [part(tensor) for part in parts]
-    found = []
+    found: list[tuple[Key, int]] = []
     for piece in pieces:
         try:
             storage = _UNTYPED_STORAGE(piece)
@@ -102,16 +102,18 @@ def storages(tensor: Any) -> list[tuple[Key, int]] | None:
     return found
 
 
-def grad_fn(tensor: Any) -> Any:
+def grad_fn(tensor: torch.Tensor) -> torch.autograd.graph.Node | None:
     """The tensor's autograd node (None for a leaf or a detached tensor)."""
-    return _GRAD_FN.__get__(tensor)
+    node: torch.autograd.graph.Node | None = _GRAD_FN.__get__(tensor)  # a C getset: untyped
+    return node
 
 
-def leaf_grad(tensor: Any) -> Any:
+def leaf_grad(tensor: torch.Tensor) -> torch.Tensor | None:
     """A leaf tensor's `.grad` (None otherwise: reading it on a non-leaf warns)."""
     if not _REQUIRES_GRAD.__get__(tensor) or not _IS_LEAF.__get__(tensor):
         return None
-    return _GRAD.__get__(tensor)
+    grad: torch.Tensor | None = _GRAD.__get__(tensor)
+    return grad
 
 
 class NodeType:
@@ -125,14 +127,14 @@ class NodeType:
         self.next_functions = _c_descriptor(cls, "next_functions", _GETSET)
         self.sequence_nr = _c_descriptor(cls, "_sequence_nr", _METHOD)
 
-    def upstream(self, node: Any) -> tuple[Any, ...]:
+    def upstream(self, node: torch.autograd.graph.Node) -> tuple[Any, ...]:
         """The nodes `node` passes gradients to (`(node, input index)` pairs)."""
         if self.next_functions is None:
             return ()
         edges = self.next_functions.__get__(node)
         return edges if type(edges) is tuple else ()
 
-    def sequence(self, node: Any) -> int | None:
+    def sequence(self, node: torch.autograd.graph.Node) -> int | None:
         """The node's sequence number: its identity on the thread that built it."""
         if self.sequence_nr is None:
             return None

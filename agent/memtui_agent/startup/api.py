@@ -19,14 +19,19 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtui_protocol.config import DEFAULT_METRICS_ADDR, AgentConfig
 from memtui_protocol.schema import ActivationMode, NanCheck
 from memtui_protocol.shown_text import terminal_safe
 
+if TYPE_CHECKING:  # for the annotations only: torch is imported inside `start()`
+    import torch
+
+    from memtui_agent.startup.agent import Agent
+
 _lock = threading.Lock()
-_agent: Any = None
+_agent: Agent | None = None
 _fork_hook_installed = False
 _exit_hook_installed = False
 exit_owned = False
@@ -48,7 +53,7 @@ def start(
     metrics_addr: str = DEFAULT_METRICS_ADDR,
     metrics_job: str | None = None,
     config: AgentConfig | None = None,
-) -> Any:
+) -> Agent | None:
     """Start monitoring this process (idempotent: a second call returns the running agent).
 
     The keyword arguments are the fields of `AgentConfig` (memtui_protocol/config.py); `config`
@@ -148,13 +153,15 @@ def stop(
         agent.finish(exit_code=exit_code, error=error, stopped=stopped, namespace=namespace)
 
 
-def current() -> Any:
+def current() -> Agent | None:
     """The agent running in this process, if any."""
     agent = _agent
     return agent if agent is not None and agent.pid == os.getpid() else None
 
 
-def watch(model: Any = None, optimizer: Any = None) -> None:
+def watch(
+    model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Tell the agent about a model and an optimizer before they first run (optional).
 
     Global hooks find both on their own; watching early makes the weights visible before the
@@ -176,7 +183,7 @@ def monitor(
     metrics_port: int | None = None,
     metrics_addr: str = DEFAULT_METRICS_ADDR,
     metrics_job: str | None = None,
-) -> Iterator[Any]:
+) -> Iterator[Agent | None]:
     """Monitor the enclosed block; an exception escaping it is recorded with its phase.
 
     The keywords are `start()`'s."""

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.notes import note
 from memtui_protocol.safe_open import make_folder, session_folder_mode
+
+if TYPE_CHECKING:  # the agent (and torch) load only when a child starts its own
+    from memtui_agent.startup.agent import Agent
 
 FORKED = "a forked child"
 
@@ -84,7 +87,7 @@ def record_path(record: str | None, metrics: bool = False) -> str | None:
     return os.path.join(folder, f"proc-{claim_process_index(folder)}.memtui")
 
 
-def _start(config: AgentConfig, install_exit_handlers: bool) -> Any:
+def _start(config: AgentConfig, install_exit_handlers: bool) -> Agent | None:
     """On the training thread: the agent, recording this process; None if it did not start."""
     from memtui_agent.startup import api, autostart
 
@@ -125,7 +128,7 @@ def _stop_as_child_ends() -> None:
         api.stop(exit_code=1, error=error)
 
 
-def after_fork(parent: Any) -> None:
+def after_fork(parent: Agent) -> None:
     """In a process forked from one whose agent runs: that agent's hooks leave (the parent
     keeps its own) and this process is followed like any other child."""
     parent.disable_in_fork_child()

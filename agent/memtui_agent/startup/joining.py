@@ -30,7 +30,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.compiler import is_compiling
@@ -38,15 +38,20 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from memtui_protocol import schema
 
+if TYPE_CHECKING:  # for annotations only
+    from torch.utils.hooks import RemovableHandle
+
 STEP_CODE = "_optimizer_step_code"
 """The method torch's optimizers call at the end of each `step()`, empty, kept for profilers."""
 
 
-def scan_heap() -> tuple[list[weakref.ref[Any]], list[weakref.ref[Any]]]:
+def scan_heap() -> tuple[
+    list[weakref.ref[torch.optim.Optimizer]], list[weakref.ref[torch.nn.Module]]
+]:
     """One walk of the garbage collector's objects: every optimizer, and the outermost modules
     holding parameters they train (weakly: the agent keeps nothing of the job alive)."""
-    optimizers = []
-    modules = []
+    optimizers: list[torch.optim.Optimizer] = []
+    modules: list[torch.nn.Module] = []
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads `__class__`, which some objects turn into
         # a property that warns (torch.distributed.reduce_op) on the job's stderr.
@@ -70,7 +75,7 @@ def scan_heap() -> tuple[list[weakref.ref[Any]], list[weakref.ref[Any]]]:
     return [weakref.ref(o) for o in optimizers], [weakref.ref(m) for m in roots]
 
 
-def job_step(optimizers: list[Any]) -> int | None:
+def job_step(optimizers: list[torch.optim.Optimizer]) -> int | None:
     """Steps the job has taken, from its optimizers' own counters (None when none keeps one).
 
     Only host values are read: a `step` on the GPU (capturable, fused) would make this wait for
@@ -112,8 +117,8 @@ class JoinAtNextStep:
 
     def __init__(
         self,
-        optimizers: list[weakref.ref[Any]],
-        roots: list[weakref.ref[Any]],
+        optimizers: list[weakref.ref[torch.optim.Optimizer]],
+        roots: list[weakref.ref[torch.nn.Module]],
         *,
         start: Callable[[], Any],
         started: Callable[[Any], None],
@@ -128,7 +133,7 @@ class JoinAtNextStep:
         self._describe = describe
         self.thread: int | None = None
         """The training thread: the first to end a step (an optimizer step, or a backward)."""
-        self.stepped: list[weakref.ref[Any]] = []
+        self.stepped: list[weakref.ref[torch.optim.Optimizer]] = []
         """Optimizers that training thread stepped: the agent is handed those and the models
         they train, never another thread's (hooks/training_thread.py)."""
         self.boundary = False
@@ -137,7 +142,7 @@ class JoinAtNextStep:
         """Forwards after the boundary all ran inside the job's own saved-tensor hooks."""
         self._force = False
         self._lock = threading.Lock()
-        self._pre: Any = None
+        self._pre: RemovableHandle | None = None
         self._step_code: Any = None
         self._step_code_wrapper: Any = None
         self._backward: Any = None
@@ -152,7 +157,7 @@ class JoinAtNextStep:
         original = torch.optim.Optimizer.__dict__.get(STEP_CODE)
         if by_optimizer and callable(original):
 
-            def step_code(optimizer: Any) -> Any:
+            def step_code(optimizer: torch.optim.Optimizer) -> Any:
                 result = original(optimizer)
                 if is_compiling():  # a compiled step: nothing of ours inside its graph
                     return result
@@ -211,8 +216,9 @@ class JoinAtNextStep:
 
     # ----- on the job's threads -----------------------------------------------------------------
 
-    def _stepped(self, optimizer: Any) -> None:
-        """A step ended on this thread: the first thread to end one is the training thread."""
+    def _stepped(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """A step ended on this thread (None: a backward, in a job without an optimizer): the
+        first thread to end one is the training thread."""
         if self.finished:
             return
         ident = get_ident()
@@ -232,7 +238,7 @@ class JoinAtNextStep:
             if first and not self.finished:
                 self._pre = register_module_forward_pre_hook(self._module_pre)
 
-    def _module_pre(self, module: Any, args: Any) -> None:
+    def _module_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self.finished or is_compiling() or get_ident() != self.thread or in_backward():
             return
         try:
@@ -248,7 +254,7 @@ class JoinAtNextStep:
         except Exception as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
 
-    def _join(self, module: Any, args: Any) -> None:
+    def _join(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         """On the training thread, at a step boundary: start the agent and hand it the job."""
         agent = self._start_agent()
         if agent is None:

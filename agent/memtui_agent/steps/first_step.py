@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memtui_agent.job.forecast import forecast_first_step
 from memtui_agent.job.modules import state_bytes
@@ -20,6 +20,9 @@ from memtui_agent.steps.budget import Budget
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, Pile
 from memtui_protocol.units import format_bytes
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
 
 
 class FirstSteps:
@@ -38,7 +41,7 @@ class FirstSteps:
 
     def before(
         self,
-        optimizer: Any,
+        optimizer: torch.optim.Optimizer,
         record: OptimizerRecord,
         step: int,
         current: schema.Piles,
@@ -60,7 +63,7 @@ class FirstSteps:
             self._emit(schema.AlertNow(time=time.time(), step=step, alert=over))
 
     @staticmethod
-    def after(optimizer: Any, record: OptimizerRecord) -> schema.Alert | None:
+    def after(optimizer: torch.optim.Optimizer, record: OptimizerRecord) -> schema.Alert | None:
         """What the first `step()` of an optimizer allocated, against its forecast."""
         record.first_step_done = True
         grown = state_bytes(optimizer) - record.state_before

@@ -30,8 +30,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,7 +48,7 @@ MAX_DEFERRED = 8
 that many steps behind the host, so the wait costs the job nothing it was not waiting for)."""
 
 
-def make_event(device: Any) -> Any:
+def make_event(device: torch.device) -> torch.cuda.Event:
     """An event recorded behind the copies queued on `device`'s current stream."""
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
@@ -61,7 +60,9 @@ class _Deferred:
 
     __slots__ = ("event", "host", "module_ids", "skipped", "step")
 
-    def __init__(self, step: int, checks: Any, skipped: bool, module_ids: list[int]) -> None:
+    def __init__(
+        self, step: int, checks: torch.Tensor, skipped: bool, module_ids: list[int]
+    ) -> None:
         self.step = step
         self.skipped = skipped
         self.module_ids = module_ids
@@ -69,7 +70,7 @@ class _Deferred:
         self.event = make_event(checks.device)
 
 
-def _floating(value: Any) -> list[Any]:
+def _floating(value: object) -> list[torch.Tensor]:
     """Floating-point tensors at the first level of a module's input or output."""
     if isinstance(value, torch.Tensor):
         return [value] if value.is_floating_point() else []
@@ -86,10 +87,17 @@ _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
 
 
-_ones: dict[Any, Any] = {}
+Groups = dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+"""Tensors by (device, dtype), as the foreach kernels take them."""
+ModuleFlag = tuple[int, torch.Tensor, "torch.Tensor | None"]
+"""(module id, output flag, input flag or None): one module call's device flags."""
+AnyModuleFlag = tuple[int, "torch.Tensor | None", "torch.Tensor | None"]
+"""A `ModuleFlag`, or a deferred step's (module id, None, None): its flags were read already."""
+
+_ones: dict[torch.device, torch.Tensor] = {}
 
 
-def _one(device: Any) -> Any:
+def _one(device: torch.device) -> torch.Tensor:
     """A cached `[1.0]` on `device`: the fused check's inverse scale, read-only."""
     one = _ones.get(device)
     if one is None:
@@ -97,7 +105,7 @@ def _one(device: Any) -> Any:
     return one
 
 
-def _checkable(grads: list[Any]) -> list[Any]:
+def _checkable(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients the fused check can read: strided floating-point local tensors (a DTensor
     op here would be a collective in the job, so its local shard is checked). The common case,
     plain tensors of usual float dtypes, is recognised in C without a loop per gradient."""
@@ -112,7 +120,7 @@ def _checkable(grads: list[Any]) -> list[Any]:
     return [g for g in local if g.layout is torch.strided and g.is_floating_point()]
 
 
-def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]:
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> Groups:
     """Group tensors as the foreach kernels need them, in C++ (as torch's optimizers do)."""
     if not tensors:
         return {}
@@ -120,11 +128,12 @@ def _by_device_and_dtype(tensors: list[Any]) -> dict[tuple[Any, Any], list[Any]]
     places = set(map(_DEVICE, tensors))
     if len(kinds) == 1 and len(places) == 1:
         return {(places.pop(), kinds.pop()): tensors}  # one group: nothing to sort
-    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)
-    return {key: lists[0] for key, (lists, _) in grouped.items()}
+    # torch's stub allows None entries, which `tensors` never holds.
+    grouped = torch._C._group_tensors_by_device_and_dtype([tensors], False)  # type: ignore[list-item]
+    return {key: lists[0] for key, (lists, _) in grouped.items()}  # type: ignore[misc]
 
 
-def _stacked(flags: list[Any], device: Any) -> Any:
+def _stacked(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One tensor of 0-dim flags on `device` (moved one by one only when devices differ)."""
     try:
         return torch.stack(flags).to(device)
@@ -132,7 +141,7 @@ def _stacked(flags: list[Any], device: Any) -> Any:
         return torch.stack([flag.to(device) for flag in flags])
 
 
-def _probe(tensors: list[Any]) -> Any:
+def _probe(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """A 0-dim float32 device tensor that is non-finite iff some element is (no host sync).
 
     One reduction per tensor, its lowest and highest value (`aminmax`, which propagates NaN and
@@ -153,7 +162,7 @@ def _probe(tensors: list[Any]) -> Any:
     return probe
 
 
-def _non_finite_flag(members: list[Any], device: Any) -> Any:
+def _non_finite_flag(members: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """`[1.0]` on `device` if some element of `members` (one device, one dtype) is not finite,
     else `[0.0]`: the fused check with a scale of one, which leaves the values as they are."""
     found = torch.zeros(1, device=device)
@@ -161,14 +170,14 @@ def _non_finite_flag(members: list[Any], device: Any) -> Any:
     return found
 
 
-def _on_host(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> bool:
+def _on_host(groups: Groups, losses: list[torch.Tensor]) -> bool:
     """Whether every gradient and loss can be read at once (no device to wait for)."""
     return all(device.type not in DEFERRED_DEVICES for device, _ in groups) and all(
         loss.device.type not in DEFERRED_DEVICES for loss in losses
     )
 
 
-def _host_checks(groups: dict[tuple[Any, Any], list[Any]], losses: list[Any]) -> list[float]:
+def _host_checks(groups: Groups, losses: list[torch.Tensor]) -> list[float]:
     """`[grads non-finite, losses non-finite]` for host tensors, read directly: the same fused
     check, without the small tensor ops that gather results on a device (a dozen ops, tens of
     microseconds each on a CPU)."""
@@ -186,8 +195,8 @@ class HealthMonitor:
         self.mode = mode
         self.armed_until = 0
         self.weights_bad_since: int | None = None
-        self._module_flags: list[tuple[int, Any, Any]] = []
-        self._probed: dict[int, tuple[weakref.ref[Any], int, Any]] = {}
+        self._module_flags: list[ModuleFlag] = []
+        self._probed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
         self._deferred: list[_Deferred] = []
 
@@ -196,7 +205,7 @@ class HealthMonitor:
         mode = self.mode
         return mode is NanCheck.FULL or (mode is NanCheck.DEFAULT and step <= self.armed_until)
 
-    def module_output(self, module_id: int, args: Any, output: Any) -> None:
+    def module_output(self, module_id: int, args: object, output: object) -> None:
         """Record device flags for one module call (inputs finite, output finite)."""
         outputs = _floating(output)
         out_flag = _probe(outputs)
@@ -207,7 +216,7 @@ class HealthMonitor:
             tensor = outputs[0]
             self._probed[id(tensor)] = (weakref.ref(tensor), tensor._version, out_flag)
 
-    def _input_probe(self, inputs: list[Any]) -> Any:
+    def _input_probe(self, inputs: list[torch.Tensor]) -> torch.Tensor | None:
         """The input flag, reusing an earlier module's output flag for the same tensor.
 
         Most inputs are the previous module's output, already reduced once. The flag is reused
@@ -224,12 +233,12 @@ class HealthMonitor:
     def close(
         self,
         step: int,
-        grads: list[Any],
-        losses: list[Any],
-        named: Callable[[], list[tuple[str, Any]]],
+        grads: list[torch.Tensor],
+        losses: list[torch.Tensor],
+        named: Callable[[], list[tuple[str, torch.Tensor]]],
         skipped: bool,
-        module_name: Any,
-        groups: dict[tuple[Any, Any], list[Any]] | None = None,
+        module_name: Callable[[int], str],
+        groups: Groups | None = None,
     ) -> list[schema.Alert]:
         """Check the step; return its alerts. One host transfer when healthy.
 
@@ -255,7 +264,10 @@ class HealthMonitor:
         return self._judge(step, values, named, skipped, module_flags, module_name)
 
     def collect(
-        self, named: Callable[[], list[tuple[str, Any]]], module_name: Any, wait: bool = False
+        self,
+        named: Callable[[], list[tuple[str, torch.Tensor]]],
+        module_name: Callable[[int], str],
+        wait: bool = False,
     ) -> list[tuple[int, list[schema.Alert]]]:
         """Alerts of earlier steps whose deferred checks have reached the host, with their
         step; `wait` (at the end of the job) waits for the rest. Parameters are named from
@@ -280,10 +292,10 @@ class HealthMonitor:
         self,
         step: int,
         values: list[float],
-        named: Callable[[], list[tuple[str, Any]]],
+        named: Callable[[], list[tuple[str, torch.Tensor]]],
         skipped: bool,
-        module_flags: list[tuple[int, Any, Any]],
-        module_name: Any,
+        module_flags: Sequence[AnyModuleFlag],
+        module_name: Callable[[int], str],
     ) -> list[schema.Alert]:
         """The alerts that one step's check values call for (none when healthy)."""
         grads_bad, loss_bad = values[0] > 0, values[1] > 0
@@ -303,10 +315,10 @@ class HealthMonitor:
 
     def _device_checks(
         self,
-        groups: dict[tuple[Any, Any], list[Any]],
-        losses: list[Any],
-        module_flags: list[tuple[int, Any, Any]],
-    ) -> Any:
+        groups: Groups,
+        losses: list[torch.Tensor],
+        module_flags: list[ModuleFlag],
+    ) -> torch.Tensor | None:
         """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
         device = None
         grads_bad = None
@@ -346,12 +358,12 @@ class HealthMonitor:
     def _alerts(
         self,
         step: int,
-        parameters: list[tuple[str, Any]],
+        parameters: list[tuple[str, torch.Tensor]],
         skipped: bool,
         bad: tuple[bool, bool],
-        module_flags: list[tuple[int, Any, Any]],
+        module_flags: Sequence[AnyModuleFlag],
         module_checks: tuple[list[float], list[float]],
-        module_name: Any,
+        module_name: Callable[[int], str],
     ) -> list[schema.Alert]:
         loss_bad, grads_bad = bad
         module_ok, inputs_ok = module_checks
@@ -395,13 +407,13 @@ class HealthMonitor:
         return schema.Alert(kind=kind, message=message, where=where, group=group)
 
     @staticmethod
-    def _nonfinite_names(named: list[tuple[str, Any]]) -> list[str]:
+    def _nonfinite_names(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[str]:
         """Names of tensors holding NaN/Inf (alarm path only: one transfer for all of them)."""
-        named = [(n, local_tensor(t)) for n, t in named if t is not None]
-        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
-        if not named:
+        local = [(n, local_tensor(t)) for n, t in named if t is not None]
+        local = [(n, t) for n, t in local if t.is_floating_point() and t.numel()]
+        if not local:
             return []
-        flags = [torch.isfinite(t).all() for _, t in named]
-        device = flags[0].device
-        flags = torch.stack([flag.to(device) for flag in flags]).tolist()
-        return [name for (name, _), ok in zip(named, flags, strict=True) if not ok]
+        finite = [torch.isfinite(t).all() for _, t in local]
+        device = finite[0].device
+        flags = torch.stack([flag.to(device) for flag in finite]).tolist()
+        return [name for (name, _), ok in zip(local, flags, strict=True) if not ok]

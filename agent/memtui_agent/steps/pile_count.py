@@ -12,7 +12,7 @@ step's cost.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -21,6 +21,9 @@ from memtui_agent.memory.gradient_batch import GradientBatch, gather
 from memtui_agent.memory.ledger import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, Ledger
 from memtui_agent.steps.pile_watch import PileWatch
 from memtui_protocol import schema
+
+if TYPE_CHECKING:  # for annotations only
+    import torch
 
 
 class Armed(Protocol):
@@ -60,10 +63,10 @@ class PersistentPiles:
         if watch.due(WEIGHTS, key, walk_all):
             changed = ledger.sync(WEIGHTS, registry.weight_tensors(parameters))
             watch.walked(WEIGHTS, key, watch.weights_key(), changed)
-        key = watch.state_key()
-        if watch.due(OPTIMIZER_STATE, key, walk_all):
+        state_key = watch.state_key()
+        if watch.due(OPTIMIZER_STATE, state_key, walk_all):
             changed = ledger.sync(OPTIMIZER_STATE, registry.optimizer_state_tensors())
-            watch.walked(OPTIMIZER_STATE, key, watch.state_key(), changed)
+            watch.walked(OPTIMIZER_STATE, state_key, watch.state_key(), changed)
         armed = self._hooks.armed
         if armed:  # the gradient hooks keep the ledger's pile: only the list is needed
             batch = GradientBatch(registry.gradients(parameters))
@@ -84,7 +87,7 @@ class PersistentPiles:
             ledger.sync(GRADIENTS, batch.tensors)
         return batch
 
-    def gradients_rejoin(self, parameters: list[Any]) -> None:
+    def gradients_rejoin(self, parameters: list[torch.Tensor]) -> None:
         """The gradient hooks are armed again: the gradients of `parameters` alive now are the
         ledger's again (a job that zeroes them after its forward, Lightning's closure, keeps
         them across the close), so this step's peak holds them as a run measured at every

@@ -21,11 +21,14 @@ that pile at every close from then on: exact again, at the old cost.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memtui_agent.job.modules import ModuleRegistry, holds_sequences
 from memtui_agent.memory.gradient_batch import ParameterFacts
 from memtui_agent.memory.ledger import OPTIMIZER_STATE, WEIGHTS, Ledger, PileIndex
+
+if TYPE_CHECKING:  # annotations only (torch is not imported here at run time)
+    import torch
 
 AUDIT_CLOSES = 64
 FIRST_CLOSES = 3
@@ -38,11 +41,11 @@ class PileWatch:
     def __init__(self, registry: ModuleRegistry, ledger: Ledger) -> None:
         self._registry = registry
         self._ledger = ledger
-        self._keys: dict[PileIndex, Any] = {}
+        self._keys: dict[PileIndex, object] = {}
         self._closes = 0
         self.always: set[PileIndex] = set()
         """Piles an audit caught changing unannounced: walked at every close."""
-        self._facts: tuple[Any, ParameterFacts | None] = (None, None)
+        self._facts: tuple[tuple[int, int, int] | None, ParameterFacts | None] = (None, None)
         self._weights_walks = 0
         self._sequences = False
         """Some optimizer's state holds lists (seen at the last walk): walk it every close."""
@@ -52,7 +55,7 @@ class PileWatch:
         self._closes += 1
         return self._closes <= FIRST_CLOSES or self._closes % AUDIT_CLOSES == 0
 
-    def weights_key(self) -> Any:
+    def weights_key(self) -> tuple[int, int, int, int]:
         """What changes when the weights may have: trees, roots, a weight storage freed."""
         registry = self._registry
         return (
@@ -62,7 +65,7 @@ class PileWatch:
             self._ledger.member_count(WEIGHTS),
         )
 
-    def state_key(self) -> Any:
+    def state_key(self) -> tuple[int, int, tuple[tuple[int, int, int], ...]] | None:
         """What changes when optimizer state may have; None when it cannot be read cheaply."""
         if self._sequences:
             return None
@@ -75,11 +78,11 @@ class PileWatch:
             return None
         return (self._registry.generation, self._ledger.member_count(OPTIMIZER_STATE), shape)
 
-    def due(self, pile: PileIndex, key: Any, walk_all: bool) -> bool:
+    def due(self, pile: PileIndex, key: object, walk_all: bool) -> bool:
         """Whether `pile` must be walked at this close."""
         return walk_all or key is None or pile in self.always or self._keys.get(pile) != key
 
-    def walked(self, pile: PileIndex, key_before: Any, key_after: Any, changed: bool) -> None:
+    def walked(self, pile: PileIndex, key_before: object, key_after: object, changed: bool) -> None:
         """Remember the key after a walk; a change that the key before did not announce (seen
         on an audit or first close) makes the pile walked at every close."""
         if changed and key_before is not None and key_before == self._keys.get(pile):
@@ -90,7 +93,7 @@ class PileWatch:
         if pile == OPTIMIZER_STATE:
             self._sequences = holds_sequences(self._registry.live_optimizers())
 
-    def facts(self, parameters: list[Any]) -> ParameterFacts | None:
+    def facts(self, parameters: list[torch.Tensor]) -> ParameterFacts | None:
         """`ParameterFacts` of `parameters`, read again when they or the weights changed."""
         key = (self._registry.parameter_walks, self._weights_walks, len(parameters))
         if self._facts[0] != key:
