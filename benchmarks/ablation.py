@@ -76,7 +76,7 @@ def main() -> int:
     job = build_job(args.job, quick=False)
     for _ in range(8):  # warm-up: optimizer state, allocator, the agent's first sightings
         job.step()
-    times = measure(job, agent.tracker.without, max(1, args.rounds), max(2, args.block))
+    times = measure(job, agent.parts.tracker.without, max(1, args.rounds), max(2, args.block))
     memtui_agent.stop()
     base = statistics.median(times["none"])
     print(f"{args.job}, nan_check={args.nan_check}: {args.rounds} rounds of {args.block} steps")

@@ -71,7 +71,7 @@ def test_start_hands_the_config_to_the_tracker() -> None:
     agent = memtui_agent.start(record=None, socket=False, activations="every")
     try:
         assert agent is not None
-        assert agent.tracker.gate.mode is ActivationMode.EVERY
-        assert agent.tracker.config is agent.config
+        assert agent.parts.gate.mode is ActivationMode.EVERY
+        assert agent.parts.config is agent.config
     finally:
         memtui_agent.stop()

@@ -167,19 +167,18 @@ class Detaching:
     def _module_pre(self, module: Any, args: Any) -> None:
         if self.finished or is_compiling():
             return
-        tracker = self.agent.tracker
-        if get_ident() != tracker.owner_thread:
+        parts = self.agent.parts
+        if get_ident() != parts.owner_thread():
             return
-        if not tracker.arming.pack_removable or in_backward():
+        if not parts.pack_removable() or in_backward():
             return  # the job's own saved-tensor hooks are on top: popping now would pop theirs
         self.finished = True
         try:
             self._pre.remove()
             self.agent.detached = True
-            window = tracker.window
-            step, recorded = window.closed, window.recorded
+            step, recorded = parts.steps_recorded()
             api.stop(exit_code=None)
-            tracker.remove()  # `finish()` removes them only on the main thread
+            parts.remove()  # `finish()` removes them only on the main thread
             write_reply(self.reply, Answer.DETACHED, detached_message(step, recorded))
         except Exception as exc:
             write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")
