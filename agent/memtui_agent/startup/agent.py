@@ -237,6 +237,34 @@ class Agent:
         if self._finished or self._forked_child or os.getpid() != self.pid:
             return
         self._finished = True
+        end = self._end_frame(exit_code, error, stopped, namespace)
+        if self.emitter is not None:
+            self.emitter.put(end)
+        try:
+            if threading.current_thread() is threading.main_thread():
+                self.parts.remove()
+        except Exception as exc:
+            self.report_failure("remove-hooks", exc)
+        if self.emitter is not None:
+            self.emitter.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        close_readers()  # the agent leaves no file of its own open in the job
+        if self.sidecar is not None:
+            try:
+                self.sidecar.unlink()
+            except OSError:
+                pass
+
+    def _end_frame(
+        self,
+        exit_code: int | None,
+        error: BaseException | None,
+        stopped: bool,
+        namespace: dict[str, Any] | None,
+    ) -> schema.End:
+        """The last readings of the run (each failure said once, costing only its own
+        figures), then the `End` frame built from them."""
         parts = self.parts
         if parts.alloc_events_never_started():
             self.note(
@@ -266,26 +294,9 @@ class Agent:
             except Exception as exc:
                 self.report_failure("leaks", exc)
         try:
-            end = build_end(self._end_inputs(exit_code, error, stopped, late, leaks))
+            return build_end(self._end_inputs(exit_code, error, stopped, late, leaks))
         except Exception as exc:
-            end = schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
-        if self.emitter is not None:
-            self.emitter.put(end)
-        try:
-            if threading.current_thread() is threading.main_thread():
-                parts.remove()
-        except Exception as exc:
-            self.report_failure("remove-hooks", exc)
-        if self.emitter is not None:
-            self.emitter.close()
-        if self.metrics is not None:
-            self.metrics.close()
-        close_readers()  # the agent leaves no file of its own open in the job
-        if self.sidecar is not None:
-            try:
-                self.sidecar.unlink()
-            except OSError:
-                pass
+            return schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
 
     def _end_inputs(
         self,
