@@ -51,7 +51,6 @@ class CountingHooks:
     ) -> None:
         """`health` reads the modules' outputs on probed steps; `objects` registers what a
         forward brings that is new (a model tree, an optimizer)."""
-        self._context = context
         self._phase = context.phase
         self._stack = context.phase.stack
         """The module stack, read by the hottest hooks without another attribute lookup."""

@@ -9,6 +9,7 @@ missing tracker. Every question has a name that says what it asks (`final_leaks(
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,7 +55,9 @@ class Parts(Protocol):
         """Register a model tree and an optimizer ahead of their first use."""
         ...
 
-    def arm_alloc_events(self, fail: Any, note: Any) -> None:
+    def arm_alloc_events(
+        self, fail: Callable[[str, BaseException], None], note: Callable[[str, str], None]
+    ) -> None:
         """`--alloc-events`: drain the allocator's history at every close."""
         ...
 
@@ -140,7 +143,9 @@ class NotStarted:
     def watch(self, model: Any, optimizer: Any) -> None:
         pass
 
-    def arm_alloc_events(self, fail: Any, note: Any) -> None:
+    def arm_alloc_events(
+        self, fail: Callable[[str, BaseException], None], note: Callable[[str, str], None]
+    ) -> None:
         pass
 
     def alloc_events_never_started(self) -> bool:
