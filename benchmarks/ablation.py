@@ -66,17 +66,18 @@ def main() -> int:
     from models import build_job
 
     import memtui_agent
+    from memtui_agent.startup.parts import AgentParts
 
     # Every hook armed on every step: the ablation takes them out one kind at a time.
     agent = memtui_agent.start(
         record=None, socket=False, nan_check=args.nan_check, activations="every"
     )
-    if agent is None or agent.tracker is None:
+    if agent is None or not isinstance(agent.parts, AgentParts):
         raise SystemExit("memtui agent did not start")
     job = build_job(args.job, quick=False)
     for _ in range(8):  # warm-up: optimizer state, allocator, the agent's first sightings
         job.step()
-    times = measure(job, agent.tracker.without, max(1, args.rounds), max(2, args.block))
+    times = measure(job, agent.parts.tracker.without, max(1, args.rounds), max(2, args.block))
     memtui_agent.stop()
     base = statistics.median(times["none"])
     print(f"{args.job}, nan_check={args.nan_check}: {args.rounds} rounds of {args.block} steps")

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from memtui_agent.hooks.saved_tensors import unpack
-from memtui_agent.hooks.tracker import Tracker
 from memtui_agent.memory.census import MAX_OBJECTS, MAX_SECONDS, Census, take_census
 from memtui_agent.memory.ledger import Ledger
+from memtui_agent.startup.parts import build_parts
+from memtui_protocol.config import AgentConfig
 
 
 class Small:
@@ -43,16 +44,16 @@ def _retained() -> tuple[list[tuple[str, Any]], dict[str, Any]]:
     def fail(component: str, exc: BaseException, effect: str = "") -> None:
         raise exc
 
-    tracker = Tracker(ledger, lambda message: None, fail)
+    parts = build_parts(AgentConfig(), lambda message: None, fail, ledger)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10))
     total: Any = 0.0
-    with torch.autograd.graph.saved_tensors_hooks(tracker._pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(parts.tracker.hooks.counting.pack, unpack):
         for _ in range(200):
             total += nn.functional.cross_entropy(
                 model(torch.randn(32, 128)), torch.randint(0, 10, (32,))
             )
-    keep = {"ledger": ledger, "tracker": tracker, "model": model}
+    keep = {"ledger": ledger, "parts": parts, "model": model}
     return [("val_total", total)], {"saved": ledger.saved_by_node(), **keep}
 
 

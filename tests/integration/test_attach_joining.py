@@ -94,7 +94,7 @@ for number in range(40):
     time.sleep(0.002)  # the helper runs modules between the steps
 stop.set()
 agent = memtui_agent.startup.api.current()
-owner = agent.tracker.owner_thread if agent is not None else None
+owner = agent.parts.owner_thread() if agent is not None else None
 memtui_agent.startup.api.stop(exit_code=0)
 report(armed=armed["state"].value, state=state("reply.json"), owner_is_main=owner == MAIN)
 """
@@ -133,7 +133,7 @@ bootstrap(Action.ATTACH, "reply.json", record=os.path.join(HERE, "rec.memtui"))
 for _ in range(40):
     step()
 agent = memtui_agent.startup.api.current()
-owner = agent.tracker.owner_thread if agent is not None else None
+owner = agent.parts.owner_thread() if agent is not None else None
 stop.set()
 worker.join()
 memtui_agent.startup.api.stop(exit_code=0)

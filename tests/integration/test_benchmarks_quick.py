@@ -43,24 +43,24 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
 WITHOUT_JOB = """
 import torch, memtui_agent
 agent = memtui_agent.start(record=None, socket=False, activations="every")  # always armed
-tracker = agent.tracker
+parts = agent.parts
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
 def step():
     opt.zero_grad()
     out = model(torch.randn(2, 4))
-    live = dict(tracker.ledger._module_live)
-    acts = tracker.ledger.piles[3]
+    live = dict(parts.ledger._module_live)
+    acts = parts.ledger.piles[3]
     out.sum().backward()
     opt.step()
     attributed = sum(size for module, size in live.items() if module >= 0)
-    return acts, attributed, len(tracker.arming.grad_hooked)
+    return acts, attributed, len(parts.tracker.arming.grad_hooked)
 
 step()
 print("agent", *step())
 for kind in ("pack", "modules", "grads", "all"):
-    with tracker.without(kind):
+    with parts.tracker.without(kind):
         print(kind, *step())
     print("back", *step())
 """

@@ -189,7 +189,7 @@ with memtui_agent.monitor(record="rec.memtui", socket=False) as agent:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()
     # What the CUDA allocator's out-of-memory observer reports before the exception:
-    agent.tracker.closer.gpu_events.observe(0, 2 * 2**30, 70 * 2**30, 512 * 2**20)
+    agent.parts.closer.gpu_events.observe(0, 2 * 2**30, 70 * 2**30, 512 * 2**20)
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 """
 

@@ -8,6 +8,7 @@ import pytest
 
 from memtui.commands.cli import agent_config, build_parser
 from memtui.commands.run_command import build_job
+from memtui_agent.startup.parts import AgentParts
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.schema import ActivationMode, NanCheck
 
@@ -70,8 +71,8 @@ def test_start_hands_the_config_to_the_tracker() -> None:
 
     agent = memtui_agent.start(record=None, socket=False, activations="every")
     try:
-        assert agent is not None and agent.tracker is not None
-        assert agent.tracker.gate.mode is ActivationMode.EVERY
-        assert agent.tracker.config is agent.config
+        assert agent is not None and isinstance(agent.parts, AgentParts)
+        assert agent.parts.gate.mode is ActivationMode.EVERY
+        assert agent.parts.config is agent.config
     finally:
         memtui_agent.stop()

@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from memtui_agent.hooks.saved_tensors import unpack
-from memtui_agent.hooks.tracker import Tracker
 from memtui_agent.memory.census import take_census
 from memtui_agent.memory.ledger import Ledger, storages_of
 from memtui_agent.memory.tensor_reads import next_sequence_number
+from memtui_agent.startup.parts import build_parts
 from memtui_agent.steps.held_graphs import HeldGraphs
+from memtui_protocol.config import AgentConfig
 from memtui_protocol.schema import CensusStop, LeakKind
 
 
@@ -46,13 +47,14 @@ class SavedCount:
         self.parameters = parameters
         self.storages: dict[int, int] = {}
         self.ledger = Ledger()
-        self.tracker = Tracker(self.ledger, lambda message: None, _no_failure)
+        parts = build_parts(AgentConfig(), lambda message: None, _no_failure, self.ledger)
+        self.counting = parts.tracker.hooks.counting
 
     def pack(self, tensor: torch.Tensor) -> Any:
         for key, nbytes, _dtype, _storage in storages_of(tensor):
             if key not in self.parameters:
                 self.storages[key] = nbytes
-        return self.tracker._pack(tensor)
+        return self.counting.pack(tensor)
 
     def hooks(self) -> Any:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)

@@ -354,16 +354,16 @@ def test_tensor_subclasses_and_modes_run_none_of_their_python() -> None:
 def test_the_close_hands_a_census_error_on_and_keeps_the_census_record() -> None:
     """At a close: the census's error goes to the agent (which says it once), never up into
     the step; finding the roots failing is the same."""
-    from memtui_agent.hooks.tracker import Tracker
-    from memtui_agent.memory.ledger import Ledger
+    from memtui_agent.startup.parts import build_parts
+    from memtui_protocol.config import AgentConfig
 
     told: list[tuple[str, BaseException, str]] = []
-    tracker = Tracker(Ledger(), lambda message: None, lambda *said: told.append(said))
+    parts = build_parts(AgentConfig(), lambda message: None, lambda *said: told.append(said))
 
     def no_roots() -> list[Any]:
         raise RecursionError("planted while finding the roots")
 
-    census = tracker.closer._take(no_roots)
+    census = parts.closer._take(no_roots)
     assert census.stopped is CensusStop.ERROR and census.error is None and not census.complete
     ((component, error, effect),) = told
     assert component == "census" and type(error) is RecursionError

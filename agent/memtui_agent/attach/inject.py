@@ -179,19 +179,18 @@ class Detaching:
     def _module_pre(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self.finished or is_compiling():
             return
-        tracker = self.agent.tracker
-        if tracker is None or get_ident() != tracker.owner_thread:
-            return  # (a started agent always has its tracker: None is for mypy)
-        if not tracker.arming.pack_removable or in_backward():
+        parts = self.agent.parts
+        if get_ident() != parts.owner_thread():
+            return
+        if not parts.pack_removable() or in_backward():
             return  # the job's own saved-tensor hooks are on top: popping now would pop theirs
         self.finished = True
         try:
             self._pre.remove()
             self.agent.detached = True
-            window = tracker.window
-            step, recorded = window.closed, window.recorded
+            step, recorded = parts.steps_recorded()
             api.stop(exit_code=None)
-            tracker.remove()  # `finish()` removes them only on the main thread
+            parts.remove()  # `finish()` removes them only on the main thread
             write_reply(self.reply, Answer.DETACHED, detached_message(step, recorded))
         except Exception as exc:
             write_reply(self.reply, Answer.REFUSED, f"{type(exc).__name__}: {exc}")

@@ -311,8 +311,8 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtui_agent.hooks.tracker import Tracker
-    from memtui_agent.memory.ledger import Ledger, count_fake_storages
+    from memtui_agent.memory.ledger import count_fake_storages
+    from memtui_agent.startup.parts import build_parts
     from memtui_agent.steps.frame import ClosedStep, HostValues, build_step
     from memtui_protocol import schema
     from memtui_protocol.config import AgentConfig
@@ -341,9 +341,9 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         undo.callback(count_fake_storages, False)
         # Every hook on both steps: the estimate is the measured step, never a carried one.
         config = AgentConfig(nan_check=NanCheck.OFF, activations=ActivationMode.EVERY)
-        tracker = Tracker(Ledger(), emit, fail, config)
-        tracker.install()
-        undo.callback(tracker.remove)
+        parts = build_parts(config, emit, fail)
+        parts.install()
+        undo.callback(parts.remove)
         undo.enter_context(
             FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         )

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from memtui_agent.hooks.saved_tensors import unpack_samplers
+from memtui_agent.hooks.switches import HookSwitches
 from memtui_agent.job.distributed import DistributedMemory
 from memtui_protocol import schema
 
@@ -23,18 +25,15 @@ if TYPE_CHECKING:  # for annotations only
 class DataParallelHooks:
     """Finds DDP and FSDP wrappers among the roots and measures them."""
 
-    def __init__(
-        self,
-        on_fsdp: Callable[[bool], None],
-        enabled: dict[str, bool],
-        disable: Callable[[str, BaseException], None],
-    ) -> None:
-        """`on_fsdp(True)` when FSDP is found, `on_fsdp(False)` when its measurements stop."""
+    def __init__(self, switches: HookSwitches, on_fsdp: Callable[[bool], None]) -> None:
+        """`on_fsdp(True)` when FSDP is found, `on_fsdp(False)` when its measurements stop;
+        meanwhile `fsdp` is True and the unpack hook samples the gathered parameters."""
         self.memory = DistributedMemory()
         self._on_fsdp = on_fsdp
-        self._enabled = enabled
-        self._disable = disable
-        self._fsdp = False
+        self._enabled = switches
+        self._disable = switches.disable
+        self.fsdp = False
+        """FSDP is in use: its gathered parameters are sampled by the hooks."""
 
     def discover(self, roots: Iterable[torch.nn.Module]) -> None:
         """Look for the wrappers among newly registered model roots."""
@@ -42,9 +41,8 @@ class DataParallelHooks:
             return
         try:
             self.memory.discover(list(roots))
-            if self.memory.fsdp.active and not self._fsdp:
-                self._fsdp = True
-                self._on_fsdp(True)
+            if self.memory.fsdp.active and not self.fsdp:
+                self._switch_fsdp(True)
         except Exception as exc:
             self._failed(exc)
 
@@ -79,6 +77,12 @@ class DataParallelHooks:
 
     def _failed(self, exc: BaseException) -> None:
         """Turn the DDP/FSDP measurements off everywhere they run, reported once."""
-        self._fsdp = False
-        self._on_fsdp(False)
+        self._switch_fsdp(False)
         self._disable("distributed", exc)
+
+    def _switch_fsdp(self, on: bool) -> None:
+        """FSDP found (or its measurements off): the gathered parameters are sampled by the
+        unpack hook, and the agent's other parts are told (`on_fsdp`)."""
+        self.fsdp = on
+        self._on_fsdp(on)
+        unpack_samplers[:] = [self.sample_gathered] if on else []

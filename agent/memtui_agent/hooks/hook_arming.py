@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -48,23 +48,42 @@ def forget_when_freed(obj: _Held, table: dict[int, Any]) -> weakref.ref[_Held]:
     return weakref.ref(obj, forget)
 
 
+class ArmedHooks(Protocol):
+    """The hooks an arming installs (`hooks.counting.CountingHooks`)."""
+
+    def module_pre(self, module: Any, args: Any) -> None:
+        """Every module's forward pre-hook."""
+        ...
+
+    def module_post(self, module: Any, args: Any, output: Any) -> None:
+        """Every module's forward hook (also when the forward raised)."""
+        ...
+
+    def pack(self, tensor: Any) -> Any:
+        """The saved-tensor pack hook."""
+        ...
+
+    def grad_ready(self, parameter: Any) -> None:
+        """A parameter's post-accumulate-grad hook."""
+        ...
+
+
+def _unbound(*args: Any) -> Any:
+    raise RuntimeError("HookArming used before bind()")
+
+
 class HookArming:
     """Installs and removes the module, saved-tensor and gradient hooks of one tracker."""
 
-    def __init__(
-        self,
-        module_pre: Callable[..., Any],
-        module_post: Callable[..., Any],
-        pack: Callable[[Any], Any],
-        unpack: Callable[[Any], Any],
-        grad_ready: Callable[[Any], None],
-    ) -> None:
-        self._module_pre = module_pre
-        self._module_post = module_post
-        self._pack = pack
+    def __init__(self, unpack: Callable[[Any], Any]) -> None:
+        """The hooks themselves come with `bind` (they read this arming: a cycle broken once,
+        where the agent is built, `startup.parts.build_parts`)."""
+        self._module_pre: Callable[..., Any] = _unbound
+        self._module_post: Callable[..., Any] = _unbound
+        self._pack: Callable[[Any], Any] = _unbound
         """The one object pushed, so the top of the stack can be recognised as ours."""
         self._unpack = unpack
-        self._grad_ready = grad_ready
+        self._grad_ready: Callable[[Any], None] = _unbound
         self._module_handles: list[RemovableHandle] = []
         self.grad_hooked: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
@@ -73,6 +92,13 @@ class HookArming:
         self.left_on: set[int] = set()
         """Threads no longer followed whose stack still holds the agent's pair (popped if that
         thread ever removes the hooks, e.g. the main thread at the end of the job)."""
+
+    def bind(self, hooks: ArmedHooks) -> None:
+        """The hooks this arming installs (before any is armed)."""
+        self._module_pre = hooks.module_pre
+        self._module_post = hooks.module_post
+        self._pack = hooks.pack
+        self._grad_ready = hooks.grad_ready
 
     # ----- module hooks ----------------------------------------------------------------------
 

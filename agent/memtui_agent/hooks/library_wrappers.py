@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.training_thread import TrainingThread
-from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
@@ -58,22 +58,15 @@ class SkipSink(Protocol):
 class GradScalerWrappers:
     """`GradScaler.scale`, `step`, `unscale_` and `update`, reporting to the step window."""
 
-    def __init__(
-        self,
-        window: StepWindow,
-        optimizers: OptimizerBook,
-        skips: SkipSink,
-        enabled: dict[str, bool],
-        disable: Callable[[str, BaseException], None],
-        thread: TrainingThread,
-    ) -> None:
-        """Calls on threads other than the followed one (`thread`) pass straight through."""
-        self._window = window
-        self._thread = thread
-        self._optimizers = optimizers
+    def __init__(self, context: HookContext, skips: SkipSink) -> None:
+        """Calls on threads other than the followed one (`context.thread`) pass straight
+        through."""
+        self._window = context.window
+        self._thread = context.thread
+        self._optimizers = context.optimizers
         self._skips = skips
-        self._enabled = enabled
-        self._disable = disable
+        self._enabled = context.switches
+        self._disable = context.switches.disable
 
     def scale(self, original: Wrapper) -> Wrapper:
         def scale(scaler: torch.amp.GradScaler, outputs: Any) -> Any:

@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
 
+from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
-from memtui_agent.hooks.phase import JobPhase
-from memtui_agent.hooks.training_thread import TrainingThread
-from memtui_agent.job.modules import ModuleRegistry
-from memtui_agent.steps.gate import ActivationGate
-from memtui_agent.steps.window import StepWindow
 from memtui_protocol.schema import Phase
 
 if TYPE_CHECKING:  # for annotations only
@@ -35,23 +30,14 @@ if TYPE_CHECKING:  # for annotations only
 class RootHooks:
     """The per-root hooks of one tracker, and their handles."""
 
-    def __init__(
-        self,
-        registry: ModuleRegistry,
-        phase: JobPhase,
-        arming: HookArming,
-        gate: ActivationGate,
-        window: StepWindow,
-        disable: Callable[[str, BaseException], None],
-        thread: TrainingThread,
-    ) -> None:
-        self._registry = registry
-        self._phase = phase
+    def __init__(self, context: HookContext, arming: HookArming) -> None:
+        self._registry = context.registry
+        self._phase = context.phase
         self._arming = arming
-        self._gate = gate
-        self._window = window
-        self._disable = disable
-        self._thread = thread
+        self._gate = context.gate
+        self._window = context.window
+        self._disable = context.switches.disable
+        self._thread = context.thread
         """The thread whose forwards are followed (`training_thread`)."""
         self._hooked: dict[int, tuple[weakref.ref[torch.nn.Module], list[RemovableHandle]]] = {}
         """id(root module) -> (weakref, its pre/post hook handles)."""

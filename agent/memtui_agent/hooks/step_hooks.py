@@ -14,17 +14,13 @@ from collections.abc import Callable
 from threading import get_ident
 from typing import Any
 
+from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.library_wrappers import Wrapper
-from memtui_agent.hooks.phase import JobPhase
-from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.modules import ModuleRegistry
-from memtui_agent.job.optimizer_book import OptimizerBook, caller_frame, live_optimizers
+from memtui_agent.job.optimizer_book import caller_frame, live_optimizers
 from memtui_agent.memory.allocator import AllocatorReader
-from memtui_agent.memory.ledger import OPTIMIZER_STATE, Ledger
+from memtui_agent.memory.ledger import OPTIMIZER_STATE
 from memtui_agent.steps.first_step import FirstSteps
-from memtui_agent.steps.gate import ActivationGate
-from memtui_agent.steps.pile_count import PersistentPiles
-from memtui_agent.steps.window import StepWindow
 from memtui_protocol.schema import Phase, StepTrigger
 
 
@@ -53,35 +49,27 @@ class StepHooks:
 
     def __init__(
         self,
-        phase: JobPhase,
-        window: StepWindow,
-        gate: ActivationGate,
+        context: HookContext,
         first_steps: FirstSteps,
-        optimizers: OptimizerBook,
-        registry: ModuleRegistry,
-        ledger: Ledger,
-        piles: PersistentPiles,
         allocator: AllocatorReader,
         sync_objects: Callable[[], None],
-        enabled: dict[str, bool],
-        disable: Callable[[str, BaseException], None],
-        thread: TrainingThread,
     ) -> None:
         """`sync_objects` registers and hooks what appeared since (new roots, optimizers);
-        `thread` is the one followed: every other thread's backwards and steps pass through."""
-        self._phase = phase
-        self._window = window
-        self._gate = gate
+        `context.thread` is the one followed: every other thread's backwards and steps pass
+        through."""
+        self._phase = context.phase
+        self._window = context.window
+        self._gate = context.gate
         self._first_steps = first_steps
-        self._optimizers = optimizers
-        self._registry = registry
-        self._ledger = ledger
-        self._piles = piles
+        self._optimizers = context.optimizers
+        self._registry = context.registry
+        self._ledger = context.ledger
+        self._piles = context.piles
         self._allocator = allocator
         self._sync_objects = sync_objects
-        self._enabled = enabled
-        self._disable = disable
-        self._thread = thread
+        self._enabled = context.switches
+        self._disable = context.switches.disable
+        self._thread = context.thread
 
     # ----- backward and loss -------------------------------------------------------------------
 

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from memtui_agent.memory.memory_readers import close_readers
-from memtui_agent.steps.failures import first_line, is_oom, requested_bytes
+from memtui_agent.startup.agent_state import NOT_STARTED, Parts
+from memtui_agent.startup.end_frame import EndInputs, build_end
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.launch import launch_identity
@@ -31,12 +30,10 @@ from memtui_protocol.runtime_dir import (
     process_create_time,
     write_sidecar,
 )
-from memtui_protocol.schema import AlertKind, ExitStatus
+from memtui_protocol.schema import ExitStatus
 from memtui_protocol.shown_text import terminal_safe
-from memtui_protocol.units import format_bytes
 
 if TYPE_CHECKING:  # the agent imports torch only in `start()`
-    from memtui_agent.hooks.tracker import Tracker
     from memtui_agent.output.emitter import Emitter, Item
     from memtui_agent.output.metrics import MetricsEndpoint
 
@@ -53,7 +50,7 @@ class Agent:
         self.config = config.replace(
             record=str(self.record) if self.record is not None else None, argv=tuple(self.argv)
         )
-        """The configuration, passed whole to the tracker and the step closer."""
+        """The configuration, passed whole to the parts (`startup.parts.build_parts`)."""
         self._reported: set[str] = set()
         self._early: list[schema.AgentError] = []
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
@@ -63,7 +60,8 @@ class Agent:
         """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
         self.socket_path: Path | None = None
         self.sidecar: Path | None = None
-        self.tracker: Tracker | None = None
+        self.parts: Parts = NOT_STARTED
+        """Every part of the agent, built by `start()` (`startup.parts.build_parts`)."""
         self.emitter: Emitter | None = None
         self.metrics: MetricsEndpoint | None = None
         """`--metrics-port`: the Prometheus endpoint (output/metrics.py)."""
@@ -72,10 +70,9 @@ class Agent:
         """Import torch, install hooks, open the recording and the socket."""
         import torch
 
-        from memtui_agent.hooks.tracker import Tracker
-        from memtui_agent.memory.ledger import Ledger
         from memtui_agent.output.emitter import Emitter
         from memtui_agent.output.socket_server import SocketServer
+        from memtui_agent.startup.parts import build_parts
 
         started = time.time()
         hello = schema.Hello(
@@ -111,8 +108,7 @@ class Agent:
                 server = None
                 self.socket_path = None
         try:
-            self.ledger = Ledger()
-            self.tracker = Tracker(self.ledger, self._emit, self.report_failure, self.config)
+            self.parts = build_parts(self.config, self._emit, self.report_failure)
             self.emitter = Emitter(
                 self.record,
                 server,
@@ -124,13 +120,12 @@ class Agent:
             early, self._early = self._early, []
             for error in early:
                 self.emitter.put(error)
-            self.tracker.install()
+            self.parts.install()
             if self.config.alloc_events:
-                self._arm_alloc_events()
+                self.parts.arm_alloc_events(self.report_failure, self.note)
         except BaseException:
             # Leave nothing behind: no hooks in the job, no socket for viewers to find.
-            if self.tracker is not None:
-                self.tracker.remove()
+            self.parts.remove()
             if self.emitter is not None:
                 self.emitter.close(timeout=1.0)
             elif server is not None:
@@ -169,22 +164,6 @@ class Agent:
         if self.metrics is not None and self.emitter is not None:
             self.emitter.export = self.metrics.offer
 
-    def _arm_alloc_events(self) -> None:
-        """`--alloc-events`: the recorder drains the allocator's history at every close."""
-        from memtui_agent.memory.alloc_events import AllocEventsRecorder
-
-        assert self.tracker is not None
-        closer = self.tracker.closer
-        recorder = AllocEventsRecorder(
-            fail=self.report_failure,
-            note=self.note,
-            keep_frees=closer.gpu_events.snapshot_path is not None,
-        )
-        closer.alloc_events = recorder
-        recorder.arm()
-        # The recorder keeps frees for the OOM snapshot; one owner of the history, not two.
-        closer.gpu_events.history_owner = recorder
-
     # ----- plumbing -----------------------------------------------------------------------------
 
     def _emit(self, item: Item) -> None:
@@ -192,9 +171,7 @@ class Agent:
             self.emitter.put(item)
 
     def _tick(self) -> schema.Tick | None:
-        if self.tracker is None:
-            return None
-        return self.tracker.tick()
+        return self.parts.tick()
 
     def report_failure(
         self, component: str, exc: BaseException, effect: str = "is off for the rest of this run"
@@ -244,17 +221,7 @@ class Agent:
         Only from the thread the agent follows (hooks/training_thread.py): another thread's
         model is that thread's, and the agent must not read its gradients. The followed
         thread's own hooks find what it trains anyway."""
-        tracker = self.tracker
-        if tracker is None:
-            return
-        with tracker.thread.following() as followed:
-            if not followed:
-                return
-            if model is not None:
-                tracker.registry.lookup(model)
-            if optimizer is not None:
-                tracker.registry.add_optimizer(optimizer)
-            tracker.new_objects()
+        self.parts.watch(model, optimizer)
 
     def finish(
         self,
@@ -270,51 +237,12 @@ class Agent:
         if self._finished or self._forked_child or os.getpid() != self.pid:
             return
         self._finished = True
-        tracker = self.tracker
-        recorder = tracker.closer.alloc_events if tracker is not None else None
-        if recorder is not None and recorder.never_started():
-            self.note(
-                "alloc-events",
-                "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
-                "keeps no history)",
-            )
-        # The job's tensors are read here only where the followed thread is not training
-        # meanwhile (it is this thread, or it has ended): autograd writes gradients without
-        # the GIL, and reading one it is writing crashes the job (hooks/training_thread.py).
-        # A main thread that returns while its training thread goes on ends with the last
-        # close's piles.
-        readable = tracker is not None and not tracker.thread.alive_elsewhere()
-        if tracker is not None:
-            try:
-                tracker.window.release_held_skip()  # a skipped step whose update() never came
-                if readable:
-                    tracker.piles.resync(walk_all=True)  # exit piles from the objects alive now
-            except Exception as exc:
-                self.report_failure("end-piles", exc)
-        late: list[schema.StepLate] = []
-        if tracker is not None:
-            try:
-                late = tracker.closer.late_health(wait=True)  # the end of the job may wait
-            except Exception as exc:
-                self.report_failure("health", exc)
-        leaks: list[schema.Leak] = []
-        if tracker is not None and readable:
-            try:
-                leaks = tracker.closer.final_leaks(tracker.window.closed, namespace, error)
-            except Exception as exc:
-                self.report_failure("leaks", exc)
-        try:
-            end = (
-                self._stopped_message(exit_code) if stopped else self._end_message(exit_code, error)
-            )
-            end = msgspec.structs.replace(end, late=late, leaks=leaks)
-        except Exception as exc:
-            end = schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
+        end = self._end_frame(exit_code, error, stopped, namespace)
         if self.emitter is not None:
             self.emitter.put(end)
         try:
-            if tracker is not None and threading.current_thread() is threading.main_thread():
-                tracker.remove()
+            if threading.current_thread() is threading.main_thread():
+                self.parts.remove()
         except Exception as exc:
             self.report_failure("remove-hooks", exc)
         if self.emitter is not None:
@@ -328,82 +256,78 @@ class Agent:
             except OSError:
                 pass
 
-    def _stopped_message(self, exit_code: int | None) -> schema.End:
-        """memtui stopped the job: where it was, and that nothing went wrong in it."""
-        tracker = self.tracker
-        return schema.End(
-            time=time.time(),
-            status=schema.ExitStatus.STOPPED,
-            code=exit_code,
-            error="stopped from memtui (SIGTERM)",
-            step=tracker.window.number if tracker is not None else None,
-            phase=tracker.phase() if tracker is not None else None,
-            piles=tracker.piles.current() if tracker is not None else None,
-        )
+    def _end_frame(
+        self,
+        exit_code: int | None,
+        error: BaseException | None,
+        stopped: bool,
+        namespace: dict[str, Any] | None,
+    ) -> schema.End:
+        """The last readings of the run (each failure said once, costing only its own
+        figures), then the `End` frame built from them."""
+        parts = self.parts
+        if parts.alloc_events_never_started():
+            self.note(
+                "alloc-events",
+                "--alloc-events recorded nothing: the job never used CUDA (the CPU allocator "
+                "keeps no history)",
+            )
+        # The job's tensors are read here only where the followed thread is not training
+        # meanwhile (it is this thread, or it has ended): autograd writes gradients without
+        # the GIL, and reading one it is writing crashes the job (hooks/training_thread.py).
+        # A main thread that returns while its training thread goes on ends with the last
+        # close's piles.
+        readable = parts.readable_at_end()
+        try:
+            parts.settle_at_end(readable)
+        except Exception as exc:
+            self.report_failure("end-piles", exc)
+        late: list[schema.StepLate] = []
+        try:
+            late = parts.late_health()
+        except Exception as exc:
+            self.report_failure("health", exc)
+        leaks: list[schema.Leak] = []
+        if readable:
+            try:
+                leaks = parts.final_leaks(namespace, error)
+            except Exception as exc:
+                self.report_failure("leaks", exc)
+        try:
+            return build_end(self._end_inputs(exit_code, error, stopped, late, leaks))
+        except Exception as exc:
+            return schema.End(time=time.time(), status=ExitStatus.ERROR, error=f"agent: {exc}")
 
-    def _end_message(self, exit_code: int | None, error: BaseException | None) -> schema.End:
-        tracker = self.tracker
-        step = tracker.window.number if tracker is not None else None
-        closed = tracker.window.closed if tracker is not None else None
-        piles = tracker.piles.current() if tracker is not None else None
-        if self.detached:
-            return schema.End(
-                time=time.time(), status=ExitStatus.DETACHED, step=closed, piles=piles
-            )
-        if error is None or (isinstance(error, SystemExit) and exit_code == 0):
-            status = ExitStatus.OK if not exit_code else ExitStatus.ERROR
-            return schema.End(
-                time=time.time(),
-                status=status,
-                code=exit_code,
-                error=None if status is ExitStatus.OK else f"exit code {exit_code}",
-                step=closed,
-                piles=piles,
-                alloc_events=self._unfinished_alloc_events(),
-            )
-        phase = tracker.phase() if tracker is not None else None
-        where = None
-        context = tracker.error_context if tracker is not None else None
-        if context is not None and context.matches(error):
-            phase, where = context.phase, context.where
-        oom = is_oom(error)
-        observed = tracker.closer.gpu_events.last_oom if tracker is not None else None
-        alerts = []
-        if oom:
-            asked = (observed or {}).get("requested") or requested_bytes(error)
-            size = f" asking for {format_bytes(asked)}" if asked is not None else ""
-            held = f"; tracked piles held {format_bytes(piles.total)}" if piles is not None else ""
-            if observed is not None:
-                held += f"; {format_bytes(observed['free'])} was free on the device"
-            during = phase.value if phase is not None else None
-            alerts.append(
-                schema.Alert(
-                    kind=AlertKind.OOM,
-                    message=f"out of memory in {during} of step {step}{size}{held}: "
-                    f"{first_line(error)}",
-                    where=where,
-                )
-            )
-        return schema.End(
+    def _end_inputs(
+        self,
+        exit_code: int | None,
+        error: BaseException | None,
+        stopped: bool,
+        late: list[schema.StepLate],
+        leaks: list[schema.Leak],
+    ) -> EndInputs:
+        """What the end frame says, gathered from the parts (`startup.end_frame`)."""
+        parts = self.parts
+        position = parts.position()
+        # The allocator's history is read only where the frame carries it: a job that returned
+        # or raised, not one stopped or detached.
+        plain_end = not stopped and not self.detached
+        return EndInputs(
             time=time.time(),
-            status=ExitStatus.ERROR,
-            code=exit_code,
-            requested=(observed or {}).get("requested")
-            or (requested_bytes(error) if oom else None),
-            error_type=type(error).__name__,
-            error=first_line(error),
-            step=step,
-            phase=phase,
-            oom=oom,
-            piles=piles,
-            alerts=alerts,
-            alloc_events=self._unfinished_alloc_events(),
+            exit_code=exit_code,
+            error=error,
+            stopped=stopped,
+            detached=self.detached,
+            step=position.step,
+            closed=position.closed,
+            phase=position.phase,
+            context=position.context,
+            piles=position.piles,
+            last_oom=parts.last_oom(),
+            alloc_events=parts.unfinished_alloc_events() if plain_end else None,
+            late=tuple(late),
+            leaks=tuple(leaks),
         )
-
-    def _unfinished_alloc_events(self) -> schema.AllocEvents | None:
-        """`--alloc-events`: what the allocator did after the last close (up to an OOM)."""
-        recorder = self.tracker.closer.alloc_events if self.tracker is not None else None
-        return recorder.unfinished() if recorder is not None else None
 
     def disable_in_fork_child(self) -> None:
         """Called in a forked child: nothing is written or sent, and the hooks leave this
@@ -412,13 +336,7 @@ class Agent:
         if self.metrics is not None:
             self.metrics.forget_in_child()
         self.emitter = None
-        if self.tracker is not None:
-            for component in self.tracker.enabled:
-                self.tracker.enabled[component] = False
-            try:
-                self.tracker.remove()
-            except Exception:
-                pass  # disabled, which is enough for a worker that never trains
+        self.parts.disable()
 
 
 def _env_int(name: str) -> int | None:

@@ -264,15 +264,13 @@ class JoinAtNextStep:
             found, self.roots = scan_heap()
             known = {id(ref()) for ref in self.optimizers}
             self.optimizers += [ref for ref in found if id(ref()) not in known]
-        tracker = agent.tracker
+        parts = agent.parts
         optimizers = [o for o in (ref() for ref in self.optimizers) if o is not None]
         for optimizer in optimizers:
             if optimizer.state:
                 # Its first step is long past: no forecast, no first-step growth for it, and
                 # its own step count goes on from where the job is.
-                record = tracker.optimizers.record(optimizer)
-                record.forecasted = record.first_step_done = True
-                record.steps = job_step([optimizer]) or 0
+                parts.adopt_running_optimizer(optimizer, job_step([optimizer]) or 0)
         # Only what this thread trains is handed over: another thread's optimizer and model
         # are that thread's, and reading their gradients while it writes them crashes the job.
         # The model this forward runs is found by the module hook below; an optimizer of this
@@ -284,15 +282,14 @@ class JoinAtNextStep:
         for root in (ref() for ref in self.roots):
             if root is not None and any(id(p) in trained for p in root.parameters()):
                 agent.watch(root, None)
-        window = tracker.window
         # The scan above replaces the step window's own search at the first backward.
-        window.trigger = schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
+        trigger = schema.StepTrigger.OPTIMIZER if optimizers else schema.StepTrigger.BACKWARD
         steps_before = job_step(own or optimizers)
-        if steps_before:
-            window.closed = steps_before  # frames carry the job's own step numbers
-        window.note(
-            schema.Alert(kind=schema.AlertKind.ATTACHED, message=self._describe(steps_before))
+        parts.join_steps(
+            trigger,
+            steps_before,
+            schema.Alert(kind=schema.AlertKind.ATTACHED, message=self._describe(steps_before)),
         )
         # The forward starting now: its module on the stack, as if the hooks had seen it begin.
-        tracker._module_pre(module, args)
+        parts.feed_module_pre(module, args)
         self._started(agent)
