@@ -36,8 +36,10 @@ from memtui.terminal_text import UNSAFE
 from memtui_protocol import schema, wire
 from memtui_protocol.schema import ExitStatus
 
-FUZZ = settings(max_examples=250, deadline=1000, database=None)
-"""Moderate example counts and a 1 s deadline: a parser that hangs or crawls fails here."""
+FUZZ = settings(max_examples=250, deadline=None, database=None)
+"""Moderate example counts and no per-example deadline: a deadline is a timing assertion, and a
+loaded machine took 1.29 s over one example (issue 33). A parser that hangs fails on the test's
+timeout (pytest-timeout); one that crawls is a benchmark's business (benchmarks/viewer_bounds.py)."""
 
 MEMORY_LIMIT = 4 * 1024 * 1024
 """Peak traced allocation allowed while refusing a corrupt frame: a few MB, never the claim."""
@@ -888,7 +890,7 @@ SNAPSHOT_SHAPES = st.tuples(
 )
 
 
-@settings(FUZZ, max_examples=12, deadline=None)  # about 1 s each: CI's 20 minutes
+@settings(FUZZ, max_examples=12)  # about 1 s each: CI's 20 minutes
 @given(shape=SNAPSHOT_SHAPES)
 @pytest.mark.slow  # starts an interpreter
 def test_snapshots_of_reused_references_read_in_memory_bounded_by_their_size(
