@@ -189,12 +189,15 @@ def _from_match(state: DecisionState, reading: ActivationReading) -> Decision:
     match, figures = reading.match, reading.figures
     twin = match.twin
     if match.armed_throughout:
-        if twin is None or not _data_dependent(twin, figures):
-            return Decision(MEASURED, Cause.MEASURED, state, reading, twin=twin)
-        if state.mode is ActivationMode.EVERY:
-            return Decision(MEASURED, Cause.MEASURED, state, reading, twin=twin)  # said already
-        every = replace(state, mode=ActivationMode.EVERY)
-        return Decision(MEASURED, Cause.DATA_DEPENDENT, every, reading, twin=twin)
+        # Data-dependent activations switch `auto` to every step; in `every` they only confirm.
+        if (
+            twin is not None
+            and state.mode is ActivationMode.AUTO
+            and _data_dependent(twin, figures)
+        ):
+            every = replace(state, mode=ActivationMode.EVERY)
+            return Decision(MEASURED, Cause.DATA_DEPENDENT, every, reading, twin=twin)
+        return Decision(MEASURED, Cause.MEASURED, state, reading, twin=twin)
     if twin is not None and not match.partial:
         return Decision(Verdict(measured=False, carried=twin), Cause.REPEAT, state, reading)
     # Measured in part, or a repeat of a prefix that then ran differently: not known exactly;

@@ -15,8 +15,9 @@ gradient (README, "Overhead"). Whether they run on a step is decided here, and o
 At a close, `verdict` gathers what the close read (the ledger's figures, the step's counters,
 the graphs still held, whether a forward ran unseen), asks `decision.decide` whether the step's
 activation figures were measured, are carried from a measured step it repeats, or are not known,
-and applies the decision: the mode and the steps measured next change here and only here, and
-the alert is worded by cause and said once (`activation_wording`). When a step opens,
+and applies the decision (`_apply`): the mode changes there and only there, with the steps
+measured next (which the events above also raise), and the alert is worded by cause and said
+once (`activation_wording`). When a step opens,
 `step_opens` arms or disarms the hooks for it.
 
 The gate installs nothing itself: the hooks side hands it a `HookSwitch`.
@@ -53,6 +54,7 @@ from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
 
 __all__ = ["ALERTS_TO_MEASURE", "MEASURE_WHILE_HELD", "ActivationGate", "HookSwitch"]
+"""`MEASURE_WHILE_HELD` is the decision's, named here too where the gate's users find it."""
 
 ALERTS_TO_MEASURE = frozenset(
     {
