@@ -17,8 +17,7 @@ the graphs still held, whether a forward ran unseen), asks `decision.decide` whe
 activation figures were measured, are carried from a measured step it repeats, or are not known,
 and applies the decision (`_apply`): the mode changes there and only there, with the steps
 measured next (which the events above also raise), and the alert is worded by cause and said
-once (`activation_wording`). When a step opens,
-`step_opens` arms or disarms the hooks for it.
+once (`activation_wording`). When a step opens, `step_opens` arms or disarms the hooks for it.
 
 The gate installs nothing itself: the hooks side hands it a `HookSwitch`.
 """
