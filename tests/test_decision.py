@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from memtui_agent.steps.activation_policy import FIRST_STEPS, Figures, Match
+from memtui_agent.steps.activation_policy import FIRST_STEPS, ActivationPolicy, Figures, Match
 from memtui_agent.steps.activation_wording import CLAUSES, TEMPLATES, SaidOnce, clause, message
 from memtui_agent.steps.decision import (
     MEASURE_WHILE_HELD,
@@ -72,10 +72,24 @@ class Case:
     also: Cause | None = None
     recent: tuple[bool, ...] | None = None
     crossings: int | None = None
+    measure_why: Cause | None = None
 
 
 def auto(**history: Any) -> DecisionState:
     return DecisionState(AUTO, **history)
+
+
+ARMED_FOR = [
+    Cause.NEW_SIGNATURE,
+    Cause.FIRST_STEPS,
+    Cause.AFTER_ALERT,
+    Cause.GRAPHS_HELD,
+    Cause.AFTER_NOT_KNOWN,
+    Cause.MUST_MEASURE,
+    Cause.AUDIT,
+    Cause.WHOLE_AFTER_PARTIAL,
+]
+"""Why the policy armed a step from its first root call: the cause of its measured verdict."""
 
 
 CASES = [
@@ -91,6 +105,16 @@ CASES = [
     ),
     # Measured whole.
     Case("measured", auto(), MEASURED_WHOLE, measured=True),
+    *[
+        Case(
+            f"measured: {why.value}",
+            auto(),
+            Match(armed_throughout=True, twin=TWIN, armed_for=why),
+            measured=True,
+            cause=why,
+        )
+        for why in ARMED_FOR
+    ],
     Case("measured, every", DecisionState(EVERY), MEASURED_WHOLE, measured=True, mode=EVERY),
     Case(
         "measured like its twin",
@@ -105,6 +129,7 @@ CASES = [
         reading={"graphs_held": 1},
         measured=True,
         measure_next=MEASURE_WHILE_HELD,
+        measure_why=Cause.GRAPHS_HELD,
     ),
     # A measured repeat that measured other activations: the data decides.
     Case(
@@ -183,7 +208,23 @@ CASES = [
         cause=Cause.REPEAT,
         recent=(False,) + (True,) * (RECENT_CARRIES - 1),
     ),
-    Case("measured in part", auto(), Match(partial=True), cause=Cause.PARTIAL, measure_next=1),
+    Case(
+        "measured in part",
+        auto(),
+        Match(partial=True),
+        cause=Cause.PARTIAL,
+        measure_next=1,
+        measure_why=Cause.AFTER_NOT_KNOWN,
+    ),
+    Case(
+        "measured in part, graphs held",
+        auto(),
+        Match(partial=True),
+        reading={"graphs_held": 1},
+        cause=Cause.PARTIAL,
+        measure_next=MEASURE_WHILE_HELD,
+        measure_why=Cause.GRAPHS_HELD,
+    ),
     # A forward the agent did not see.
     Case("job hooks", auto(), Match(), reading={"blind": True}, cause=Cause.JOB_HOOKS),
     Case(
@@ -193,6 +234,7 @@ CASES = [
         reading={"blind": True, "graphs_held": 1, "unarmed_held": 1},
         cause=Cause.JOB_HOOKS,
         measure_next=MEASURE_WHILE_HELD,
+        measure_why=Cause.GRAPHS_HELD,
     ),
     Case(
         "thread moved",
@@ -211,6 +253,7 @@ CASES = [
         measure_next=FIRST_STEPS,
         crossings=1,
         recent=(),
+        measure_why=Cause.GRAPHS_HELD,
     ),
     Case(
         "held unarmed, the same graphs again",
@@ -260,6 +303,7 @@ CASES = [
         cause=Cause.NODES,
         measure_next=1,
         recent=(False,),
+        measure_why=Cause.AFTER_NOT_KNOWN,
     ),
     Case(
         "other backward passes",
@@ -390,6 +434,8 @@ def test_each_close_is_decided_as_its_case_says(case: Case) -> None:
         assert decision.next_state.recent == case.recent
     if case.crossings is not None:
         assert decision.next_state.crossings == case.crossings
+    if case.measure_why is not None:
+        assert decision.measure_why is case.measure_why
 
 
 def test_the_cases_cover_every_cause_and_every_mode_transition() -> None:
@@ -414,7 +460,7 @@ def test_deciding_changes_nothing_it_was_given() -> None:
         assert first == again
 
 
-QUIET = {Cause.MEASURED, Cause.REPEAT, Cause.OFF, Cause.PARTIAL}
+QUIET = {Cause.MEASURED, Cause.REPEAT, Cause.OFF, Cause.PARTIAL, *ARMED_FOR}
 """Causes worth no alert: the figures are the step's own, confirmed, or simply not asked for."""
 
 
@@ -506,3 +552,51 @@ def test_a_clause_for_every_difference() -> None:
         words = clause(mismatch, 3)
         assert "{" not in words and words
         assert "step 3" in words or mismatch.what is Difference.COUNTER
+
+
+def test_the_policy_says_why_it_armed_each_measured_step() -> None:
+    """The measured causes come from the policy's arming at a step's first root call, and the
+    count of steps measured next keeps the cause of its largest request."""
+    policy = ActivationPolicy(AUTO, audit_every=5)
+    start = schema.Piles(weights=100)
+    found: list[tuple[int, Cause | None]] = []
+
+    def run(step: int, calls: tuple[Any, ...] = (("a",),), must: bool = False) -> None:
+        policy.begin(start)
+        for call in calls:
+            policy.root_call(call, step, must_measure=must)
+        match = policy.close(step, figures(step))
+        found.append((step, match.armed_for if match.armed_throughout else None))
+
+    policy.measure_next(2, Cause.FIRST_STEPS)
+    run(1)
+    run(2)
+    run(3)  # a repeat: not armed
+    run(4, must=True)
+    run(5)  # audit_every
+    run(6, calls=(("b",),))
+    policy.measure_next(1, Cause.AFTER_ALERT)
+    run(7)
+    policy.measure_next(3, Cause.GRAPHS_HELD)
+    policy.measure_next(1, Cause.AFTER_NOT_KNOWN)  # within the larger count: it keeps its cause
+    run(8)
+    run(9)
+    run(10)  # an audit step, but still one of the three
+    run(11, calls=(("a",), ("c",)))  # begins like step 3 and leaves it: measured in part
+    run(12)  # the next from that start is measured whole
+    run(13)
+    assert found == [
+        (1, Cause.FIRST_STEPS),
+        (2, Cause.FIRST_STEPS),
+        (3, None),
+        (4, Cause.MUST_MEASURE),
+        (5, Cause.AUDIT),
+        (6, Cause.NEW_SIGNATURE),
+        (7, Cause.AFTER_ALERT),
+        (8, Cause.GRAPHS_HELD),
+        (9, Cause.GRAPHS_HELD),
+        (10, Cause.GRAPHS_HELD),
+        (11, None),
+        (12, Cause.WHOLE_AFTER_PARTIAL),
+        (13, Cause.WHOLE_AFTER_PARTIAL),
+    ]

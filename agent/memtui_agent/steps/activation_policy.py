@@ -23,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
 
@@ -100,6 +101,8 @@ class Match:
     close; for a step armed throughout only if a root module was called."""
     partial: bool = False
     """Measured in part, or a repeat of a prefix that then ran differently."""
+    armed_for: Cause = Cause.MEASURED
+    """Why a step armed throughout was armed (`Cause.MEASURED`: from its start)."""
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,10 @@ class ActivationPolicy:
         self._kept_calls = 0
         self._measure_next = 0
         """Steps still to measure whatever their signature (first steps, after a surprise)."""
+        self._measure_why = Cause.FIRST_STEPS
+        """Why they are measured (the cause of the request that set their count)."""
+        self._armed_for = Cause.MEASURED
+        """Why the open step was armed (`Cause.MEASURED`: from its start)."""
         self._start: tuple[Any, ...] = (0, 0, 0, ())
         self._calls: list[CallSignature] = []
         self._armed_at_start = False
@@ -232,8 +239,10 @@ class ActivationPolicy:
 
     # ----- within a step -----------------------------------------------------------------------
 
-    def measure_next(self, steps: int) -> None:
-        """Measure at least the next `steps` steps (a new optimizer, an alert)."""
+    def measure_next(self, steps: int, why: Cause = Cause.FIRST_STEPS) -> None:
+        """Measure at least the next `steps` steps (a new optimizer, an alert: `why`)."""
+        if steps > 0 and steps >= self._measure_next:
+            self._measure_why = why
         self._measure_next = max(self._measure_next, steps)
 
     def begin(self, start: schema.Piles) -> None:
@@ -243,6 +252,7 @@ class ActivationPolicy:
         self._calls = []
         self._armed_at_start = False
         self._armed_late = False
+        self._armed_for = Cause.MEASURED
 
     def first_armed(self) -> None:
         """The step is armed before its first root call (the agent's very first step)."""
@@ -278,11 +288,18 @@ class ActivationPolicy:
                 del self._whole_next[self._start]
         if first and (must_measure or self._measure_next > 0 or audit or whole):
             self._armed_at_start = True
+            if must_measure:
+                self._armed_for = Cause.MUST_MEASURE
+            elif self._measure_next > 0:
+                self._armed_for = self._measure_why
+            else:
+                self._armed_for = Cause.AUDIT if audit else Cause.WHOLE_AFTER_PARTIAL
             return True
         if self._cursor is not None:  # the calls so far begin some remembered signature
             return False
         if first:
             self._armed_at_start = True  # a new signature: measured whole
+            self._armed_for = Cause.NEW_SIGNATURE
         else:
             self._armed_late = True  # diverged from every repeat mid-step: measured in part
         return True
@@ -310,7 +327,8 @@ class ActivationPolicy:
         if armed_throughout and not self._armed_late:
             known = self._references.get(key)
             self._remember(key, figures)
-            return Match(armed_throughout=True, twin=known if self._calls else None)
+            twin = known if self._calls else None
+            return Match(armed_throughout=True, twin=twin, armed_for=self._armed_for)
         if not self._armed_late:
             known = self._references.get(key)
             if known is not None:

@@ -1,8 +1,9 @@
 """The measure/carry decision at a step's close, as one pure function (docs/design.md#steps).
 
 `decide(state, reading)` says whether the closing step's activation figures were measured, are
-carried from the measured step it repeats, or are not known; why (`Cause`, one member per
-reason); and how the next steps are measured (`--activations` mode, steps measured whatever
+carried from the measured step it repeats, or are not known; why (`activation_cause.Cause`,
+one member per reason: why a measured step was armed, why a repeat stands, why a step is not
+known); and how the next steps are measured (`--activations` mode, steps measured whatever
 their signature). It reads nothing and changes nothing: what the close measured comes in as an
 `ActivationReading`, the history it weighs (recent repeats, graphs crossing steps) as a
 `DecisionState`, and the next state goes out in the `Decision`. The gate (`gate.ActivationGate`)
@@ -17,8 +18,8 @@ same activations as its twin, and when no graph it built unarmed is still held a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
 
+from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.activation_policy import FIRST_STEPS, Figures, Match, Verdict
 from memtui_agent.steps.step_signature import Difference, Mismatch, compare
 from memtui_protocol.schema import ActivationMode
@@ -38,46 +39,6 @@ is known only from the agent's own pack hook (a census never unpacks a graph), s
 job keeps graphs across closes the steps that may build more are armed: two, because in a job
 of two optimizers (a GAN) the step that builds the graph held at one close is the one after the
 next."""
-
-
-class Cause(Enum):
-    """Why a close's activations stand as they do: one member per reason, one alert each."""
-
-    MEASURED = "measured"
-    """Armed throughout the step: its figures are its own."""
-    REPEAT = "repeat"
-    """It repeats a measured step, and its counters confirm it: that step's figures."""
-    OFF = "off"
-    """`--activations off`: nothing is measured."""
-    PARTIAL = "measured in part"
-    """Armed only from a root call that left every remembered repeat, or a repeat's calls that
-    then ran differently: not known, the next step measured."""
-    DATA_DEPENDENT = "data dependent"
-    """A measured repeat (same calls, piles and autograd ops) measured other activations: what
-    the model saves depends on the data; every step is measured."""
-    JOB_HOOKS = "job hooks"
-    """The job's own saved-tensor hooks were on top when the model ran: not known."""
-    THREAD_MOVED = "thread moved"
-    """The step began while the agent followed another thread: its forward ran unseen."""
-    HELD_UNARMED = "held"
-    """Graphs built while the hooks were off are still held: not known while held."""
-    HELD_CROSSING = "held, every step"
-    """Such graphs keep crossing steps: every step is measured."""
-    NODES = Difference.NODES.value
-    BACKWARDS = Difference.BACKWARDS.value
-    DEVICE = Difference.DEVICE.value
-    READERS = Difference.READERS.value
-    HEAP = Difference.HEAP.value
-    HELD = Difference.HELD.value
-    """A repeat whose counters differ from its twin's in this (`step_signature.Difference`):
-    not known, the next step measured."""
-    NO_COUNTER = "no node counter"
-    """A repeat that cannot be confirmed at all (no autograd node counter): every step."""
-    KEEPS_VARYING = "keeps varying"
-    """Repeats keep doing something else than their twins (LayerDrop): every step."""
-    HEAP_KEEPS_MOVING = "heap keeps moving"
-    """Repeats keep failing the heap's confirmation (it moves with the agent's own measuring by
-    more than the tolerance): every step."""
 
 
 _UNCONFIRMED = {
@@ -138,6 +99,8 @@ class Decision:
     """What was decided on (the alert quotes its figures)."""
     measure_next: int = 0
     """Steps from the next one measured whatever their signature (at least)."""
+    measure_why: Cause = Cause.AFTER_NOT_KNOWN
+    """Why they are measured (`GRAPHS_HELD`, `AFTER_NOT_KNOWN`)."""
     also: Cause | None = None
     """A second cause to say if the first was said already (a data-dependent switch at a close
     that also holds graphs built unarmed)."""
@@ -175,13 +138,22 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
     held = MEASURE_WHILE_HELD if reading.graphs_held else 0
     if reading.moved or reading.blind:
         cause = Cause.THREAD_MOVED if reading.moved else Cause.JOB_HOOKS
-        return Decision(NOT_KNOWN, cause, state, reading, measure_next=held)
-    decision = _from_match(state, reading)
-    if reading.unarmed_held:
-        decision = _held_unarmed(decision)
-    elif decision.verdict.carried is not None:
-        decision = _confirm(decision)
-    return replace(decision, measure_next=max(decision.measure_next, held))
+        decision = Decision(NOT_KNOWN, cause, state, reading)
+    else:
+        decision = _from_match(state, reading)
+        if reading.unarmed_held:
+            decision = _held_unarmed(decision)
+        elif decision.verdict.carried is not None:
+            decision = _confirm(decision)
+    return _measure(decision, held, Cause.GRAPHS_HELD)
+
+
+def _measure(decision: Decision, steps: int, why: Cause) -> Decision:
+    """`decision` with at least `steps` steps measured next, for `why` (the cause of the
+    largest request)."""
+    if steps <= 0 or steps < decision.measure_next:
+        return decision
+    return replace(decision, measure_next=steps, measure_why=why)
 
 
 def _from_match(state: DecisionState, reading: ActivationReading) -> Decision:
@@ -197,12 +169,12 @@ def _from_match(state: DecisionState, reading: ActivationReading) -> Decision:
         ):
             every = replace(state, mode=ActivationMode.EVERY)
             return Decision(MEASURED, Cause.DATA_DEPENDENT, every, reading, twin=twin)
-        return Decision(MEASURED, Cause.MEASURED, state, reading, twin=twin)
+        return Decision(MEASURED, match.armed_for, state, reading, twin=twin)
     if twin is not None and not match.partial:
         return Decision(Verdict(measured=False, carried=twin), Cause.REPEAT, state, reading)
     # Measured in part, or a repeat of a prefix that then ran differently: not known exactly;
     # the next step is measured whatever it looks like.
-    return Decision(NOT_KNOWN, Cause.PARTIAL, state, reading, measure_next=1)
+    return _measure(Decision(NOT_KNOWN, Cause.PARTIAL, state, reading), 1, Cause.AFTER_NOT_KNOWN)
 
 
 def _data_dependent(known: Figures, figures: Figures) -> bool:
@@ -238,14 +210,8 @@ def _held_unarmed(decision: Decision) -> Decision:
     if state.crossings >= CROSSINGS_FOR_EVERY and state.mode is ActivationMode.AUTO:
         state, cause = replace(state, mode=ActivationMode.EVERY), Cause.HELD_CROSSING
     also = Cause.DATA_DEPENDENT if decision.cause is Cause.DATA_DEPENDENT else None
-    return replace(
-        decision,
-        verdict=NOT_KNOWN,
-        cause=cause,
-        also=also,
-        next_state=state,
-        measure_next=max(decision.measure_next, FIRST_STEPS),
-    )
+    held = replace(decision, verdict=NOT_KNOWN, cause=cause, also=also, next_state=state)
+    return _measure(held, FIRST_STEPS, Cause.GRAPHS_HELD)
 
 
 def _confirm(decision: Decision) -> Decision:
@@ -267,15 +233,10 @@ def _confirm(decision: Decision) -> Decision:
         cause = Cause.HEAP_KEEPS_MOVING if cause is Cause.HEAP else Cause.KEEPS_VARYING
     if cause in (Cause.NO_COUNTER, Cause.HEAP_KEEPS_MOVING, Cause.KEEPS_VARYING):
         state = replace(state, mode=ActivationMode.EVERY)
-    return replace(
-        decision,
-        verdict=NOT_KNOWN,
-        cause=cause,
-        next_state=state,
-        measure_next=max(decision.measure_next, 1),
-        twin=carried,
-        mismatch=mismatch,
+    unknown = replace(
+        decision, verdict=NOT_KNOWN, cause=cause, next_state=state, twin=carried, mismatch=mismatch
     )
+    return _measure(unknown, 1, Cause.AFTER_NOT_KNOWN)
 
 
 def _unconfirmed(reading: ActivationReading, carried: Figures) -> Mismatch | None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.memory.tensor_reads import next_sequence_number
+from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.activation_policy import (
     FIRST_STEPS,
     ActivationPolicy,
@@ -159,11 +160,11 @@ class ActivationGate:
 
     def optimizer_created(self) -> None:
         """An optimizer was built: its first steps allocate its state and settle the graph."""
-        self.policy.measure_next(FIRST_STEPS)
+        self.policy.measure_next(FIRST_STEPS, Cause.FIRST_STEPS)
 
     def first_step_begins(self) -> None:
         """An optimizer's first `step()` began (this step is already under way)."""
-        self.policy.measure_next(FIRST_STEPS - 1)
+        self.policy.measure_next(FIRST_STEPS - 1, Cause.FIRST_STEPS)
 
     def parameters_found(self) -> None:
         """New parameters may exist: hook their gradients if this step is measured."""
@@ -262,7 +263,7 @@ class ActivationGate:
         history, and the alert (each cause said once)."""
         self._state = decision.next_state
         self.policy.mode = decision.next_mode
-        self.policy.measure_next(decision.measure_next)
+        self.policy.measure_next(decision.measure_next, decision.measure_why)
         return replace(decision.verdict, alert=self._said.alert(decision))
 
     def step_opens(self, after: StepInputs) -> None:
@@ -270,7 +271,7 @@ class ActivationGate:
         policy = self.policy
         self._start_activations = after.activations_left
         if after.skipped or any(alert.kind in ALERTS_TO_MEASURE for alert in after.alerts()):
-            policy.measure_next(FIRST_STEPS)
+            policy.measure_next(FIRST_STEPS, Cause.AFTER_ALERT)
         mode = policy.mode
         switch = self._switch
         if mode is ActivationMode.OFF or (mode is ActivationMode.AUTO and policy.saw_calls):
