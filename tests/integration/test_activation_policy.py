@@ -9,6 +9,7 @@ storages autograd saved, all alive until that step's backward.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,34 @@ import pytest
 from cli_harness import MEMTUI, scrubbed_env
 
 from memtui.model.recording import read_recording
-from memtui_agent.steps.activation_policy import ActivationPolicy, Figures
+from memtui_agent.steps import activation_policy
+from memtui_agent.steps.activation_policy import Figures, Verdict
+from memtui_agent.steps.activation_wording import SaidOnce
+from memtui_agent.steps.decision import ActivationReading, DecisionState, decide
 from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
+
+
+class ActivationPolicy(activation_policy.ActivationPolicy):
+    """The policy with each close decided and the decision applied as the gate applies it
+    (`gate.ActivationGate._apply`): a close gives its verdict, with its alert."""
+
+    def __init__(
+        self, mode: schema.ActivationMode, audit_every: int = activation_policy.AUDIT_EVERY
+    ) -> None:
+        super().__init__(mode, audit_every)
+        self.state = DecisionState(mode)
+        self.said = SaidOnce()
+
+    def close(self, step: int, figures: Figures, blind: bool = False) -> Verdict:  # type: ignore[override]
+        decision = decide(
+            self.state, ActivationReading(step, figures, super().close(step, figures, blind))
+        )
+        self.state = decision.next_state
+        self.mode = decision.next_mode
+        self.measure_next(decision.measure_next)
+        return replace(decision.verdict, alert=self.said.alert(decision))
+
 
 VARYING_BATCH = """
 import contextlib, json, sys, torch, memtui_agent

@@ -39,7 +39,8 @@ from memtui_protocol.schema import ExitStatus
 FUZZ = settings(max_examples=250, deadline=None, database=None)
 """Moderate example counts and no per-example deadline: a deadline is a timing assertion, and a
 loaded machine took 1.29 s over one example (issue 33). A parser that hangs fails on the test's
-timeout (pytest-timeout); one that crawls is a benchmark's business (benchmarks/viewer_bounds.py)."""
+timeout (pytest-timeout); one that crawls is a benchmark's business
+(benchmarks/viewer_bounds.py)."""
 
 MEMORY_LIMIT = 4 * 1024 * 1024
 """Peak traced allocation allowed while refusing a corrupt frame: a few MB, never the claim."""

@@ -7,6 +7,7 @@ import gc
 import torch
 from torch import nn
 
+from memtui_agent.steps.activation_wording import clause
 from memtui_agent.steps.step_signature import (
     Difference,
     Signature,
@@ -63,7 +64,7 @@ def test_equal_steps_match_and_a_dropout_switched_off_does_not() -> None:
     mismatch = compare(changed, twin)
     assert mismatch is not None and mismatch.what is Difference.NODES
     assert changed.nodes[0] < twin.nodes[0]
-    assert "nodes here" in mismatch.describe(3) and "in step 3" in mismatch.describe(3)
+    assert "nodes here" in clause(mismatch, 3) and "in step 3" in clause(mismatch, 3)
 
 
 def test_same_ops_on_other_sizes_differ_on_the_heap() -> None:

@@ -8,11 +8,12 @@ signature, a recent alert or armed NaN probes, a budget nearly reached, and an a
 with the same input shapes, dtypes, devices and modes, from the same persistent piles. Its
 activation figures are carried from that step, which is exact for every job whose activations
 depend on shapes only. An audit that finds a repeat measuring differently (MoE routing,
-data-dependent masks) switches the job to measuring every step and says why.
+data-dependent masks) switches the job to measuring every step (`decision.decide` says so).
 
-The policy is plain bookkeeping; the activation gate (`gate.ActivationGate`) asks it, adds the
-reasons to measure it does not know (NaN probes, FSDP, a budget nearly reached, alerts) and arms
-or disarms the hooks.
+The policy is plain bookkeeping: at a close it says what the step matches (`Match`), and
+`decision.decide` says what that means. The activation gate (`gate.ActivationGate`) asks it,
+adds the reasons to measure it does not know (NaN probes, FSDP, a budget nearly reached, alerts),
+arms or disarms the hooks, and is the only one to change its `mode`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
 
@@ -56,20 +58,6 @@ class Figures:
     signature: Signature | None = None
     start_activations: int = 0
 
-    def differences(self, other: Figures) -> list[str]:
-        """The activation figures two measurements disagree on, each with both numbers (empty:
-        they agree). The step's highest activations and those left at its close only: the
-        moment of the step's peak also moves with the other piles (gradients freed between two
-        steps are allocated again during the next backward), so a peak that differs is no sign
-        that what the model saves depends on the data."""
-        pairs = (
-            ("max", self.high.activations, other.high.activations),
-            ("at the close", self.end_activations, other.end_activations),
-        )
-        return [
-            f"{label} {mine:,} B vs {theirs:,} B" for label, mine, theirs in pairs if mine != theirs
-        ]
-
 
 class _Prefixes:
     """The remembered signatures' call sequences as a tree, so that a step's calls so far are
@@ -99,6 +87,22 @@ class _Prefixes:
                 del node.children[call]
                 return
             node = child
+
+
+@dataclass(frozen=True)
+class Match:
+    """What the policy's bookkeeping found for a closing step; what it means is decided by
+    `decision.decide`."""
+
+    armed_throughout: bool = False
+    """Measured whole: armed from before its first root call (or `every`)."""
+    twin: Figures | None = None
+    """The remembered step of the same key (the same start and calls), as it was before this
+    close; for a step armed throughout only if a root module was called."""
+    partial: bool = False
+    """Measured in part, or a repeat of a prefix that then ran differently."""
+    armed_for: Cause = Cause.MEASURED
+    """Why a step armed throughout was armed (`Cause.MEASURED`: from its start)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,10 @@ class ActivationPolicy:
         self._kept_calls = 0
         self._measure_next = 0
         """Steps still to measure whatever their signature (first steps, after a surprise)."""
+        self._measure_why = Cause.FIRST_STEPS
+        """Why they are measured (the cause of the request that set their count)."""
+        self._armed_for = Cause.MEASURED
+        """Why the open step was armed (`Cause.MEASURED`: from its start)."""
         self._start: tuple[Any, ...] = (0, 0, 0, ())
         self._calls: list[CallSignature] = []
         self._armed_at_start = False
@@ -231,8 +239,10 @@ class ActivationPolicy:
 
     # ----- within a step -----------------------------------------------------------------------
 
-    def measure_next(self, steps: int) -> None:
-        """Measure at least the next `steps` steps (a new optimizer, an alert)."""
+    def measure_next(self, steps: int, why: Cause = Cause.FIRST_STEPS) -> None:
+        """Measure at least the next `steps` steps (a new optimizer, an alert: `why`)."""
+        if steps > 0 and steps >= self._measure_next:
+            self._measure_why = why
         self._measure_next = max(self._measure_next, steps)
 
     def begin(self, start: schema.Piles) -> None:
@@ -242,6 +252,7 @@ class ActivationPolicy:
         self._calls = []
         self._armed_at_start = False
         self._armed_late = False
+        self._armed_for = Cause.MEASURED
 
     def first_armed(self) -> None:
         """The step is armed before its first root call (the agent's very first step)."""
@@ -277,11 +288,18 @@ class ActivationPolicy:
                 del self._whole_next[self._start]
         if first and (must_measure or self._measure_next > 0 or audit or whole):
             self._armed_at_start = True
+            if must_measure:
+                self._armed_for = Cause.MUST_MEASURE
+            elif self._measure_next > 0:
+                self._armed_for = self._measure_why
+            else:
+                self._armed_for = Cause.AUDIT if audit else Cause.WHOLE_AFTER_PARTIAL
             return True
         if self._cursor is not None:  # the calls so far begin some remembered signature
             return False
         if first:
             self._armed_at_start = True  # a new signature: measured whole
+            self._armed_for = Cause.NEW_SIGNATURE
         else:
             self._armed_late = True  # diverged from every repeat mid-step: measured in part
         return True
@@ -293,35 +311,33 @@ class ActivationPolicy:
 
     # ----- at the close ----------------------------------------------------------------------
 
-    def close(self, step: int, figures: Figures, blind: bool = False) -> Verdict:
-        """The verdict for the closing step; `figures` is what the ledger measured.
+    def close(self, step: int, figures: Figures, blind: bool = False) -> Match:
+        """What the closing step matches; `figures` is what the ledger measured, remembered for
+        the repeats of a step armed throughout. The mode is read here, never changed (the gate
+        applies `decision.decide`'s).
 
         `blind`: the job's own saved-tensor hooks kept the step's tensors from the agent's, so
-        `figures` are not its activations: not known, and nothing remembered for repeats.
+        `figures` are not its activations: nothing is remembered for repeats.
         """
         key = (self._start, tuple(self._calls))
         self._measure_next = max(0, self._measure_next - 1)
         if self.mode is schema.ActivationMode.OFF or blind:
-            return Verdict(measured=False)
+            return Match()
         armed_throughout = self.mode is schema.ActivationMode.EVERY or self._armed_at_start
         if armed_throughout and not self._armed_late:
             known = self._references.get(key)
             self._remember(key, figures)
-            if known is not None and self._calls and self._data_dependent(known, figures):
-                return self._varies(step, known, figures)
-            return Verdict(measured=True)
+            twin = known if self._calls else None
+            return Match(armed_throughout=True, twin=twin, armed_for=self._armed_for)
         if not self._armed_late:
             known = self._references.get(key)
             if known is not None:
                 self._references.move_to_end(key)
-                return Verdict(measured=False, carried=known)
-        # Measured in part, or a repeat of a prefix that then ran differently: not known
-        # exactly; the next step is measured whatever it looks like, and the next from this
-        # start is measured whole.
-        self._measure_next = max(self._measure_next, 1)
+                return Match(twin=known)
+        # Measured in part: the next from this start is measured whole.
         if self._armed_late and len(self._whole_next) < KEEP_REFERENCES:
             self._whole_next[self._start] = min(self._whole_next.get(self._start, 0) + 2, 8)
-        return Verdict(measured=False)
+        return Match(partial=True)
 
     def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
         start, calls = key
@@ -339,31 +355,3 @@ class ActivationPolicy:
             if not tree.count:
                 del self._prefixes[old_start]
             self._kept_calls -= len(old_calls)
-
-    @staticmethod
-    def _data_dependent(known: Figures, figures: Figures) -> bool:
-        """A repeat whose activations measured differently although it ran the same autograd
-        ops from the same held activations: what it saved depends on the data. (With other ops,
-        or other held graphs, the step simply did something else: the new measurement replaces
-        the old.) Decided on `differences`, so the alert always has numbers that differ."""
-        if not figures.differences(known):
-            return False  # the same activations
-        if known.start_activations != figures.start_activations:
-            return False
-        before, now = known.signature, figures.signature
-        return before is not None and now is not None and before.nodes == now.nodes
-
-    def _varies(self, step: int, known: Figures, figures: Figures) -> Verdict:
-        """A repeat measured differently: activations depend on the data, measure every step
-        (said once: later measured steps that differ only confirm it)."""
-        if self.mode is schema.ActivationMode.EVERY:
-            return Verdict(measured=True)
-        self.mode = schema.ActivationMode.EVERY
-        message = (
-            f"step {step} repeats step {known.step} (the same calls, shapes, piles and autograd "
-            f"ops) but its activations differ ({'; '.join(figures.differences(known))}): what "
-            "the model saves depends on the data (routing, masks), so every step is measured "
-            "from now on"
-        )
-        alert = schema.Alert(kind=schema.AlertKind.ACTIVATIONS_VARY, message=message)
-        return Verdict(measured=True, alert=alert)

@@ -12,28 +12,25 @@ gradient (README, "Overhead"). Whether they run on a step is decided here, and o
 - events that make the next steps measured: a new optimizer and its first steps, an alert of
   `ALERTS_TO_MEASURE`.
 
-At a close, `verdict` says whether the step's activation figures were measured, are carried from
-a measured step it repeats, or are not known. A repeat's key (the same calls on the same shapes)
-only makes it a candidate: the carry stands when the step's own counters confirm it
-(`step_signature`: the autograd nodes it recorded, exact; the memory it allocated, exact on a
-GPU, within a tolerance of glibc's heap on a CPU), when it starts and ends holding the same
-activations as its twin, and when no graph it built unarmed is still held at its close
-(`held_graphs`). Otherwise it is "not known" and the next step is measured; a cause that keeps
-coming back (LayerDrop, graphs crossing steps) makes every step measured. Each cause is said once,
-with its numbers (`activations_vary`). When a step opens, `step_opens` arms or disarms the hooks
-for it.
+At a close, `verdict` gathers what the close read (the ledger's figures, the step's counters,
+the graphs still held, whether a forward ran unseen), asks `decision.decide` whether the step's
+activation figures were measured, are carried from a measured step it repeats, or are not known,
+and applies the decision (`_apply`): the mode changes there and only there, with the steps
+measured next (which the events above also raise), and the alert is worded by cause and said
+once (`activation_wording`). When a step opens, `step_opens` arms or disarms the hooks for it.
 
 The gate installs nothing itself: the hooks side hands it a `HookSwitch`.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.memory.tensor_reads import next_sequence_number
+from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.activation_policy import (
     FIRST_STEPS,
     ActivationPolicy,
@@ -41,18 +38,23 @@ from memtui_agent.steps.activation_policy import (
     Verdict,
     call_signature,
 )
+from memtui_agent.steps.activation_wording import SaidOnce
 from memtui_agent.steps.budget import Budget
+from memtui_agent.steps.decision import (
+    MEASURE_WHILE_HELD,
+    ActivationReading,
+    Decision,
+    DecisionState,
+    decide,
+)
 from memtui_agent.steps.frame import CloseReading, StepInputs
 from memtui_agent.steps.health import HealthMonitor
-from memtui_agent.steps.held_graphs import Held, HeldGraphs
-from memtui_agent.steps.step_signature import (
-    Difference,
-    Mismatch,
-    SignatureRecorder,
-    compare,
-)
-from memtui_protocol import schema
+from memtui_agent.steps.held_graphs import HeldGraphs
+from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
+
+__all__ = ["ALERTS_TO_MEASURE", "MEASURE_WHILE_HELD", "ActivationGate", "HookSwitch"]
+"""`MEASURE_WHILE_HELD` is the decision's, named here too where the gate's users find it."""
 
 ALERTS_TO_MEASURE = frozenset(
     {
@@ -66,21 +68,6 @@ ALERTS_TO_MEASURE = frozenset(
 )
 """Alerts after which the next steps are measured (`auto`): whatever happens next is seen
 with every hook on."""
-RECENT_CARRIES = 10
-UNCONFIRMED_FOR_EVERY = 3
-"""Of the last `RECENT_CARRIES` repeats, this many unconfirmed make every step measured: the
-job's activations change with what its inputs do not show (LayerDrop), and a fifth of its steps
-or more would otherwise say "not known"."""
-CROSSINGS_FOR_EVERY = 2
-"""Closes finding new graphs built unarmed still held, after which every step is measured (a
-GAN whose generator graph is backpropagated a step later): only armed steps count such
-graphs."""
-MEASURE_WHILE_HELD = 2
-"""Steps measured after a close that finds graphs of root calls still held. What a graph saves
-is known only from the agent's own pack hook (a census never unpacks a graph), so while the
-job keeps graphs across closes the steps that may build more are armed: two, because in a job
-of two optimizers (a GAN) the step that builds the graph held at one close is the one after the
-next."""
 
 
 class HookSwitch(Protocol):
@@ -134,11 +121,9 @@ class ActivationGate:
         self.held = HeldGraphs()
         self._start_activations = 0
         """Activations held as the open step began (graphs kept from earlier steps)."""
-        self._recent: deque[bool] = deque(maxlen=RECENT_CARRIES)
-        """Whether each recent repeat's carry was confirmed."""
-        self._crossings = 0
-        self._said: set[str] = set()
-        """Causes of `activations_vary` already said (each once)."""
+        self._state = DecisionState(mode)
+        """The mode and the history the next close's decision weighs."""
+        self._said = SaidOnce()
         self._blind = False
         """A forward of the open step ran where the agent's saved-tensor pair could not count
         it (the job's own hooks on top): the step's activations are not known."""
@@ -161,7 +146,7 @@ class ActivationGate:
     @property
     def mode(self) -> ActivationMode:
         """The `--activations` mode now (`auto` becomes `every` when activations vary)."""
-        return self.policy.mode
+        return self._state.mode
 
     # ----- events ------------------------------------------------------------------------------
 
@@ -175,11 +160,11 @@ class ActivationGate:
 
     def optimizer_created(self) -> None:
         """An optimizer was built: its first steps allocate its state and settle the graph."""
-        self.policy.measure_next(FIRST_STEPS)
+        self.policy.measure_next(FIRST_STEPS, Cause.FIRST_STEPS)
 
     def first_step_begins(self) -> None:
         """An optimizer's first `step()` began (this step is already under way)."""
-        self.policy.measure_next(FIRST_STEPS - 1)
+        self.policy.measure_next(FIRST_STEPS - 1, Cause.FIRST_STEPS)
 
     def parameters_found(self) -> None:
         """New parameters may exist: hook their gradients if this step is measured."""
@@ -243,10 +228,8 @@ class ActivationGate:
 
     def verdict(self, reading: CloseReading) -> Verdict:
         """Whether the closing step's activations were measured, are carried from the measured
-        step it repeats (with that step's figures), or are not known.
-
-        This is where the measure/carry decision is made, from what the close read.
-        """
+        step it repeats (with that step's figures), or are not known: gathers what the close
+        read, asks `decide`, applies its decision."""
         ledger = reading.ledger
         figures = Figures(
             step=reading.step,
@@ -261,162 +244,34 @@ class ActivationGate:
         held = self.held.held()
         blind, self._blind = self._blind, False
         moved, self._moved = self._moved, False
-        verdict = self.policy.close(reading.step, figures, blind=blind or moved)
-        if self.policy.mode is ActivationMode.OFF:
-            return verdict
-        if held.graphs:
-            # Graphs kept across this close: what the next steps build is counted by the pack
-            # hook, the only record of what a graph saves.
-            self.policy.measure_next(MEASURE_WHILE_HELD)
-        if moved:
-            return self._moved_verdict(reading.step)
-        if blind:
-            return self._blind_verdict(reading.step)
-        if held.unarmed:
-            return self._held_unarmed(reading.step, held, verdict)
-        carried = verdict.carried
-        if carried is None:
-            return verdict
-        reason = self._unconfirmed(carried, figures)
-        self._recent.append(reason is None)
-        if reason is None:
-            return verdict
-        return self._not_known(reading.step, carried, reason)
-
-    def _unconfirmed(self, carried: Figures, figures: Figures) -> Mismatch | None:
-        """Why the repeat does not stand (None: its counters confirm it)."""
-        now, twin = figures.signature, carried.signature
-        if not self.signatures.available or now is None or twin is None:
-            return Mismatch(Difference.COUNTER, (), ())
-        mismatch = compare(now, twin, carried.high.activations)
-        if mismatch is not None:
-            return mismatch
-        held_now = (figures.start_activations, figures.end_activations)
-        held_then = (carried.start_activations, carried.end_activations)
-        if held_now != held_then:
-            return Mismatch(Difference.HELD, held_now, held_then)
-        return None
-
-    def _not_known(self, step: int, carried: Figures, reason: Mismatch) -> Verdict:
-        """A repeat whose counters differ from its twin's: not known, the next step measured;
-        every step from now on when it keeps happening."""
-        self.policy.measure_next(1)
-        unconfirmed = sum(1 for confirmed in self._recent if not confirmed)
-        if reason.what is Difference.COUNTER or (
-            unconfirmed >= UNCONFIRMED_FOR_EVERY and self.policy.mode is ActivationMode.AUTO
-        ):
-            self.policy.mode = ActivationMode.EVERY
-            repeats = (
-                f"{unconfirmed} of the last {len(self._recent)} steps that repeated a measured "
-                "step's calls"
-            )
-            if reason.what is Difference.COUNTER:
-                why = "no carry can be confirmed in this job"
-            elif reason.what is Difference.HEAP:
-                why = (
-                    f"{repeats} could not be confirmed by the heap, which also moves with what "
-                    "memtui allocates while it measures (by more than the tolerance in this "
-                    "job)"
-                )
-            else:
-                why = (
-                    f"{repeats} did something else: this job's activations change with what "
-                    "its inputs do not show (LayerDrop, sampling, data-dependent branches)"
-                )
-            message = (
-                f"step {step} called the model as step {carried.step} did, but "
-                f"{reason.describe(carried.step)}; {why}, so every step is measured from now on"
-            )
-            return Verdict(measured=False, alert=self._vary("every step", message))
-        if reason.what.structural:
-            cause = (
-                "something its inputs do not show changed (a layer skipped, dropout switched, "
-                "a branch taken on the data)"
-            )
-        elif reason.what is Difference.HELD:
-            cause = "graphs kept from earlier steps changed"
-        elif reason.what is Difference.HEAP:
-            cause = (
-                "the same calls made tensors of other sizes, or memtui's own allocations while "
-                "it measured moved the heap: the heap cannot tell which"
-            )
-        else:
-            cause = "the same calls made tensors of other sizes"
-        message = (
-            f"step {step} called the model as step {carried.step} did, but "
-            f"{reason.describe(carried.step)}: {cause}; its activations are not known and the "
-            "next step is measured"
+        match = self.policy.close(reading.step, figures, blind=blind or moved)
+        close = ActivationReading(
+            step=reading.step,
+            figures=figures,
+            match=match,
+            graphs_held=held.graphs,
+            unarmed_held=held.unarmed,
+            new_unarmed=held.new_unarmed,
+            blind=blind,
+            moved=moved,
+            counter=self.signatures.available,
         )
-        return Verdict(measured=False, alert=self._vary(reason.what.value, message))
+        return self._apply(decide(self._state, close))
 
-    def _held_unarmed(self, step: int, held: Held, verdict: Verdict) -> Verdict:
-        """Graphs built while the hooks were off are still held: no hook counted their saved
-        tensors, and nothing else may (reading a graph's `_saved_*` would unpack: the job's
-        hooks, a checkpoint's recomputed forward). So the activations of every close that
-        finds them held are not known; steps are measured meanwhile (`MEASURE_WHILE_HELD`,
-        every step once it happens again), so graphs built from now on are counted."""
-        if held.new_unarmed:
-            self._crossings += 1  # new graphs built unarmed, not the same ones held longer
-        self.policy.measure_next(FIRST_STEPS)
-        if held.unarmed == 1:
-            which = "a graph built by the model while memtui's hooks were off still holds its"
-        else:
-            which = (
-                f"{held.unarmed} graphs built by the model while memtui's hooks were off still "
-                "hold their"
-            )
-        message = (
-            f"at the close of step {step}, {which} saved tensors (a loss accumulated without "
-            "torch.no_grad(), an output kept for a later backward): memtui never saw what they "
-            "saved, so activations are not "
-            "known while they are held; the steps after a close that holds graphs are measured, "
-            "so graphs built from now on are counted"
-        )
-        cause = "held"
-        if self._crossings >= CROSSINGS_FOR_EVERY and self.policy.mode is ActivationMode.AUTO:
-            self.policy.mode = ActivationMode.EVERY
-            cause = "held, every step"
-            message += (
-                "; graphs keep crossing steps in this job, so every step is measured from now on"
-            )
-        alert = self._vary(cause, message)
-        if verdict.alert is not None and alert is None:
-            alert = verdict.alert
-        return Verdict(measured=False, alert=alert)
-
-    def _moved_verdict(self, step: int) -> Verdict:
-        """The step began on another thread than the one that closed it: not known, said once."""
-        message = (
-            f"step {step} began while memtui followed another thread, and this thread stepped "
-            "the first optimizer: memtui follows that thread from here (one thread per "
-            "recording), so the activations of this step's forward, which it did not see, are "
-            "not known"
-        )
-        return Verdict(measured=False, alert=self._vary("thread moved", message))
-
-    def _blind_verdict(self, step: int) -> Verdict:
-        """The job's own saved-tensor hooks held the step's tensors: not known, said once."""
-        message = (
-            f"in step {step} the job's own saved-tensor hooks (torch.utils.checkpoint over the "
-            "model, save_on_cpu, its own pack hooks) were active when the model ran: memtui does "
-            "not put its own above them (that would change what the job saves), so the "
-            "activations of such steps are not known"
-        )
-        return Verdict(measured=False, alert=self._vary("job hooks", message))
-
-    def _vary(self, cause: str, message: str) -> schema.Alert | None:
-        """An `activations_vary` alert, once per cause."""
-        if cause in self._said:
-            return None
-        self._said.add(cause)
-        return schema.Alert(kind=AlertKind.ACTIVATIONS_VARY, message=message)
+    def _apply(self, decision: Decision) -> Verdict:
+        """The one place a decision takes effect: the mode, the steps measured next, the
+        history, and the alert (each cause said once)."""
+        self._state = decision.next_state
+        self.policy.mode = decision.next_mode
+        self.policy.measure_next(decision.measure_next, decision.measure_why)
+        return replace(decision.verdict, alert=self._said.alert(decision))
 
     def step_opens(self, after: StepInputs) -> None:
         """A step opens after the step `after`: arm or disarm the hooks for it."""
         policy = self.policy
         self._start_activations = after.activations_left
         if after.skipped or any(alert.kind in ALERTS_TO_MEASURE for alert in after.alerts()):
-            policy.measure_next(FIRST_STEPS)
+            policy.measure_next(FIRST_STEPS, Cause.AFTER_ALERT)
         mode = policy.mode
         switch = self._switch
         if mode is ActivationMode.OFF or (mode is ActivationMode.AUTO and policy.saw_calls):

@@ -28,7 +28,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from memtui_protocol.schema import Allocator
 
@@ -135,40 +134,12 @@ class Difference(Enum):
 
 @dataclass(frozen=True)
 class Mismatch:
-    """Why a step is not a repeat of its twin, in numbers."""
+    """Why a step is not a repeat of its twin, in numbers (`activation_wording.clause` says
+    it)."""
 
     what: Difference
     now: tuple[int, ...]
     then: tuple[int, ...]
-
-    def describe(self, twin_step: int) -> str:
-        """One clause for a message: what was counted here and in the twin, step `twin_step`."""
-        now, then, step = self.now, self.then, twin_step
-        if self.what is Difference.NODES:
-            return (
-                f"autograd recorded {sum(now):,} nodes here ({_series(now)} before and after each "
-                f"backward) and {sum(then):,} in step {step} ({_series(then)})"
-            )
-        if self.what is Difference.BACKWARDS:
-            return f"it ran {len(now) - 1} backward passes where step {step} ran {len(then) - 1}"
-        if self.what is Difference.HEAP:
-            return (
-                f"the heap in use at its first backward moved by {now[0]:+,} B from its start, "
-                f"{then[0]:+,} B in step {step} (more than {MEMORY_TOLERANCE // 1024} KiB apart)"
-            )
-        if self.what is Difference.DEVICE:
-            return (
-                f"the allocator made {now[1]:,} allocations of {now[0]:,} B in all where step "
-                f"{step} made {then[1]:,} of {then[0]:,} B"
-            )
-        if self.what is Difference.HELD:
-            return (
-                f"it started with {now[0]:,} B of activations held and closed with {now[1]:,} B, "
-                f"step {step} with {then[0]:,} B and {then[1]:,} B"
-            )
-        if self.what is Difference.READERS:
-            return f"its memory was read from another counter than step {step}'s"
-        return "this torch has no autograd node counter to confirm it by"
 
 
 class SignatureRecorder:
@@ -249,7 +220,3 @@ def compare(now: Signature, twin: Signature, activations_high: int = 0) -> Misma
     if any(abs(a - b) > tolerance for a, b in zip(now.memory, twin.memory, strict=True)):
         return Mismatch(Difference.HEAP, now.memory, twin.memory)
     return None
-
-
-def _series(values: tuple[Any, ...]) -> str:
-    return ", ".join(f"{value:,}" for value in values)
