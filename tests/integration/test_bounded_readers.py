@@ -19,34 +19,12 @@ from typing import Any
 import msgspec
 import pytest
 from cli_harness import run_memtui
+from recording_files import bare_step, hello, write_recording
 
 from memtui.input import torch_snapshot
 from memtui.input.torch_snapshot import SnapshotError, load_snapshot, snapshot_messages
 from memtui.model.recording import read_recording
 from memtui_protocol import schema, wire
-
-ZERO = schema.Piles()
-
-
-def _hello() -> schema.Hello:
-    return schema.Hello(
-        format_version=schema.FORMAT_VERSION,
-        agent_version="hostile",
-        pid=1,
-        argv=["python", "train.py"],
-        started="2026-01-01T00:00:00+00:00",
-        started_unix=1.0,
-        hostname="not-this-host",
-    )
-
-
-def _step(number: int, **fields: Any) -> schema.Step:
-    return schema.Step(number, float(number), number + 0.5, ZERO, ZERO, ZERO, **fields)
-
-
-def _write(path: Path, messages: list[schema.Message]) -> Path:
-    path.write_bytes(wire.preamble() + b"".join(wire.encode(m) for m in messages))
-    return path
 
 
 def _memtui(*args: str) -> subprocess.CompletedProcess[str]:
@@ -60,7 +38,7 @@ def _late_flood(frames: int, entries: int, alerts: int) -> list[schema.Message]:
     """Step 1, then `frames` steps whose late lists all name step 1 again."""
     alert = schema.Alert(kind="nonfinite_loss", message="x")
     late = [schema.StepLate(step=1, loss=2.0, alerts=[alert] * alerts)] * entries
-    return [_hello(), _step(1), *(_step(2 + k, late=late) for k in range(frames))]
+    return [hello(), bare_step(1), *(bare_step(2 + k, late=late) for k in range(frames))]
 
 
 @pytest.fixture
@@ -83,7 +61,9 @@ def test_late_values_naming_one_step_fold_in_linear_work(tmp_path: Path, copies:
     step's whole alert list again. Now a step is rebuilt once per frame and takes late alerts
     from a few frames only, so the copying is a small multiple of the alerts the file holds."""
     frames, entries, per_entry = 40, 64, 4
-    recording = read_recording(_write(tmp_path / "late.memtui", _late_flood(frames, entries, 4)))
+    recording = read_recording(
+        write_recording(tmp_path / "late.memtui", _late_flood(frames, entries, 4))
+    )
     given = frames * entries * per_entry
     first = recording.steps[0]
     assert first.step == 1 and first.loss == 2.0
@@ -94,7 +74,7 @@ def test_late_values_naming_one_step_fold_in_linear_work(tmp_path: Path, copies:
 
 def test_a_step_keeps_at_most_max_items_alerts_however_many_arrive_late() -> None:
     alert = schema.Alert(kind="x", message="")
-    steps = [_step(1, alerts=[alert] * (schema.MAX_ITEMS - 10))]
+    steps = [bare_step(1, alerts=[alert] * (schema.MAX_ITEMS - 10))]
     late = [schema.StepLate(step=1, alerts=[alert] * 64)] * 3
     added = schema.apply_late(steps, late, {})
     assert len(steps[0].alerts) == schema.MAX_ITEMS and len(added) == 10
@@ -103,9 +83,9 @@ def test_a_step_keeps_at_most_max_items_alerts_however_many_arrive_late() -> Non
 @pytest.mark.parametrize(
     "message",
     [
-        _step(2, late=[schema.StepLate(step=1)] * (schema.MAX_LATE + 1)),
+        bare_step(2, late=[schema.StepLate(step=1)] * (schema.MAX_LATE + 1)),
         schema.End(time=1.0, status="ok", late=[schema.StepLate(step=1)] * (schema.MAX_LATE + 1)),
-        _step(
+        bare_step(
             2,
             late=[
                 schema.StepLate(
@@ -121,7 +101,7 @@ def test_late_lists_longer_than_the_schema_allows_are_refused_before_they_are_bu
 ) -> None:
     """A 40.8 MB recording of late lists cost 1.7 GB: msgspec now refuses the list by its
     declared length, and the reader skips that frame and says so."""
-    path = _write(tmp_path / "long.memtui", [_hello(), _step(1), message, _step(3)])
+    path = write_recording(tmp_path / "long.memtui", [hello(), bare_step(1), message, bare_step(3)])
     recording = read_recording(path)
     assert [step.step for step in recording.steps] == [1, 3]
     assert recording.warning is not None and "length <=" in recording.warning
@@ -289,7 +269,11 @@ def test_a_sparse_recording_is_read_in_the_bytes_it_stores(
 ) -> None:
     """8 GiB apparent, a few KiB stored: reading it took time in its apparent size. The hole
     is skipped (SEEK_DATA) as one damaged region, and the frames after it still show."""
-    path = _sparse(tmp_path / "sparse.memtui", [_hello(), _step(1), _step(2)], [_step(3), _step(4)])
+    path = _sparse(
+        tmp_path / "sparse.memtui",
+        [hello(), bare_step(1), bare_step(2)],
+        [bare_step(3), bare_step(4)],
+    )
     recording = read_recording(path)
     assert [step.step for step in recording.steps] == [1, 2, 3, 4]
     assert recording.warning is not None
@@ -299,13 +283,13 @@ def test_a_sparse_recording_is_read_in_the_bytes_it_stores(
 
 
 def test_a_hole_cutting_a_frame_loses_that_frame_only(tmp_path: Path) -> None:
-    cut = wire.encode(_step(3))
-    head = wire.preamble() + wire.encode(_hello()) + wire.encode(_step(1))
+    cut = wire.encode(bare_step(3))
+    head = wire.preamble() + wire.encode(hello()) + wire.encode(bare_step(1))
     path = tmp_path / "cut.memtui"
     with open(path, "wb") as handle:
         handle.write(head + cut[:20])
         handle.seek(len(head) + APPARENT)
-        handle.write(wire.encode(_step(4)))
+        handle.write(wire.encode(bare_step(4)))
     recording = read_recording(path)
     assert [step.step for step in recording.steps] == [1, 4]
 
@@ -315,7 +299,7 @@ def test_a_sparse_file_before_its_header_is_one_line(tmp_path: Path, bytes_read:
     path = tmp_path / "hollow.memtui"
     with open(path, "wb") as handle:
         handle.seek(APPARENT)
-        handle.write(wire.preamble() + wire.encode(_hello()))
+        handle.write(wire.preamble() + wire.encode(hello()))
     result = _memtui("report", str(path))
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 from cli_harness import run_memtui
+from recording_files import write_recording
 from rich.text import Text
 
 from memtui.terminal_text import UNSAFE, job_output, json_safe, terminal_safe
-from memtui_protocol import schema, wire
+from memtui_protocol import schema
 
 OSC52 = "\x1b]52;c;cHduZWQ=\x07"
 OSC0 = "\x1b]0;owned\x1b\\"
@@ -118,18 +119,13 @@ def _messages() -> list[schema.Message]:
     ]
 
 
-def _write(path: Path, messages: list[schema.Message]) -> Path:
-    path.write_bytes(wire.preamble() + b"".join(wire.encode(m) for m in messages))
-    return path
-
-
 def _memtui(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return run_memtui(*args, cwd=cwd, timeout=120)
 
 
 @pytest.mark.slow  # starts an interpreter
 def test_report_json_escapes_c1_bidi_and_format_characters(tmp_path: Path) -> None:
-    path = _write(tmp_path / "evil.memtui", _messages())
+    path = write_recording(tmp_path / "evil.memtui", _messages())
     result = _memtui("report", str(path), "--json")
     assert result.returncode == 0, result.stderr
     assert not _unsafe_in(result.stdout + result.stderr)
@@ -143,7 +139,7 @@ def test_report_json_escapes_c1_bidi_and_format_characters(tmp_path: Path) -> No
 def test_text_report_escapes_zero_width_and_format_characters(
     tmp_path: Path, extra: list[str]
 ) -> None:
-    path = _write(tmp_path / "evil.memtui", _messages())
+    path = write_recording(tmp_path / "evil.memtui", _messages())
     result = _memtui("report", str(path), *extra)
     assert result.returncode == 0, result.stderr
     assert not _unsafe_in(result.stdout + result.stderr)
@@ -153,7 +149,7 @@ def test_text_report_escapes_zero_width_and_format_characters(
 @pytest.mark.parametrize("fmt", ["csv", "chrome-trace"])
 @pytest.mark.slow  # starts an interpreter
 def test_exports_to_stdout_escape_recorded_text(tmp_path: Path, fmt: str) -> None:
-    path = _write(tmp_path / "evil.memtui", _messages())
+    path = write_recording(tmp_path / "evil.memtui", _messages())
     result = _memtui("export", str(path), "--format", fmt, "-o", "-")
     assert result.returncode == 0, result.stderr
     assert not _unsafe_in(result.stdout + result.stderr)

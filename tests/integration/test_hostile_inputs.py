@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from cli_harness import run_memtui
+from recording_files import bare_step, hello, write_recording
 from rich.text import Text
 
 from memtui.input.torch_snapshot import SnapshotError, load_snapshot
@@ -29,28 +30,6 @@ from memtui_protocol import schema, wire
 
 ESC = "\x1b]0;owned\x07\x1b[2J"
 MARKUP = "[/] [enforce fail at alloc_cpu.cpp:127] [bold]"
-ZERO = schema.Piles()
-
-
-def _hello(argv: list[str] | None = None) -> schema.Hello:
-    return schema.Hello(
-        format_version=schema.FORMAT_VERSION,
-        agent_version="hostile",
-        pid=1,
-        argv=argv or ["python", "train.py"],
-        started="2026-01-01T00:00:00+00:00",
-        started_unix=1.0,
-        hostname="not-this-host",
-    )
-
-
-def _step(number: int, **fields: Any) -> schema.Step:
-    return schema.Step(number, float(number), number + 0.5, ZERO, ZERO, ZERO, **fields)
-
-
-def _write(path: Path, messages: list[schema.Message]) -> Path:
-    path.write_bytes(wire.preamble() + b"".join(wire.encode(m) for m in messages))
-    return path
 
 
 def _memtui(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -72,8 +51,8 @@ def _one_line_error(result: subprocess.CompletedProcess[str]) -> None:
         schema.Names(
             kind="module", first_id=0, names=[f"{i % 4096:03x}" for i in range(3_500_000)]
         ),
-        _step(1, top_activations=[schema.ModuleBytes(0, 0)] * 5_000_000),
-        _step(1, alerts=[schema.Alert(kind="", message="")] * 900_000),
+        bare_step(1, top_activations=[schema.ModuleBytes(0, 0)] * 5_000_000),
+        bare_step(1, alerts=[schema.Alert(kind="", message="")] * 900_000),
     ],
     ids=["names", "top_activations", "alerts"],
 )
@@ -82,7 +61,7 @@ def test_a_valid_15_mib_frame_of_tiny_items_is_read_in_bounded_memory(
 ) -> None:
     """Millions of one-byte items used to cost 1.5 GB per frame: msgspec now refuses a list
     longer than the schema allows before building it, and the reader skips that frame."""
-    path = _write(tmp_path / "big.memtui", [_hello(), frame, _step(2)])
+    path = write_recording(tmp_path / "big.memtui", [hello(), frame, bare_step(2)])
     size = path.stat().st_size
     assert size > 10 * 2**20
     tracemalloc.start()
@@ -103,7 +82,7 @@ def test_names_are_bounded_over_the_whole_recording(tmp_path: Path) -> None:
         schema.Names(kind="module", first_id=k * 1000, names=names)
         for k in range(schema.MAX_NAMES // 1000 + 3)
     ]
-    recording = read_recording(_write(tmp_path / "names.memtui", [_hello(), *frames]))
+    recording = read_recording(write_recording(tmp_path / "names.memtui", [hello(), *frames]))
     assert len(recording.module_names) == schema.MAX_NAMES
     assert recording.warning is not None and "module names beyond" in recording.warning
 
@@ -111,9 +90,11 @@ def test_names_are_bounded_over_the_whole_recording(tmp_path: Path) -> None:
 @pytest.mark.slow  # starts an interpreter
 def test_report_on_ten_huge_frames_is_one_warning(tmp_path: Path) -> None:
     """Ten 15 MiB frames used to end in a MemoryError traceback."""
-    frame = wire.encode(_step(1, top_activations=[schema.ModuleBytes(0, 0)] * 5_000_000))
+    frame = wire.encode(bare_step(1, top_activations=[schema.ModuleBytes(0, 0)] * 5_000_000))
     path = tmp_path / "ten.memtui"
-    path.write_bytes(wire.preamble() + wire.encode(_hello()) + frame * 10 + wire.encode(_step(2)))
+    path.write_bytes(
+        wire.preamble() + wire.encode(hello()) + frame * 10 + wire.encode(bare_step(2))
+    )
     result = _memtui("report", str(path), "--json")
     assert result.returncode == 3 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -123,7 +104,7 @@ def test_report_on_ten_huge_frames_is_one_warning(tmp_path: Path) -> None:
 
 
 def test_a_bit_flip_loses_one_step_and_says_how_many_bytes(tmp_path: Path) -> None:
-    messages: list[schema.Message] = [_hello(), *(_step(n) for n in range(1, 11))]
+    messages: list[schema.Message] = [hello(), *(bare_step(n) for n in range(1, 11))]
     frames = [wire.encode(m) for m in messages]
     data = bytearray(wire.preamble() + b"".join(frames))
     third = len(wire.preamble()) + sum(len(f) for f in frames[:3])
@@ -138,7 +119,7 @@ def test_a_bit_flip_loses_one_step_and_says_how_many_bytes(tmp_path: Path) -> No
 
 def test_a_flipped_length_runs_past_the_end_and_later_frames_still_show(tmp_path: Path) -> None:
     """A length flipped upwards claims more bytes than the file has: found at end of input."""
-    messages: list[schema.Message] = [_hello(), *(_step(n) for n in range(1, 6))]
+    messages: list[schema.Message] = [hello(), *(bare_step(n) for n in range(1, 6))]
     frames = [wire.encode(m) for m in messages]
     data = bytearray(wire.preamble() + b"".join(frames))
     second = len(wire.preamble()) + sum(len(f) for f in frames[:2])
@@ -154,7 +135,7 @@ def test_crafted_frame_starts_cost_bounded_work() -> None:
     a bounded number of bytes per byte received, then gives up with a `WireError`."""
     fake = struct.pack("<II", wire.MAX_FRAME_BYTES - 64, 0) + b"\x83" + wire.TAG_KEY
     decoder = wire.FrameDecoder(resync=True)
-    data = wire.preamble() + wire.encode(_hello()) + b"\x00" * 8 + fake * 2_000_000
+    data = wire.preamble() + wire.encode(hello()) + b"\x00" * 8 + fake * 2_000_000
     with pytest.raises(wire.WireError, match="gave up"):
         for start in range(0, len(data), 1 << 20):
             list(decoder.feed(data[start : start + (1 << 20)]))
@@ -236,12 +217,12 @@ def test_terminal_safe_escapes_every_control_character() -> None:
 def test_report_prints_no_escape_sequence_from_a_recording(tmp_path: Path) -> None:
     alert = schema.Alert(kind=f"oom{ESC}", message=f"boom{ESC}", where=f"layer{ESC}")
     messages: list[schema.Message] = [
-        _hello(argv=["python", f"train{ESC}.py"]),
+        hello(argv=["python", f"train{ESC}.py"]),
         schema.Names(kind="module", first_id=0, names=[f"evil{ESC}"]),
-        _step(1, alerts=[alert], top_activations=[schema.ModuleBytes(0, 10)]),
+        bare_step(1, alerts=[alert], top_activations=[schema.ModuleBytes(0, 10)]),
         schema.End(time=2.0, status="error", error_type=f"E{ESC}", error=f"x{ESC}"),
     ]
-    path = _write(tmp_path / f"name{ESC[:2]}.memtui", messages)
+    path = write_recording(tmp_path / f"name{ESC[:2]}.memtui", messages)
     for extra in ([], ["--json"]):
         result = _memtui("report", str(path), *extra)
         assert result.returncode == 0, result.stderr
@@ -266,7 +247,7 @@ def test_a_fifo_is_refused_at_once(tmp_path: Path, command: str) -> None:
 
 @pytest.mark.slow  # starts an interpreter
 def test_a_fifo_in_a_session_folder_is_a_warning(tmp_path: Path) -> None:
-    _write(tmp_path / "rank-0.memtui", [_hello(), _step(1)])
+    write_recording(tmp_path / "rank-0.memtui", [hello(), bare_step(1)])
     os.mkfifo(tmp_path / "rank-1.memtui")
     result = _memtui("report", str(tmp_path), timeout=30)
     assert result.returncode == 3 and "not a regular file" in result.stderr
@@ -288,7 +269,7 @@ def test_tui_shows_markup_and_escapes_as_plain_text(tui: Any, tmp_path: Path) ->
     from memtui.tui.widgets import AlertsTable, DtypeTable
 
     alert = schema.Alert(kind="oom", message=f"{MARKUP}{ESC}", where="[/]")
-    step = _step(
+    step = bare_step(
         1,
         dtypes={"weights": {"[/]float32": schema.DtypeStat(400, 1)}},
         alerts=[alert],
@@ -296,7 +277,7 @@ def test_tui_shows_markup_and_escapes_as_plain_text(tui: Any, tmp_path: Path) ->
         allocator=schema.Allocator(allocated=-10, reserved=-1),
     )
     messages: list[schema.Message] = [
-        _hello(argv=[f"[/]{ESC}"]),
+        hello(argv=[f"[/]{ESC}"]),
         schema.Names(kind="module", first_id=0, names=["layers.[/]"]),
         step,
     ]
