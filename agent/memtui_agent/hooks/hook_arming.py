@@ -217,7 +217,8 @@ class HookArming:
                 continue
             if not parameter.requires_grad or not parameter.is_leaf:
                 continue
-            handle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
+            # An unannotated method of torch's: its handle is a RemovableHandle.
+            handle: RemovableHandle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
             hooked[id(parameter)] = (forget_when_freed(parameter, hooked), handle)
 
     def unhook_grads(self) -> None:
