@@ -208,6 +208,8 @@ print('codes', codes)
 
 TYPED_WITHOUT_TORCH = [
     "memtui_agent.startup.api",
+    "memtui_agent.startup.agent",
+    "memtui_agent.startup.agent_state",
     "memtui_agent.job.modules",
 ]
 """Agent modules whose annotations name torch's types (under `if TYPE_CHECKING:`) while the
@@ -231,7 +233,7 @@ def _type_checking_imports(path: Path) -> set[str]:
 def test_torch_types_in_annotations_never_import_torch() -> None:
     """Typing the agent with torch's classes costs the job no import: these modules name torch
     in their annotations only, and load in an interpreter where torch cannot be imported."""
-    agent = Path(__file__).parent.parent / "agent"
+    agent = REPO / "agent"
     for name in TYPED_WITHOUT_TORCH:
         path = agent / (name.replace(".", "/") + ".py")
         assert "torch" in _type_checking_imports(path), name

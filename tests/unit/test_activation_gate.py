@@ -43,7 +43,7 @@ class Switch:
     def pack_missing(self) -> bool:
         return self.armed and self.job_hooks
 
-    def arm(self, root: Any | None) -> None:
+    def arm(self, root: torch.nn.Module | None) -> None:
         self.armed = True
         self.log.append("arm" if root is None else "arm-root")
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import sys
 import weakref
 from threading import get_ident
-from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
 from torch.nn import Parameter
@@ -24,7 +23,7 @@ from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.data_parallel import DataParallelHooks
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
 from memtui_agent.hooks.objects import ObjectSync
-from memtui_agent.hooks.saved_tensors import Saved, SavedOne, SavedWeight
+from memtui_agent.hooks.saved_tensors import Packed, Saved, SavedOne, SavedWeight
 from memtui_agent.memory.ledger import (
     GRADIENTS,
     NO_MODULE,
@@ -65,7 +64,7 @@ class CountingHooks:
         self._data_parallel = data_parallel
         self._objects = objects
         self._watermark = objects.watermark
-        self._seen_params: dict[int, weakref.ref[Any]] = {}
+        self._seen_params: dict[int, weakref.ref[Tensor]] = {}
 
     def forget_parameters(self) -> None:
         """The followed thread moved: the parameters seen packed so far are seen again."""
@@ -73,8 +72,9 @@ class CountingHooks:
 
     # ----- module hooks ----------------------------------------------------------------------
 
-    def module_pre(self, module: Any, args: Any) -> None:
-        """Every module's forward pre-hook: the module onto the stack."""
+    def module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        """Every module's forward pre-hook: the module onto the stack (`args`: the job's
+        inputs, never looked into)."""
         # Only the followed thread (`training_thread`) is seen: its module stack is what
         # activations are attributed to. Other threads (DataParallel replicas, a second
         # forward thread, a second model trained beside it) would corrupt the stack and
@@ -107,7 +107,7 @@ class CountingHooks:
         except Exception as exc:
             self._disable("modules", exc)
 
-    def module_post(self, module: Any, args: Any, output: Any) -> None:
+    def module_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         """Every module's forward hook: the module off the stack (and where a forward failed)."""
         if is_compiling() or not self._enabled["modules"] or get_ident() != self._thread.ident:
             return
@@ -131,7 +131,7 @@ class CountingHooks:
 
     # ----- saved tensors -----------------------------------------------------------------------
 
-    def pack(self, tensor: Any) -> Any:
+    def pack(self, tensor: Tensor) -> Packed:
         """The saved-tensor pack hook: an activation counted, or a weight recognised."""
         # The hottest function of the agent (every saved tensor): a parameter is recognised by
         # its exact type first, because `isinstance(x, Parameter)` runs a Python metaclass hook.
@@ -176,7 +176,7 @@ class CountingHooks:
             self._disable("pack", exc)
             return tensor
 
-    def _pack_parameter(self, origin: Any) -> bool:
+    def _pack_parameter(self, origin: Tensor) -> bool:
         """A parameter (or a view of one) not seen before: a weight, never an activation.
         False for FSDP's all-gathered parameter, whose memory is FSDP's (the shard is the
         weight) and which autograd must keep exactly as FSDP expects."""
@@ -189,7 +189,7 @@ class CountingHooks:
 
     # ----- gradients ---------------------------------------------------------------------------
 
-    def grad_ready(self, parameter: Any) -> None:
+    def grad_ready(self, parameter: Tensor) -> None:
         """A parameter's post-accumulate-grad hook: its gradient counted."""
         if not self._enabled["grads"]:
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 
 import torch
 
@@ -32,10 +32,13 @@ from memtui_agent.steps.pile_count import PersistentPiles
 if TYPE_CHECKING:  # for annotations only
     from torch.utils.hooks import RemovableHandle
 
+    from memtui_agent.hooks.saved_tensors import Packed
+
 _Held = TypeVar("_Held")
+_Entry = TypeVar("_Entry")
 
 
-def forget_when_freed(obj: _Held, table: dict[int, Any]) -> weakref.ref[_Held]:
+def forget_when_freed(obj: _Held, table: dict[int, _Entry]) -> weakref.ref[_Held]:
     """A weakref to `obj` that removes `table[id(obj)]` when `obj` dies, so id()-keyed tables
     neither grow with the job's dead objects nor mistake a new one at the same id."""
     key = id(obj)
@@ -51,39 +54,41 @@ def forget_when_freed(obj: _Held, table: dict[int, Any]) -> weakref.ref[_Held]:
 class ArmedHooks(Protocol):
     """The hooks an arming installs (`hooks.counting.CountingHooks`)."""
 
-    def module_pre(self, module: Any, args: Any) -> None:
-        """Every module's forward pre-hook."""
+    def module_pre(self, module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        """Every module's forward pre-hook (`args`: the job's inputs)."""
         ...
 
-    def module_post(self, module: Any, args: Any, output: Any) -> None:
+    def module_post(
+        self, module: torch.nn.Module, args: tuple[object, ...], output: object
+    ) -> None:
         """Every module's forward hook (also when the forward raised)."""
         ...
 
-    def pack(self, tensor: Any) -> Any:
+    def pack(self, tensor: torch.Tensor) -> Packed:
         """The saved-tensor pack hook."""
         ...
 
-    def grad_ready(self, parameter: Any) -> None:
+    def grad_ready(self, parameter: torch.Tensor) -> None:
         """A parameter's post-accumulate-grad hook."""
         ...
 
 
-def _unbound(*args: Any) -> Any:
+def _unbound(*args: object) -> NoReturn:
     raise RuntimeError("HookArming used before bind()")
 
 
 class HookArming:
     """Installs and removes the module, saved-tensor and gradient hooks of one tracker."""
 
-    def __init__(self, unpack: Callable[[Any], Any]) -> None:
+    def __init__(self, unpack: Callable[[Packed], torch.Tensor]) -> None:
         """The hooks themselves come with `bind` (they read this arming: a cycle broken once,
         where the agent is built, `startup.parts.build_parts`)."""
-        self._module_pre: Callable[..., Any] = _unbound
-        self._module_post: Callable[..., Any] = _unbound
-        self._pack: Callable[[Any], Any] = _unbound
+        self._module_pre: Callable[[torch.nn.Module, tuple[object, ...]], None] = _unbound
+        self._module_post: Callable[[torch.nn.Module, tuple[object, ...], object], None] = _unbound
+        self._pack: Callable[[torch.Tensor], Packed] = _unbound
         """The one object pushed, so the top of the stack can be recognised as ours."""
         self._unpack = unpack
-        self._grad_ready: Callable[[Any], None] = _unbound
+        self._grad_ready: Callable[[torch.Tensor], None] = _unbound
         self._module_handles: list[RemovableHandle] = []
         self.grad_hooked: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
@@ -212,7 +217,8 @@ class HookArming:
                 continue
             if not parameter.requires_grad or not parameter.is_leaf:
                 continue
-            handle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
+            # An unannotated method of torch's: its handle is a RemovableHandle.
+            handle: RemovableHandle = parameter.register_post_accumulate_grad_hook(self._grad_ready)
             hooked[id(parameter)] = (forget_when_freed(parameter, hooked), handle)
 
     def unhook_grads(self) -> None:
@@ -270,7 +276,7 @@ class GateSwitch:
         """Whether the set is installed."""
         return self._arming.armed
 
-    def arm(self, root: Any | None) -> None:
+    def arm(self, root: torch.nn.Module | None) -> None:
         """Install the set; `root` is the root module whose pre-hook asks (or None)."""
         rejoin = not self._arming.armed
         parameters = self._registry.parameters()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.library_wrappers import Wrapper
@@ -22,6 +22,10 @@ from memtui_agent.memory.allocator import AllocatorReader
 from memtui_agent.memory.ledger import OPTIMIZER_STATE
 from memtui_agent.steps.first_step import FirstSteps
 from memtui_protocol.schema import Phase, StepTrigger
+
+if TYPE_CHECKING:  # for annotations only
+    from torch.amp import GradScaler
+    from torch.optim import Optimizer
 
 
 def register_live_optimizers(registry: ModuleRegistry) -> bool:
@@ -74,7 +78,9 @@ class StepHooks:
     # ----- backward and loss -------------------------------------------------------------------
 
     def backward(self, original: Wrapper) -> Wrapper:
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        # `torch.autograd.backward`'s arguments, as the job passes them: handed on untouched
+        # (the loss is read from `tensors` only if it is one tensor, `StepWindow.loss`).
+        def backward(tensors: object, *args: object, **kwargs: object) -> object:
             thread = self._thread
             if get_ident() != thread.ident:
                 return original(tensors, *args, **kwargs)
@@ -117,7 +123,7 @@ class StepHooks:
 
         return backward
 
-    def _backward_starts(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _backward_starts(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         """Tell the gate (its counters, and whether this backward keeps its graph's buffers:
         `backward(tensors, grad_tensors, retain_graph, create_graph)`, retain defaulting to
         create)."""
@@ -131,7 +137,7 @@ class StepHooks:
         except Exception as exc:
             self._disable("activations", exc)
 
-    def _record_loss(self, tensors: Any) -> None:
+    def _record_loss(self, tensors: object) -> None:
         if not self._enabled["loss"]:
             return
         try:
@@ -149,7 +155,9 @@ class StepHooks:
 
     # ----- optimizer hooks ---------------------------------------------------------------------
 
-    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def optimizer_pre(
+        self, optimizer: Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         if not self._enabled["steps"] or not self._thread.claim():
             return  # another thread's optimizer: its steps are not this recording's
         try:
@@ -174,7 +182,9 @@ class StepHooks:
         except Exception as exc:
             self._disable("steps", exc)
 
-    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def optimizer_post(
+        self, optimizer: Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
         if not self._enabled["steps"] or get_ident() != self._thread.ident:
             return
         try:
@@ -190,7 +200,7 @@ class StepHooks:
         except Exception as exc:
             self._disable("steps", exc)
 
-    def scaler_skipped(self, optimizer: Any, scaler: Any) -> None:
+    def scaler_skipped(self, optimizer: Optimizer, scaler: GradScaler) -> None:
         """GradScaler skipped `optimizer`'s update (no optimizer hook fired): its step closes."""
         self._registry.add_optimizer(optimizer)
         self._sync_objects()
@@ -198,7 +208,8 @@ class StepHooks:
         self._window.scaler_skipped(self._optimizers.count_step(optimizer), scaler)
 
     def optimizer_init(self, original: Wrapper) -> Wrapper:
-        def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        # The job's own constructor arguments (parameters, hyperparameters), handed on.
+        def __init__(optimizer: Optimizer, *args: object, **kwargs: object) -> None:
             original(optimizer, *args, **kwargs)
             # An optimizer now exists: its step(), not backward, will close steps. One another
             # thread builds once the followed thread steps is not this recording's.

@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.optimizer import (
@@ -47,6 +48,9 @@ from memtui_agent.hooks.step_hooks import StepHooks
 from memtui_agent.hooks.switches import Fail
 from memtui_agent.steps.failures import ErrorContext
 from memtui_protocol.schema import Phase
+
+if TYPE_CHECKING:  # for annotations only
+    from torch.utils.hooks import RemovableHandle
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,9 @@ class Tracker:
         """The hooks installed (each kind's own object, for tests and benchmarks)."""
         self.arming = hooks.arming
         self._fail = fail
-        self._handles: list[Any] = []
-        self._restore: list[tuple[Any, str, Any]] = []
+        self._handles: list[RemovableHandle] = []
+        self._restore: list[tuple[ModuleType | type, str, Wrapper]] = []
+        """(module or class, attribute, the original function) for each wrapper installed."""
         context.thread.on_move(self._thread_moved)
 
     # ----- install / remove -----------------------------------------------------------------
@@ -165,8 +170,12 @@ class Tracker:
         except RuntimeError:
             pass
 
-    def _wrap(self, owner: Any, name: str, make: Callable[[Wrapper], Wrapper]) -> None:
-        original = getattr(owner, name)
+    def _wrap(
+        self, owner: ModuleType | type, name: str, make: Callable[[Wrapper], Wrapper]
+    ) -> None:
+        original: Wrapper = getattr(owner, name)
+        # A plain function, given the original's name and `__wrapped__`: a Callable has no
+        # such attributes for mypy.
         wrapper: Any = make(original)
         wrapper.__wrapped__ = original
         for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
@@ -196,7 +205,7 @@ class Tracker:
         """Where the exception now propagating was first seen."""
         return self._context.phase.error_context
 
-    def feed_module_pre(self, module: Any, args: Any) -> None:
+    def feed_module_pre(self, module: torch.nn.Module, args: tuple[object, ...]) -> None:
         """Run the module pre-hook by hand (an attach joining at a forward already begun)."""
         self.hooks.counting.module_pre(module, args)
 
@@ -230,7 +239,9 @@ class Tracker:
             self._fail("hook:thread", exc)
 
     def _wrap_module_apply(self, original: Wrapper) -> Wrapper:
-        def _apply(module: Any, *args: Any, **kwargs: Any) -> Any:
+        # `Module._apply(fn, recurse)`'s arguments passed through as torch gives them, its
+        # result returned: the wrapper looks into neither.
+        def _apply(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
             try:
                 return original(module, *args, **kwargs)
             finally:

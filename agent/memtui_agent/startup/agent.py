@@ -34,6 +34,9 @@ from memtui_protocol.schema import ExitStatus
 from memtui_protocol.shown_text import terminal_safe
 
 if TYPE_CHECKING:  # the agent imports torch only in `start()`
+    from torch import nn
+    from torch.optim import Optimizer
+
     from memtui_agent.output.emitter import Emitter, Item
     from memtui_agent.output.metrics import MetricsEndpoint
 
@@ -85,7 +88,7 @@ class Agent:
             started=_dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(),
             started_unix=started,
             torch=str(torch.__version__),
-            device=_device_description(torch),
+            device=_device_description(),
             python=platform.python_version(),
             hostname=os_text(_socket.gethostname()),
             cwd=os_text(os.getcwd()),
@@ -215,7 +218,7 @@ class Agent:
 
     # ----- user-facing ------------------------------------------------------------------------
 
-    def watch(self, model: Any, optimizer: Any) -> None:
+    def watch(self, model: nn.Module | None, optimizer: Optimizer | None) -> None:
         """Register a model tree and an optimizer ahead of their first use.
 
         Only from the thread the agent follows (hooks/training_thread.py): another thread's
@@ -232,7 +235,8 @@ class Agent:
     ) -> None:
         """Write `End`, drain the emitter, remove hooks, socket and sidecar. Runs once.
 
-        `namespace`: the script's globals once it returned, for the leaks' last count.
+        `namespace`: the script's globals once it returned, for the leaks' last count (any
+        object of the job's: `Any`).
         """
         if self._finished or self._forked_child or os.getpid() != self.pid:
             return
@@ -360,8 +364,11 @@ def _create_time() -> float | None:
         return None
 
 
-def _device_description(torch: Any) -> str:
-    """ "cuda" or "cpu", without creating a CUDA context (that would change the job)."""
+def _device_description() -> str:
+    """ "cuda" or "cpu", without creating a CUDA context (that would change the job); torch is
+    imported already (`Agent.start`)."""
+    import torch
+
     try:
         if torch.cuda.is_available():
             return "cuda"

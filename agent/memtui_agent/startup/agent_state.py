@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from memtui_agent.steps.failures import ErrorContext
 from memtui_protocol import schema
 from memtui_protocol.schema import Phase, StepTrigger
+
+if TYPE_CHECKING:  # the agent imports torch only in `start()`
+    from torch import nn
+    from torch.optim import Optimizer
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Parts(Protocol):
         """Live piles for the emitter's once-a-second heartbeat."""
         ...
 
-    def watch(self, model: Any, optimizer: Any) -> None:
+    def watch(self, model: nn.Module | None, optimizer: Optimizer | None) -> None:
         """Register a model tree and an optimizer ahead of their first use."""
         ...
 
@@ -86,7 +90,8 @@ class Parts(Protocol):
     def final_leaks(
         self, namespace: dict[str, Any] | None, error: BaseException | None
     ) -> list[schema.Leak]:
-        """The leaks named during the run, as a census finds them now."""
+        """The leaks named during the run, as a census finds them now (`namespace`: the
+        script's globals, any object of the job's)."""
         ...
 
     def last_oom(self) -> dict[str, int] | None:
@@ -109,7 +114,7 @@ class Parts(Protocol):
         """(the last step closed, the steps this agent recorded)."""
         ...
 
-    def adopt_running_optimizer(self, optimizer: Any, steps: int) -> None:
+    def adopt_running_optimizer(self, optimizer: Optimizer, steps: int) -> None:
         """An optimizer whose first step is long past (an attach): no forecast, no first-step
         growth for it, its own count going on from `steps`."""
         ...
@@ -119,7 +124,7 @@ class Parts(Protocol):
         alert that says so."""
         ...
 
-    def feed_module_pre(self, module: Any, args: Any) -> None:
+    def feed_module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         """Run the module pre-hook by hand (an attach joining at a forward already begun)."""
         ...
 
@@ -140,7 +145,7 @@ class NotStarted:
     def tick(self) -> schema.Tick | None:
         return None
 
-    def watch(self, model: Any, optimizer: Any) -> None:
+    def watch(self, model: nn.Module | None, optimizer: Optimizer | None) -> None:
         pass
 
     def arm_alloc_events(
@@ -183,13 +188,13 @@ class NotStarted:
     def steps_recorded(self) -> tuple[int, int]:
         return (0, 0)
 
-    def adopt_running_optimizer(self, optimizer: Any, steps: int) -> None:
+    def adopt_running_optimizer(self, optimizer: Optimizer, steps: int) -> None:
         pass
 
     def join_steps(self, trigger: StepTrigger, steps_before: int, alert: schema.Alert) -> None:
         pass
 
-    def feed_module_pre(self, module: Any, args: Any) -> None:
+    def feed_module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         pass
 
 

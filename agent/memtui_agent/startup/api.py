@@ -144,7 +144,8 @@ def stop(
 
     `stopped`: memtui itself ended the job (SIGTERM after the user quit the TUI).
     `namespace`: the script's globals once it returned (runpy's result), where a leak's
-    holder is counted one last time.
+    holder is counted one last time (any object of the job's: `Any`, so a caller's own
+    `dict[str, X]` is accepted too).
     """
     global _agent
     with _lock:

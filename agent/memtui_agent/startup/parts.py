@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.counting import CountingHooks
@@ -51,6 +51,10 @@ from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.schema import StepTrigger
+
+if TYPE_CHECKING:  # for annotations only
+    from torch import nn
+    from torch.optim import Optimizer
 
 Emit = Callable[[schema.Message | ClosedStep], None]
 """Where frames go (the agent's emitter)."""
@@ -200,7 +204,7 @@ class AgentParts:
             step=context.window.closed,
         )
 
-    def watch(self, model: Any, optimizer: Any) -> None:
+    def watch(self, model: nn.Module | None, optimizer: Optimizer | None) -> None:
         """Register a model tree and an optimizer ahead of their first use."""
         self.objects.watch(model, optimizer)
 
@@ -250,7 +254,8 @@ class AgentParts:
     def final_leaks(
         self, namespace: dict[str, Any] | None, error: BaseException | None
     ) -> list[schema.Leak]:
-        """The leaks named during the run, as a census finds them now."""
+        """The leaks named during the run, as a census finds them now (`namespace`: the
+        script's globals, any object of the job's)."""
         return self.closer.final_leaks(self.context.window.closed, namespace, error)
 
     def last_oom(self) -> dict[str, int] | None:
@@ -283,7 +288,7 @@ class AgentParts:
         window = self.context.window
         return window.closed, window.recorded
 
-    def adopt_running_optimizer(self, optimizer: Any, steps: int) -> None:
+    def adopt_running_optimizer(self, optimizer: Optimizer, steps: int) -> None:
         """An optimizer whose first step is long past: no forecast, no first-step growth for
         it, and its own step count goes on from where the job is."""
         record = self.context.optimizers.record(optimizer)
@@ -299,6 +304,6 @@ class AgentParts:
             window.closed = steps_before  # frames carry the job's own step numbers
         window.note(alert)
 
-    def feed_module_pre(self, module: Any, args: Any) -> None:
+    def feed_module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         """Run the module pre-hook by hand (an attach joining at a forward already begun)."""
         self.tracker.feed_module_pre(module, args)

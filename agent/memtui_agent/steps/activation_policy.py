@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.step_signature import Signature
 from memtui_protocol import schema
+
+if TYPE_CHECKING:  # torch is imported where a signature is made, not at import
+    import torch
 
 FIRST_STEPS = 3
 """Steps measured after an optimizer appears (its state and the graph settle in them)."""
@@ -40,7 +44,19 @@ many times per step (an RL rollout), which then keeps fewer signatures."""
 MAX_SIGNATURE_ITEMS = 64
 """Values looked at per root call; a call with more gets an opaque (never repeating) signature."""
 
-CallSignature = tuple[Any, ...]
+CallSignature: TypeAlias = Hashable
+"""What the policy tells one root call by: compared and remembered, never looked into (the gate
+gives `(call_signature(...), foreign hooks on top)`)."""
+CallModes: TypeAlias = "tuple[int, bool, bool, bool, torch.dtype]"
+"""A root call's module (its id), training flag, grad mode, autocast on and its dtype."""
+StartKey: TypeAlias = tuple[int, int, int, tuple[tuple[int, bool], ...]]
+"""What a step starts from: weights, gradients and optimizer state bytes, and the live
+optimizers (id, whether it holds state yet)."""
+StepKey: TypeAlias = tuple[StartKey, tuple[CallSignature, ...]]
+"""A step as remembered: its start and its root calls."""
+Described: TypeAlias = Hashable | type
+"""A bounded stand-in for one of the job's values in a signature (a class for what is only
+told by its type: mypy sees no `__hash__` on `type[object]`)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +144,9 @@ def _autocast_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSignature:
+def call_signature(
+    module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[CallModes, Described, Described]:
     """What of a root call can change its activations: the module, its training flag, grad
     and autocast modes, and each argument's shape, dtype, device and requires_grad (plain
     values as themselves)."""
@@ -136,7 +154,7 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
     budget = [MAX_SIGNATURE_ITEMS]
     device = _autocast_device()
-    modes = (
+    modes: CallModes = (
         id(module),
         module.training,
         torch.is_grad_enabled(),
@@ -146,7 +164,7 @@ def call_signature(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return modes, _describe(args, 0, budget), _describe(kwargs, 0, budget)
 
 
-def _describe(value: Any, depth: int, budget: list[int]) -> Any:
+def _describe(value: object, depth: int, budget: list[int]) -> Described:
     """One argument's part of a signature, spending `budget[0]` items at most.
 
     The signature holds bounded data only, never the job's objects: a signature is remembered
@@ -183,7 +201,7 @@ MAX_KEPT_BITS = 64
 _NOT_SCALAR = object()
 
 
-def _scalar(value: Any) -> Any:
+def _scalar(value: object) -> Hashable:
     """A plain value's bounded stand-in (an int, float, bool, None or short str of the base
     type, never a subclass instance the job owns), or `_NOT_SCALAR`."""
     if value is None or value is True or value is False:
@@ -203,7 +221,7 @@ def _scalar(value: Any) -> Any:
     return _NOT_SCALAR
 
 
-def _key(key: Any) -> Any:
+def _key(key: object) -> Described:
     """A dict key's bounded stand-in: a plain value as `_scalar` keeps it, else its type."""
     scalar = _scalar(key)
     return type(key) if scalar is _NOT_SCALAR else scalar
@@ -215,8 +233,8 @@ class ActivationPolicy:
     def __init__(self, mode: schema.ActivationMode, audit_every: int = AUDIT_EVERY) -> None:
         self.mode = mode
         self.audit_every = audit_every
-        self._references: OrderedDict[tuple[Any, ...], Figures] = OrderedDict()
-        self._prefixes: dict[tuple[Any, ...], _Prefixes] = {}
+        self._references: OrderedDict[StepKey, Figures] = OrderedDict()
+        self._prefixes: dict[StartKey, _Prefixes] = {}
         """Per start key, the call sequences of `_references` (`_Prefixes`)."""
         self._cursor: _Prefixes | None = None
         """Where this step's calls so far are in `_prefixes` (None: no signature begins so)."""
@@ -227,11 +245,11 @@ class ActivationPolicy:
         """Why they are measured (the cause of the request that set their count)."""
         self._armed_for = Cause.MEASURED
         """Why the open step was armed (`Cause.MEASURED`: from its start)."""
-        self._start: tuple[Any, ...] = (0, 0, 0, ())
+        self._start: StartKey = (0, 0, 0, ())
         self._calls: list[CallSignature] = []
         self._armed_at_start = False
         self._armed_late = False
-        self._whole_next: dict[tuple[Any, ...], int] = {}
+        self._whole_next: dict[StartKey, int] = {}
         """Start key -> steps from it still to measure whole, after one began like a
         remembered step and diverged (measured in part). Two each time: the steps from one start
         may alternate (a GAN's two windows begin with the same call), and the next one from it
@@ -319,7 +337,7 @@ class ActivationPolicy:
         `blind`: the job's own saved-tensor hooks kept the step's tensors from the agent's, so
         `figures` are not its activations: nothing is remembered for repeats.
         """
-        key = (self._start, tuple(self._calls))
+        key: StepKey = (self._start, tuple(self._calls))
         self._measure_next = max(0, self._measure_next - 1)
         if self.mode is schema.ActivationMode.OFF or blind:
             return Match()
@@ -339,7 +357,7 @@ class ActivationPolicy:
             self._whole_next[self._start] = min(self._whole_next.get(self._start, 0) + 2, 8)
         return Match(partial=True)
 
-    def _remember(self, key: tuple[Any, ...], figures: Figures) -> None:
+    def _remember(self, key: StepKey, figures: Figures) -> None:
         start, calls = key
         if key not in self._references:
             self._prefixes.setdefault(start, _Prefixes()).add(calls)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.memory.tensor_reads import next_sequence_number
@@ -53,6 +53,9 @@ from memtui_agent.steps.held_graphs import HeldGraphs
 from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
 
+if TYPE_CHECKING:  # for annotations only
+    from torch import nn
+
 __all__ = ["ALERTS_TO_MEASURE", "MEASURE_WHILE_HELD", "ActivationGate", "HookSwitch"]
 """`MEASURE_WHILE_HELD` is the decision's, named here too where the gate's users find it."""
 
@@ -78,7 +81,7 @@ class HookSwitch(Protocol):
         """Whether the module, saved-tensor and gradient hooks are installed."""
         ...
 
-    def arm(self, root: Any | None) -> None:
+    def arm(self, root: nn.Module | None) -> None:
         """Install them; `root` is the root module whose forward is starting (or None)."""
         ...
 
@@ -172,7 +175,7 @@ class ActivationGate:
             self._switch.hook_new_parameters()
 
     def root_call(
-        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], step: int
+        self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], step: int
     ) -> None:
         """A top-level call of a root module (its forward pre-hook): arm from here if the step
         must be measured, or if its calls so far repeat no measured step."""
@@ -203,9 +206,10 @@ class ActivationGate:
         forwards ran on it unseen, its activations are not known."""
         self._moved = True
 
-    def root_returned(self, output: Any, step: int) -> None:
-        """A top-level root call of step `step` returned `output`: its graph is watched until
-        freed (whether the agent's pack hook counted what it saved is noted with it)."""
+    def root_returned(self, output: object, step: int) -> None:
+        """A top-level root call of step `step` returned `output` (whatever the job's model
+        returns: `held_graphs` finds its tensors): its graph is watched until freed (whether
+        the agent's pack hook counted what it saved is noted with it)."""
         switch = self._switch
         counted = switch.armed and not switch.pack_missing and not switch.foreign_hooks()
         self.held.mark(output, step, counted, self._call_first)

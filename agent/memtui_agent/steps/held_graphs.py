@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,7 +70,11 @@ class GraphMarker:
         self.seen = False
         """Already found held at an earlier close."""
 
-    def __call__(self, grad_inputs: Any, grad_outputs: Any) -> None:
+    def __call__(
+        self,
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
         self.executed = True
         if self.watch.retaining:
             self.retained = True  # backward(retain_graph=True): the buffers stay
@@ -102,7 +106,7 @@ class HeldGraphs:
         """A top-level backward with `retain_graph=True` is running."""
         self._node_types: dict[int, NodeType] = {}
 
-    def mark(self, output: Any, step: int, armed: bool, first: int = 0) -> None:
+    def mark(self, output: object, step: int, armed: bool, first: int = 0) -> None:
         """Mark the graph nodes of a root call's output (tensors, sequences, mappings); `first`
         is the first sequence number the call's forward could give a node."""
         marked: set[int] = set()
@@ -154,20 +158,24 @@ class HeldGraphs:
         }
 
 
-def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+def _tensors_in(output: object, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors in a forward's output: a tensor, a tuple/list, a dict or a Hugging Face
     `ModelOutput` (a dict), two levels deep. Recognised by their classes' bases and read
     through the builtins' own methods: no code of an output object runs."""
     kind = type(output)
     if kind is torch.Tensor or is_tensor(kind):
-        yield output
+        yield cast(torch.Tensor, output)  # told by its class, never by `isinstance`
         return
     if depth >= 2:
         return
     base = container_base(kind)
     if base is tuple or base is list:
-        for index in range(min(base.__len__(output), MAX_MARKED_PER_CALL)):
-            yield from _tensors_in(base.__getitem__(output, index), depth + 1)
+        # Read through `base`'s own method, tuple's or list's (the object may be the job's
+        # subclass): which of the two, mypy cannot follow.
+        sequence: Any = output
+        for index in range(min(base.__len__(sequence), MAX_MARKED_PER_CALL)):
+            yield from _tensors_in(base.__getitem__(sequence, index), depth + 1)
     elif base is dict:
-        for item in islice(dict.values(output), MAX_MARKED_PER_CALL):
+        mapping = cast("dict[object, object]", output)  # dict or the job's subclass of it
+        for item in islice(dict.values(mapping), MAX_MARKED_PER_CALL):
             yield from _tensors_in(item, depth + 1)

@@ -78,7 +78,8 @@ def heap_reader() -> Callable[[], int | None] | None:
 
     def read() -> int | None:
         buffer, size = ctypes.c_char_p(), ctypes.c_size_t()
-        stream = open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+        # A `c_void_p` result: an address, or None for NULL.
+        stream: int | None = open_memstream(ctypes.byref(buffer), ctypes.byref(size))
         if not stream:
             return None
         try:
