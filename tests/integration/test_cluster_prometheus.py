@@ -352,7 +352,10 @@ def test_a_rank_that_dies_is_one_stopped_reporting_line(cluster: dict[str, Any])
     assert len(reasons) == 1, killed.stdout
     reason = reasons[0]
     assert "stopped reporting: last scrape failed" in reason, killed.stdout
-    assert "connection refused" in reason.lower(), reason
+    # Prometheus's own error for the dead endpoint, quoted: refused once the rank is gone, or
+    # reset by peer when a scrape was mid-way as it died (seen on a loaded machine, issue 33).
+    said = reason.lower()
+    assert "connection refused" in said or "connection reset by peer" in said, reason
 
 
 def test_an_unreachable_prometheus_is_one_line_in_bounded_time(cluster: dict[str, Any]) -> None:
