@@ -402,3 +402,56 @@ def test_sigterm_in_a_long_c_call_ends_the_job_as_fast_as_without_memtui(
     end: Any = recording.end
     assert end is not None and end.status == schema.ExitStatus.STOPPED and end.code == 143
     assert end.step == recording.steps[-1].step >= 3
+
+
+CTRL_C_IN_TRAINING = textwrap.dedent("""
+    import os, signal, sys, threading, time, torch
+    import memtui_agent
+    torch.set_num_threads(1)
+    if sys.argv[1] == "agent":
+        memtui_agent.start(record=None, socket=False)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lost = 0
+    for trial in range(int(sys.argv[2])):
+        fired = threading.Event()
+        def later():
+            # Into the middle of a step: forward, backward (where the agent's finalizers run
+            # as saved activations are freed) or the update.
+            time.sleep(0.003 + (trial % 7) * 0.0011)
+            os.kill(os.getpid(), signal.SIGINT)
+            fired.set()
+        threading.Thread(target=later).start()
+        try:
+            for _ in range(400):
+                model(torch.randn(4, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            fired.wait()
+            lost += 1  # the job trained on: its Ctrl-C was dropped
+        except KeyboardInterrupt:
+            fired.wait()
+    handler = signal.getsignal(signal.SIGINT)
+    if sys.argv[1] == "agent":
+        memtui_agent.stop()
+    print(lost, handler is signal.default_int_handler,
+          signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+""")
+
+
+def test_every_ctrl_c_reaches_the_job_even_inside_the_agents_finalizers(tmp_path: Path) -> None:
+    """200 SIGINTs, each at a different point of a training step. Python raises a signal's
+    exception at the next check point the main thread reaches; when that was in one of the
+    agent's finalizers (a saved activation's `__del__`, the ledger's weakref callback), Python
+    printed "Exception ignored" and the job trained on: 33 of 200 lost before, 0 without the
+    agent. Every one must reach the job; after `stop()` Python's own handler is back."""
+    job = tmp_path / "ctrl_c.py"
+    job.write_text(CTRL_C_IN_TRAINING)
+    plain = _start([sys.executable, str(job), "plain", "200"], tmp_path / "plain")
+    under = _start([sys.executable, str(job), "agent", "200"], tmp_path / "agent")
+    assert _finish(plain, "plain")[0].split() == ["0", "True", "True"]
+    stdout, stderr = _finish(under, "under the agent")
+    lost, during, after = stdout.split()
+    assert lost == "0", f"{lost} of 200 Ctrl-Cs lost under the agent\n{stderr[-2000:]}"
+    assert "Exception ignored" not in stderr
+    assert (during, after) == ("False", "True")  # the deferring handler while it ran, then Python's

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NoReturn, Protocol, TypeVar
 import torch
 
 from memtui_agent.job.modules import ModuleRegistry
+from memtui_agent.memory.finalizer_interrupts import hand_back
 from memtui_agent.steps.pile_count import PersistentPiles
 
 if TYPE_CHECKING:  # for annotations only
@@ -44,9 +45,12 @@ def forget_when_freed(obj: _Held, table: dict[int, _Entry]) -> weakref.ref[_Held
     key = id(obj)
 
     def forget(ref: weakref.ref[_Held]) -> None:
-        entry = table.get(key)
-        if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
-            del table[key]
+        try:
+            entry = table.get(key)
+            if entry is ref or (isinstance(entry, tuple) and entry[0] is ref):
+                del table[key]
+        except BaseException as error:  # a finalizer: a Ctrl-C landing here is the job's
+            hand_back(error)
 
     return weakref.ref(obj, forget)
 

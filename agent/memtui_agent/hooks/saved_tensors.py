@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
+from memtui_agent.memory.finalizer_interrupts import hand_back
 from memtui_agent.memory.ledger import Key, Ledger
 
 if TYPE_CHECKING:  # for annotations only
@@ -41,8 +42,8 @@ class Saved:
             self.ledger.saved_nodes_multi.pop(id(self), None)
             for key in self.keys:
                 self.ledger.release_activation(key)
-        except Exception:
-            pass
+        except BaseException as error:  # a Ctrl-C landing here is the job's
+            hand_back(error)
 
 
 unpack_samplers: list[Callable[[], None]] = []
@@ -64,8 +65,8 @@ class SavedOne:
         try:
             self.ledger.saved_nodes.pop(id(self), None)
             self.ledger.release_activation(self.key)
-        except Exception:
-            pass
+        except BaseException as error:  # a Ctrl-C landing here is the job's
+            hand_back(error)
 
 
 class SavedWeight:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import TYPE_CHECKING, cast
 
+from memtui_agent.memory.finalizer_interrupts import hand_back
 from memtui_protocol import schema
 
 if TYPE_CHECKING:  # annotations only: the registry is built before the job imports torch
@@ -143,9 +144,12 @@ class ModuleRegistry:
         table = self._parked_names
 
         def forget(ref: weakref.ref[torch.nn.Module]) -> None:
-            entry = table.get(key)
-            if entry is not None and entry[0] is ref:
-                del table[key]
+            try:
+                entry = table.get(key)
+                if entry is not None and entry[0] is ref:
+                    del table[key]
+            except BaseException as error:  # a finalizer: a Ctrl-C landing here is the job's
+                hand_back(error)
 
         return weakref.ref(root, forget)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from memtui_agent.memory.finalizer_interrupts import hand_back
 from memtui_protocol.schema import DtypeStat, ModuleBytes, Pile, Piles
 
 
@@ -507,7 +508,14 @@ class Ledger:
             self._set_mask(key, entry, entry.mask & ~_BITS[pile])
 
     def _freed(self, ref: weakref.ref[torch.UntypedStorage]) -> None:
-        """A claimed storage was deallocated: it leaves every pile."""
+        """A claimed storage was deallocated: it leaves every pile. A finalizer: what a signal
+        handler raises here goes back to the job (`finalizer_interrupts`)."""
+        try:
+            self._forget_freed(ref)
+        except BaseException as error:
+            hand_back(error)
+
+    def _forget_freed(self, ref: weakref.ref[torch.UntypedStorage]) -> None:
         with self._lock:
             key = self._ref_keys.pop(id(ref), None)
             if key is None:

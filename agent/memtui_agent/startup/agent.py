@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memtui_agent.memory.finalizer_interrupts import keep_ctrl_c_for_the_job, restore_ctrl_c
 from memtui_agent.memory.memory_readers import close_readers
 from memtui_agent.startup.agent_state import NOT_STARTED, Parts
 from memtui_agent.startup.end_frame import EndInputs, build_end
@@ -58,6 +59,8 @@ class Agent:
         self._early: list[schema.AgentError] = []
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
         self._finished = False
+        self._ctrl_c_kept = False
+        """Whether `start` put the deferring SIGINT handler in place (restored at the end)."""
         self._forked_child = False
         self.detached = False
         """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
@@ -124,6 +127,9 @@ class Agent:
             for error in early:
                 self.emitter.put(error)
             self.parts.install()
+            # A Ctrl-C that lands in the agent's finalizers would be dropped (Python ignores
+            # exceptions there): kept for the job's code instead.
+            self._ctrl_c_kept = keep_ctrl_c_for_the_job()
             if self.config.alloc_events:
                 self.parts.arm_alloc_events(self.report_failure, self.note)
         except BaseException:
@@ -247,6 +253,8 @@ class Agent:
         try:
             if threading.current_thread() is threading.main_thread():
                 self.parts.remove()
+                if self._ctrl_c_kept:
+                    restore_ctrl_c()
         except Exception as exc:
             self.report_failure("remove-hooks", exc)
         if self.emitter is not None:
