@@ -77,6 +77,10 @@ for step in range(600):
 """
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for_sidecar(runtime: Path, deadline_s: float = 90) -> dict[str, object]:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -177,6 +181,9 @@ def test_ctrl_c_under_headless_is_an_interrupt(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # A terminal's job gets Ctrl-C's default action; a suite started in the background
+        # (`cmd &` in a script) hands its children SIGINT ignored, and the job never saw it.
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     try:
         _wait_for_sidecar(tmp_path / "rt")

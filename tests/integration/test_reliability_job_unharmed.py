@@ -408,6 +408,9 @@ CTRL_C_IN_TRAINING = textwrap.dedent("""
     import os, signal, sys, threading, time, torch
     import memtui_agent
     torch.set_num_threads(1)
+    # What Python installs in a terminal: a suite started in the background hands its children
+    # SIGINT ignored, where no Ctrl-C reaches any job, with or without the agent.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1] == "agent":
         memtui_agent.start(record=None, socket=False)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])

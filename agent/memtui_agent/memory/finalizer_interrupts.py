@@ -54,7 +54,9 @@ def deferring_int_handler(signum: int, frame: FrameType | None) -> None:
     runs the agent's code: then the signal is simulated again a moment later, until it arrives
     in the job's code."""
     if frame is not None and frame.f_code.co_filename.startswith(AGENT_DIR):
-        threading.Thread(target=_interrupt_soon, name="memtui-ctrl-c", daemon=True).start()
+        # The low-level start: `threading.Thread.start` waits for the thread, and the signal
+        # simulated again could then arrive inside that wait, still under the finalizer.
+        _thread.start_new_thread(_interrupt_soon, ())
         return
     raise KeyboardInterrupt
 
