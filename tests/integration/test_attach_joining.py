@@ -120,17 +120,26 @@ sys.setswitchinterval(1e-5)  # the threads interleave inside the hooks as on a l
 other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
 other_opt = torch.optim.SGD(other.parameters(), lr=0.01)
 stop = threading.Event()
+other_steps = [0]
 def other_loop():
     while not stop.is_set():
         other_opt.zero_grad()
         other(torch.randn(4, 8)).pow(2).mean().backward()
         other_opt.step()
+        other_steps[0] += 1
 worker = threading.Thread(target=other_loop)
 worker.start()
 for _ in range(3):
     step()
 bootstrap(Action.ATTACH, "reply.json", record=os.path.join(HERE, "rec.memtui"))
+attached_at = other_steps[0]
 for _ in range(40):
+    step()
+# Whichever thread the agent follows trains on for several steps after the attach: the
+# worker may be starved meanwhile (it once did 1 step in the main thread's 40, and the
+# recording had 1 step). A count, with a generous net against a hang.
+deadline = time.monotonic() + 120
+while other_steps[0] < attached_at + 10 and time.monotonic() < deadline:
     step()
 agent = memtui_agent.startup.api.current()
 owner = agent.parts.owner_thread() if agent is not None else None
