@@ -411,6 +411,10 @@ CTRL_C_IN_TRAINING = textwrap.dedent("""
     # What Python installs in a terminal: a suite started in the background hands its children
     # SIGINT ignored, where no Ctrl-C reaches any job, with or without the agent.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if len(sys.argv) > 3:  # the job's own handler
+        def own(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, own)
     if sys.argv[1] == "agent":
         memtui_agent.start(record=None, socket=False)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
@@ -424,8 +428,8 @@ CTRL_C_IN_TRAINING = textwrap.dedent("""
             time.sleep(0.003 + (trial % 7) * 0.0011)
             os.kill(os.getpid(), signal.SIGINT)
             fired.set()
-        threading.Thread(target=later).start()
-        try:
+        try:  # the signal may come while the thread starts: inside the try too
+            threading.Thread(target=later).start()
             for _ in range(400):
                 model(torch.randn(4, 16)).square().mean().backward()
                 opt.step()
@@ -447,14 +451,19 @@ def test_every_ctrl_c_reaches_the_job_even_inside_the_agents_finalizers(tmp_path
     exception at the next check point the main thread reaches; when that was in one of the
     agent's finalizers (a saved activation's `__del__`, the ledger's weakref callback), Python
     printed "Exception ignored" and the job trained on: 33 of 200 lost before, 0 without the
-    agent. Every one must reach the job; after `stop()` Python's own handler is back."""
+    agent. Every one must reach the job, with Python's handler and with the job's own; after
+    `stop()` the job's handler is back."""
     job = tmp_path / "ctrl_c.py"
     job.write_text(CTRL_C_IN_TRAINING)
     plain = _start([sys.executable, str(job), "plain", "200"], tmp_path / "plain")
     under = _start([sys.executable, str(job), "agent", "200"], tmp_path / "agent")
+    own = _start([sys.executable, str(job), "agent", "200", "own"], tmp_path / "own")
     assert _finish(plain, "plain")[0].split() == ["0", "True", "True"]
     stdout, stderr = _finish(under, "under the agent")
     lost, during, after = stdout.split()
     assert lost == "0", f"{lost} of 200 Ctrl-Cs lost under the agent\n{stderr[-2000:]}"
     assert "Exception ignored" not in stderr
     assert (during, after) == ("False", "True")  # the deferring handler while it ran, then Python's
+    stdout, stderr = _finish(own, "under the agent, the job's own handler")
+    assert stdout.split()[0] == "0", f"{stdout.split()[0]} of 200 lost with the job's own handler"
+    assert "Exception ignored" not in stderr

@@ -6,10 +6,13 @@ agent's finalizers (a saved activation's `__del__`, the ledger's weakref callbac
 storage, the id-table cleanups) run often, in the middle of the job's backward. An exception
 that leaves a finalizer is printed as "Exception ignored" and dropped: under the agent, 33 of 200
 Ctrl-Cs sent while a small model trained were lost (the job trained on), and 0 of 200 without
-it. A finalizer therefore catches what interrupted it and calls `hand_back`, which raises the
-same exception in the main thread once the finalizer has returned, in the job's own code, as if
-the signal had arrived there. The handler is not run a second time (a job counting its Ctrl-Cs
-sees one).
+it. The agent puts a handler in front of the job's (`keep_ctrl_c_for_the_job`, Python's default
+or the job's own) that simulates the signal again a moment later whenever it arrives in the
+agent's code, so the job's handler runs once, in the job's code. For a handler the job installs
+after the agent started, a finalizer catches what that handler raised in its body and calls
+`hand_back`, which raises the same exception in the main thread once the finalizer has returned;
+the job's handler is not run a second time (a job counting its Ctrl-Cs sees one). Both act from
+another thread, started without waiting for it (`_soon`).
 """
 
 from __future__ import annotations
@@ -20,50 +23,63 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """The agent's own code: a Ctrl-C that arrives while it runs is kept for the job's code."""
 
 
-def keep_ctrl_c_for_the_job() -> bool:
-    """Install the deferring SIGINT handler where the job has Python's default one (the common
-    case). Python raises a signal's exception at the first check point the main thread reaches,
-    and a finalizer's first check point comes before any `try` in it: only a handler can keep
-    the interrupt out of the agent's code. Returns whether it was installed (only the main
-    thread may install a handler; a job with its own handler keeps it, and `hand_back` covers
-    what that handler raises inside a finalizer's body)."""
+def keep_ctrl_c_for_the_job() -> None:
+    """Put `DeferringHandler` in front of the job's SIGINT handler (Python's default or the
+    job's own). Python raises a signal's exception at the first check point the main thread
+    reaches, and a finalizer's first check point comes before any `try` in it: only a handler
+    can keep the interrupt out of the agent's code. Only the main thread may install one; a
+    signal ignored or left to the system stays as it is, and `hand_back` covers a handler the
+    job installs later."""
     if threading.current_thread() is not threading.main_thread():
-        return False
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return False
-    signal.signal(signal.SIGINT, deferring_int_handler)
-    return True
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and not isinstance(handler, DeferringHandler):
+        signal.signal(signal.SIGINT, DeferringHandler(handler))
 
 
 def restore_ctrl_c() -> None:
-    """Python's own handler back, if ours is still the one installed (at the agent's stop)."""
+    """The job's handler back, if the agent's is still the one installed (at the agent's
+    stop)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is deferring_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    handler = signal.getsignal(signal.SIGINT)
+    if isinstance(handler, DeferringHandler):
+        signal.signal(signal.SIGINT, handler.job_handler)
 
 
-def deferring_int_handler(signum: int, frame: FrameType | None) -> None:
-    """Python's `default_int_handler` (raise KeyboardInterrupt), except while the main thread
-    runs the agent's code: then the signal is simulated again a moment later, until it arrives
-    in the job's code."""
-    if frame is not None and frame.f_code.co_filename.startswith(AGENT_DIR):
-        # The low-level start: `threading.Thread.start` waits for the thread, and the signal
-        # simulated again could then arrive inside that wait, still under the finalizer.
-        _thread.start_new_thread(_interrupt_soon, ())
-        return
-    raise KeyboardInterrupt
+class DeferringHandler:
+    """The job's SIGINT handler, run as it would be, except while the main thread runs the
+    agent's code: then the signal is simulated again a moment later, until it arrives in the
+    job's code (the job's handler runs once, there)."""
+
+    def __init__(self, job_handler: Callable[[int, FrameType | None], object]) -> None:
+        self.job_handler = job_handler
+
+    def __call__(self, signum: int, frame: FrameType | None) -> object:
+        if frame is not None and frame.f_code.co_filename.startswith(AGENT_DIR):
+            _soon(_thread.interrupt_main)
+            return None
+        return self.job_handler(signum, frame)
 
 
-def _interrupt_soon() -> None:
-    time.sleep(0.001)  # out of the agent's code, usually: a finalizer takes microseconds
-    _thread.interrupt_main()
+def _soon(action: Callable[[], None]) -> None:
+    """`action` on another thread a moment from now, when the main thread has most likely left
+    the agent's code (a finalizer takes microseconds); if not, the same path runs again there.
+    The low-level start: `threading.Thread.start` waits for the thread, and what `action`
+    raises in the main thread could then arrive inside that wait, still under the finalizer."""
+
+    def run() -> None:
+        time.sleep(0.001)
+        action()
+
+    _thread.start_new_thread(run, ())
 
 
 def hand_back(error: BaseException) -> None:
@@ -77,12 +93,9 @@ def hand_back(error: BaseException) -> None:
         return
     kind = type(error) if not error.args else _carrying(error)
     # From another thread: set from this one, the exception would be raised at this
-    # finalizer's next bytecode and dropped again. That thread runs once the main thread
-    # lets go of the GIL, by then out of the finalizer; if it lands in another finalizer,
-    # that one hands it back the same way.
-    threading.Thread(
-        target=_raise_in_main, args=(kind,), name="memtui-hand-back", daemon=True
-    ).start()
+    # finalizer's next bytecode and dropped again; if it lands in another finalizer, that one
+    # hands it back the same way.
+    _soon(lambda: _raise_in_main(kind))
 
 
 def _raise_in_main(kind: type[BaseException]) -> None:

@@ -59,8 +59,6 @@ class Agent:
         self._early: list[schema.AgentError] = []
         """Failures reported before the emitter existed (a refused runtime dir, say)."""
         self._finished = False
-        self._ctrl_c_kept = False
-        """Whether `start` put the deferring SIGINT handler in place (restored at the end)."""
         self._forked_child = False
         self.detached = False
         """`memtui detach` stopped this agent while the job carries on: `End` says `detached`."""
@@ -129,7 +127,7 @@ class Agent:
             self.parts.install()
             # A Ctrl-C that lands in the agent's finalizers would be dropped (Python ignores
             # exceptions there): kept for the job's code instead.
-            self._ctrl_c_kept = keep_ctrl_c_for_the_job()
+            keep_ctrl_c_for_the_job()
             if self.config.alloc_events:
                 self.parts.arm_alloc_events(self.report_failure, self.note)
         except BaseException:
@@ -253,8 +251,7 @@ class Agent:
         try:
             if threading.current_thread() is threading.main_thread():
                 self.parts.remove()
-                if self._ctrl_c_kept:
-                    restore_ctrl_c()
+                restore_ctrl_c()  # only if the agent's handler is still the one installed
         except Exception as exc:
             self.report_failure("remove-hooks", exc)
         if self.emitter is not None:
