@@ -71,8 +71,10 @@ class RankFigures:
             return None
 
         def piles(stat: str) -> schema.Piles:
+            # A pile the rank serves no sample for is one its step does not know (the
+            # exporter writes none for it), never 0.
             values = self.piles.get(stat, {})
-            return schema.Piles(*(values.get(pile, 0) for pile in PILES))
+            return schema.Piles(*(values.get(pile) for pile in PILES))
 
         end = self.step_end if self.step_end is not None else 0.0
         allocator = schema.Allocator(

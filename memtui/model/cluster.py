@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memtui.input.cluster_query import ClusterSnapshot, RankFigures
 from memtui.model.rank_rows import RankRow, Spread, imbalance_line, rank_rows, spread
-from memtui.model.step_rows import pile_of
+from memtui.model.step_rows import pile_figure
 from memtui_protocol import schema
 from memtui_protocol.schema import Pile, TextEnum
 
@@ -61,7 +61,9 @@ class ClusterRank:
     def peak(self) -> int | None:
         """The tracked peak total of its latest step."""
         peak = self.figures.piles.get("peak")
-        return sum(peak.get(pile, 0) for pile in schema.PILES) if peak else None
+        if not peak or any(pile not in peak for pile in schema.PILES):
+            return None  # a pile with no sample is one the step does not know: no total
+        return sum(peak[pile] for pile in schema.PILES)
 
     @property
     def headroom(self) -> int | None:
@@ -155,11 +157,15 @@ def cluster_view(
     latest = {rank.label: rank.figures.step_message() for rank in ranks}
     rows = rank_rows(latest, {rank.label: _state_cell(rank) for rank in ranks})
     reporting = {label: step for label, step in latest.items() if step is not None}
-    spreads = {
-        pile: spread({label: pile_of(step.max, pile) for label, step in reporting.items()})
-        for pile in Pile
-        if len(reporting) >= 2
-    }
+    spreads = {}
+    for pile in Pile:  # over the ranks whose latest step knows the pile's high
+        highs = {
+            label: high
+            for label, step in reporting.items()
+            if (high := pile_figure(step, step.max, pile)) is not None
+        }
+        if len(highs) >= 2:
+            spreads[pile] = spread(highs)
     return ClusterView(
         url=snapshot.url,
         job=snapshot.job,

@@ -58,8 +58,9 @@ class PileRow:
     share: float
     step_max: int | None
     known: bool = True
-    """False: the step cannot state this part (its activations are not known, so neither is
-    the allocator's rest); `at_peak` and `step_max` are None, and no share is drawn."""
+    """False: the step cannot state this part at its peak (its activations are not known, so
+    neither is the peak's moment, nor the allocator's rest): `at_peak` is None and no share is
+    drawn; `step_max` is the part's high where that is known (the weights'), else None."""
 
 
 @dataclass(frozen=True)
@@ -124,23 +125,33 @@ class ModuleRow:
 def activations_known(step: schema.Step) -> bool:
     """Whether the step states its activations: measured, or carried from a measured step it
     provably repeats. Otherwise (`activations_measured` false, `activations_from` null) they
-    are not known: the frame holds what was seen, part of them, never the step's figure, so
-    no reader shows it as one (the bar, the chart, the tables, the reports, the CSV)."""
+    are not known: a frame of this version holds null for them; one of an older agent holds
+    what was seen, part of them, never the step's figure, so no reader shows it as one (the
+    bar, the chart, the tables, the reports, the CSV)."""
     return step.activations_measured or step.activations_from is not None
 
 
 def pile_figure(step: schema.Step, piles: schema.Piles, pile: Pile) -> int | None:
-    """One pile of one of the step's compositions (`end`, `max`, `peak`); None for the
-    activations of a step that does not know them."""
+    """One pile of one of the step's compositions (`end`, `max`, `peak`); None where the step
+    does not know it: null in the frame, or the activations of an older agent's step whose
+    activations are not known."""
     if pile is Pile.ACTIVATIONS and not activations_known(step):
         return None
     return pile_of(piles, pile)
 
 
+def known_piles(step: schema.Step, piles: schema.Piles) -> schema.Piles:
+    """One of the step's compositions as this version's frames state it: an older agent's
+    figure for activations that are not known becomes None (docs/report-format.md)."""
+    if activations_known(step) or piles.activations is None:
+        return piles
+    return schema.Piles(piles.weights, piles.gradients, piles.optimizer_state, None)
+
+
 def known_total(step: schema.Step, piles: schema.Piles) -> int | None:
-    """The piles' total in one of the step's compositions; None when its activations are not
-    known (a total without them is not the step's total)."""
-    return piles.total if activations_known(step) else None
+    """The piles' total in one of the step's compositions; None when any pile of it is not
+    known (a total without one is not the step's total)."""
+    return known_piles(step, piles).total
 
 
 def module_rows(step: schema.Step | None, names: dict[int, str]) -> tuple[ModuleRow, ...]:
@@ -208,31 +219,31 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
 
 def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:
     """The bar: the peak composition of the step (or the live piles before the first step)."""
-    piles = step.peak if step is not None else live
+    piles = known_piles(step, step.peak) if step is not None else live
     if piles is None:
         return ()
     other = None
     wrapped = step.distributed if step is not None else None
-    known = step is None or activations_known(step)
-    if step is not None and step.allocator.peak_allocated is not None and known:
+    peak_total = piles.total
+    gpu = step is not None and step.allocator.peak_allocated is not None
+    if step is not None and step.allocator.peak_allocated is not None and peak_total is not None:
         untracked = wrapped.untracked() if wrapped is not None else 0
-        other = max(0, step.allocator.peak_allocated - step.peak.total - untracked)
+        other = max(0, step.allocator.peak_allocated - peak_total - untracked)
     values: dict[BarPart, int | None] = dict(pile_values(piles))
+    highs = known_piles(step, step.max) if step is not None else None
     step_max: dict[BarPart, int | None] = {
-        pile: pile_of(step.max, pile) if step is not None else None for pile in Pile
+        pile: pile_of(highs, pile) if highs is not None else None for pile in Pile
     }
     # The wrappers' memory: its high is the value itself (the buckets are constant, the
     # gathered parameters are already the step's highest).
     for part, value in wrapper_parts(wrapped):
         values[part] = step_max[part] = value
     values[Untracked.OTHER] = other
-    unknown: set[BarPart] = set()
-    if not known:  # the activations, and on a GPU the allocator's rest beside them
-        unknown = {Pile.ACTIVATIONS}
-        if step is not None and step.allocator.peak_allocated is not None:
-            unknown.add(Untracked.OTHER)
-        for unknown_part in unknown:
-            values[unknown_part] = step_max[unknown_part] = None
+    # A pile the step does not know at its peak, and on a GPU the allocator's rest beside an
+    # unknown peak total.
+    unknown: set[BarPart] = {pile for pile in Pile if values[pile] is None}
+    if gpu and peak_total is None:
+        unknown.add(Untracked.OTHER)
     total = sum(value for value in values.values() if value)
     return tuple(
         PileRow(
@@ -260,14 +271,15 @@ def wrapper_parts(wrapped: schema.Distributed | None) -> list[tuple[Untracked, i
     return parts
 
 
-def pile_of(piles: schema.Piles, pile: Pile) -> int:
-    """One pile's bytes, read by `Pile`, never by a position in the wire's array."""
-    value: int = getattr(piles, pile.value)
+def pile_of(piles: schema.Piles, pile: Pile) -> int | None:
+    """One pile's bytes, read by `Pile`, never by a position in the wire's array (None: not
+    known)."""
+    value: int | None = getattr(piles, pile.value)
     return value
 
 
-def pile_values(piles: schema.Piles) -> tuple[tuple[Pile, int], ...]:
-    """Each pile with its bytes, in display (and stacking) order."""
+def pile_values(piles: schema.Piles) -> tuple[tuple[Pile, int | None], ...]:
+    """Each pile with its bytes (None: not known), in display (and stacking) order."""
     return tuple((pile, pile_of(piles, pile)) for pile in Pile)
 
 
@@ -382,7 +394,9 @@ def dtype_rows(step: schema.Step | None) -> tuple[DtypeRow, ...]:
         return ()
     rows = []
     for pile in Pile:
-        if pile_figure(step, step.max, pile) is None:
+        # The inventory is the close's for the persistent piles, the high's for activations.
+        piles = step.max if pile is Pile.ACTIVATIONS else step.end
+        if pile_figure(step, piles, pile) is None:
             rows.append(DtypeRow(pile, "", None, None))
             continue
         stats = step.dtypes.get(pile.value, {})

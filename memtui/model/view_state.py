@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import msgspec
-
 from memtui.model.alloc_rows import AllocRow
 from memtui.model.job_state import Ending, JobState
 from memtui.model.leaks import LeakRow
@@ -32,6 +30,7 @@ from memtui.model.step_rows import (
     distributed_notes,
     dtype_rows,
     gap_rows,
+    known_piles,
     module_rows,
     pile_rows,
 )
@@ -258,11 +257,9 @@ def timeline_view(
 
 
 def _chart_piles(step: schema.Step) -> schema.Piles:
-    """The step's peak composition as the chart stacks it: without the activations of a step
-    that does not know them."""
-    if activations_known(step):
-        return step.peak
-    return msgspec.structs.replace(step.peak, activations=0)
+    """The step's peak composition as the chart stacks it: None for each pile the step does
+    not know at its peak (the chart draws the known ones under a `?`)."""
+    return known_piles(step, step.peak)
 
 
 def dtypes_view(step: schema.Step | None, binary: bool) -> DtypesView:

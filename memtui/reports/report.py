@@ -19,6 +19,7 @@ from memtui.model.step_rows import (
     activations_known,
     distributed_notes,
     folded_alerts,
+    known_piles,
     known_total,
     pile_figure,
     pile_of,
@@ -71,7 +72,15 @@ def _piles(piles: Piles) -> PileBytes:
 
 
 def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> StepEntry:
-    """One entry of `steps` in the report contract (plus a few extra keys)."""
+    """One entry of `steps` in the report contract (plus a few extra keys).
+
+    A pile the step does not know is null: this version's frames hold null for it already;
+    an older agent's frame of a step whose activations are not known held what it saw of them
+    (`known_piles`), and its partial activation dtypes and top modules are left out too.
+    """
+    known = activations_known(step)
+    peak = known_piles(step, step.peak)
+    dtypes = step.dtypes if known else {**step.dtypes, Pile.ACTIVATIONS.value: {}}
     return StepEntry(
         step=step.step,
         optimizer=step.optimizer,
@@ -79,15 +88,15 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         closed_by=str(step.closed_by.value),
         skipped=step.skipped,
         microbatches=step.microbatches,
-        end=_piles(step.end),
-        max=_piles(step.max),
-        peak=PeakEntry(total=step.peak.total, piles=_piles(step.peak)),
+        end=_piles(known_piles(step, step.end)),
+        max=_piles(known_piles(step, step.max)),
+        peak=PeakEntry(total=peak.total, piles=_piles(peak)),
         dtypes={
-            pile: {dtype: stat.bytes for dtype, stat in step.dtypes.get(pile, {}).items()}
+            pile: {dtype: stat.bytes for dtype, stat in dtypes.get(pile, {}).items()}
             for pile in Pile
         },
         dtype_tensors={
-            pile: {dtype: stat.count for dtype, stat in step.dtypes.get(pile, {}).items()}
+            pile: {dtype: stat.count for dtype, stat in dtypes.get(pile, {}).items()}
             for pile in Pile
         },
         allocator=AllocatorEntry(**{key: getattr(step.allocator, key) for key in ALLOCATOR_KEYS}),
@@ -99,7 +108,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         activations_from=step.activations_from,
         top_activations=[
             ModuleEntry(module=recording.module_name(item.module), bytes=item.bytes)
-            for item in step.top_activations
+            for item in (step.top_activations if known else [])
         ],
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
         alerts=[
@@ -399,13 +408,14 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append(f"  ({rule})")
     if steps:
         peaks = pile_peaks(recording)
-        known = [step for step in steps if activations_known(step)]
-        top = max(known, key=lambda step: step.peak.total) if known else None
+        totals = [(total, step) for step in steps if (total := known_total(step, step.peak))]
+        known = [step for _, step in totals]
+        top_total, top = max(totals, key=lambda item: item[0]) if totals else (None, None)
         if top is None:
             lines.append(f"peak tracked total: {NOT_KNOWN} (no step's activations are known)")
         else:
             lines.append(
-                f"peak tracked total: {size(top.peak.total)} at step {top.step}"
+                f"peak tracked total: {size(top_total)} at step {top.step}"
                 + (" (of the steps whose activations are known)" if len(known) < len(steps) else "")
             )
         phases = peak_phases(recording)
@@ -429,7 +439,7 @@ def render_text(recording: Recording, binary: bool = True) -> str:
             )
         lines.append("pile              highest in run   at peak")
         for pile in Pile:
-            at_peak = size(pile_of(top.peak, pile)) if top is not None else NOT_KNOWN
+            at_peak = size(pile_of(top.peak, pile), missing=NOT_KNOWN) if top else NOT_KNOWN
             highest = size(peaks[pile], missing=NOT_KNOWN)
             lines.append(f"  {pile:<16}{highest:>14}{at_peak:>12}")
         last = steps[-1]

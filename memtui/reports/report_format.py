@@ -17,23 +17,26 @@ import msgspec
 from memtui.model.leaks import CensusTally
 
 REPORT_FORMAT = "memtui-report"
-REPORT_VERSION = 1
-"""Bumped only when a key of the contract changes meaning or goes away; new keys do not."""
+REPORT_VERSION = 2
+"""Bumped only when a key of the contract changes meaning or goes away; new keys do not.
+2: a pile the step does not know is null in `end`, `max` and `peak` (and `peak.total`),
+where version 1 held what the agent saw of it."""
 
 
 class PileBytes(msgspec.Struct):
-    """Bytes in each tracked pile (`schema.Pile` names)."""
+    """Bytes in each tracked pile (`schema.Pile` names); null where the step does not know
+    the pile (docs/report-format.md)."""
 
-    weights: int
-    gradients: int
-    optimizer_state: int
-    activations: int
+    weights: int | None
+    gradients: int | None
+    optimizer_state: int | None
+    activations: int | None
 
 
 class PeakEntry(msgspec.Struct):
-    """The composition at the moment of the step's highest tracked total."""
+    """The composition at the moment of the step's highest tracked total (null: not known)."""
 
-    total: int
+    total: int | None
     piles: PileBytes
 
 

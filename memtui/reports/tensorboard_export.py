@@ -48,6 +48,7 @@ from typing import Any
 from memtui.errors import UserError
 from memtui.exit_codes import EXIT_PARTIAL
 from memtui.model.recording import Recording, read_recording
+from memtui.model.step_rows import known_total, pile_figure
 from memtui.reports.report import ALLOCATOR_KEYS
 from memtui.terminal_text import terminal_safe
 from memtui_protocol.safe_open import (
@@ -57,7 +58,7 @@ from memtui_protocol.safe_open import (
     open_or_make_folder,
     open_or_make_folder_in,
 )
-from memtui_protocol.schema import PILES, Step
+from memtui_protocol.schema import Pile, Step
 
 MISSING = (
     "memtui export --format tensorboard needs TensorBoard's event writer: "
@@ -67,12 +68,17 @@ EVENT_PREFIX = "events.out.tfevents."
 
 
 def step_scalars(step: Step) -> dict[str, float]:
-    """The scalars of one step, by tag (counters the job does not have are absent)."""
+    """The scalars of one step, by tag (counters the job does not have are absent, and so are
+    the figures the step does not know: no point, never a 0 or a partial one)."""
     scalars: dict[str, float] = {}
     for stat, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
-        for pile in PILES:
-            scalars[f"piles/{stat}/{pile}"] = getattr(piles, pile)
-    scalars["piles/peak_total"] = step.peak.total
+        for pile in Pile:
+            value = pile_figure(step, piles, pile)
+            if value is not None:
+                scalars[f"piles/{stat}/{pile}"] = value
+    total = known_total(step, step.peak)
+    if total is not None:
+        scalars["piles/peak_total"] = total
     for counter in ALLOCATOR_KEYS:
         value = getattr(step.allocator, counter)
         if value is not None:

@@ -80,7 +80,7 @@ def column_cells(
     boundaries: list[int] = []
     running = 0
     for _, value in stack:
-        running += max(0, value)
+        running += max(0, value or 0)  # a pile not known is not drawn: the `?` says so
         share = running * eighths / scale if scale > 0 else 0.0
         boundaries.append(min(eighths, int(share + 0.5)))
 
@@ -206,7 +206,8 @@ def render_lines(
     )
     plot_height = height - 2
     levels = [_levels(data, i) for i in window]
-    top = max(max(p.total for p in piles), max((max(lv) for lv in levels if lv), default=0))
+    drawn = max(sum(value or 0 for _, value in pile_values(p)) for p in piles)  # the known piles
+    top = max(drawn, max((max(lv) for lv in levels if lv), default=0))
     scale = nice_scale(top, data.binary)
     # Few steps get wider columns (up to MAX_REPEAT cells each) so a short run is readable.
     repeat = max(1, min(max_repeat, (width - AXIS_WIDTH) // len(piles)))

@@ -164,7 +164,10 @@ class PilesPanel(FlowPanel[PilesView]):
             if row.name is Pile.ACTIVATIONS and not view.activations_measured and row.known:
                 name.append(" ≈", style="bold")
             if not row.known:
-                table.add_row(name, Text(NOT_KNOWN, style="bold"), Text(""), Text(""))
+                high: Text | str = Text(NOT_KNOWN, style="bold")
+                if row.step_max is not None:
+                    high = _size(row.step_max, view.binary)
+                table.add_row(name, Text(NOT_KNOWN, style="bold"), Text(""), high)
                 continue
             if row.at_peak is None:
                 table.add_row(name, Text("n/a", style="dim"), Text(""), Text(""))

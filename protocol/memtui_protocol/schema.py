@@ -181,20 +181,54 @@ class StepTrigger(str, Enum):
 
 
 class Piles(msgspec.Struct, array_like=True, frozen=True):
-    """Bytes in each tracked pile, sent as a 4-element array to keep frames small."""
+    """Bytes in each tracked pile, sent as a 4-element array to keep frames small.
 
-    weights: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0
-    activations: int = 0
+    A pile is None (`null` on the wire) where the step cannot state it: the activations of a
+    step whose activations are not known, a pile's high or its value at the peak moment on a
+    step that did not watch it throughout (docs/numbers.md#not-known). Never a guess, never 0
+    for "not known"; the ledger's own counts are always ints.
+    """
+
+    weights: int | None = 0
+    gradients: int | None = 0
+    optimizer_state: int | None = 0
+    activations: int | None = 0
 
     @property
-    def total(self) -> int:
-        """Sum of the four tracked piles."""
-        return self.weights + self.gradients + self.optimizer_state + self.activations
+    def total(self) -> int | None:
+        """Sum of the four tracked piles; None when any of them is not known (a sum without
+        one is not the total)."""
+        weights, gradients, state, activations = (
+            self.weights,
+            self.gradients,
+            self.optimizer_state,
+            self.activations,
+        )
+        if weights is None or gradients is None or state is None or activations is None:
+            return None
+        return weights + gradients + state + activations
 
-    def as_dict(self) -> dict[str, int]:
-        """The piles keyed by their report names."""
+    @property
+    def known(self) -> bool:
+        """Whether every pile is stated."""
+        return None not in (self.weights, self.gradients, self.optimizer_state, self.activations)
+
+    def counted(self) -> tuple[int, int, int, int]:
+        """The four piles of a composition every pile of which is counted (the agent's ledger,
+        a `Tick`); raises ValueError on one that holds a pile not known, which such a
+        composition never does."""
+        weights, gradients, state, activations = (
+            self.weights,
+            self.gradients,
+            self.optimizer_state,
+            self.activations,
+        )
+        if weights is None or gradients is None or state is None or activations is None:
+            raise ValueError("a counted composition holds a pile that is not known")
+        return weights, gradients, state, activations
+
+    def as_dict(self) -> dict[str, int | None]:
+        """The piles keyed by their report names (None: not known)."""
         return {name: getattr(self, name) for name in PILES}
 
 

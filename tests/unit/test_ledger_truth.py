@@ -661,7 +661,7 @@ def test_high_water_marks_match_an_eager_replay_of_random_event_sequences() -> N
     from memtui_agent.memory.ledger import ACTIVATIONS, GRADIENTS, Ledger
 
     def as_list(piles: schema.Piles) -> list[int]:
-        return [piles.weights, piles.gradients, piles.optimizer_state, piles.activations]
+        return list(piles.counted())
 
     for seed in range(25):
         rng = random.Random(seed)

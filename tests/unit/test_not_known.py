@@ -79,7 +79,7 @@ def test_the_panels_say_not_known_instead_of_a_figure(session: Session) -> None:
     assert [(row.bytes, row.storages) for row in dtypes] == [(None, None)]
     assert view.activations.rows == () and not view.activations.known
     index = view.timeline.steps.index(UNKNOWN)
-    assert view.timeline.piles[index].activations == 0
+    assert view.timeline.piles[index].activations is None
     assert view.timeline.unknown == frozenset({UNKNOWN})
     assert UNKNOWN not in view.timeline.carried and 19 in view.timeline.carried
     session.jump_to_step(19)  # a carried step keeps its figures
@@ -117,13 +117,22 @@ def test_the_text_report_counts_them_and_shows_no_figure_of_theirs(recording: Re
     )
 
 
-def test_the_json_keeps_the_frame_and_its_flags_and_no_peak_of_it(recording: Recording) -> None:
-    """The steps' figures are the frame's, with the flags that say how to read them (the
-    contract's ints); the run-wide peaks leave the step out."""
+def test_the_json_states_null_for_an_older_agents_partial_figure(recording: Recording) -> None:
+    """An older agent's frame held what it saw of activations that are not known: the report
+    (version 2) states null for them in `end`, `max`, `peak.piles` and `peak.total`, with the
+    flags; the other piles keep the frame's figures, and the run-wide peaks leave the step
+    out."""
     document = json.loads(json.dumps(build_report(recording)))
+    assert document["version"] == 2
     step = document["steps"][UNKNOWN - 1]
     assert (step["activations_measured"], step["activations_from"]) == (False, None)
-    assert step["max"]["activations"] == PARTIAL
+    for piles in (step["end"], step["max"], step["peak"]["piles"]):
+        assert piles["activations"] is None and piles["weights"] > 0
+    assert step["peak"]["total"] is None
+    assert step["dtypes"]["activations"] == {} and step["top_activations"] == []
+    carried = document["steps"][UNKNOWN - 2]
+    assert carried["max"]["activations"] > 0 and carried["peak"]["total"] > 0
+    assert "999" not in json.dumps(step)
     assert document["peaks"]["steady"] < PARTIAL
 
 

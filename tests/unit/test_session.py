@@ -288,8 +288,9 @@ def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
         "device total",
     ]
     step = session.steps[-1]
-    assert rows[0].value == step.end.total
-    assert rows[1].delta == step.host.rss - step.end.total
+    tracked = sum(step.end.counted())
+    assert rows[0].value == tracked
+    assert rows[1].delta == step.host.rss - tracked
     gpu_rows = rows[4:]
     assert all(not row.applicable for row in gpu_rows)
     assert all(row.value is None and row.delta is None for row in gpu_rows)
@@ -299,11 +300,11 @@ def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
 
 def test_gap_rows_on_gpu_give_ordered_deltas_and_meanings(make_step: StepFactory) -> None:
     step = make_step(5)
-    tracked = step.end.total
+    tracked = sum(step.end.counted())
     allocator = schema.Allocator(
         allocated=tracked + 100,
         reserved=tracked + 1_100,
-        peak_allocated=step.peak.total + 5_000,
+        peak_allocated=sum(step.peak.counted()) + 5_000,
         process_gpu=tracked + 501_100,
         device_used=tracked + 2_501_100,
         device_total=tracked + 12_501_100,
@@ -327,7 +328,7 @@ def test_gap_rows_on_gpu_give_ordered_deltas_and_meanings(make_step: StepFactory
 def test_gap_rows_on_gpu_skip_a_missing_level(make_step: StepFactory) -> None:
     """Without NVML the process level is unknown; the next delta is taken from reserved."""
     step = make_step(5)
-    tracked = step.end.total
+    tracked = sum(step.end.counted())
     allocator = schema.Allocator(
         allocated=tracked, reserved=tracked + 10, device_total=tracked + 30
     )
@@ -358,7 +359,7 @@ def test_pile_rows_shares_sum_to_one(demo_messages: list[schema.Message]) -> Non
 def test_pile_rows_on_gpu_derive_other_from_the_allocator_peak(make_step: StepFactory) -> None:
     step = make_step(3)
     step = msgspec.structs.replace(
-        step, allocator=schema.Allocator(peak_allocated=step.peak.total + 1_000_000)
+        step, allocator=schema.Allocator(peak_allocated=sum(step.peak.counted()) + 1_000_000)
     )
     rows = pile_rows(step)
     assert rows[-1].name == "other" and rows[-1].at_peak == 1_000_000
@@ -371,7 +372,8 @@ def test_first_step_peak_has_no_optimizer_state(demo_messages: list[schema.Messa
     session.home()
     rows = {row.name: row for row in session.view_state().piles.rows}
     assert rows[Pile.OPTIMIZER_STATE].at_peak == 0
-    assert rows[Pile.OPTIMIZER_STATE].step_max == session.steps[0].end.optimizer_state > 0
+    state = session.steps[0].end.optimizer_state
+    assert state is not None and rows[Pile.OPTIMIZER_STATE].step_max == state > 0
 
 
 def test_bf16_phase_shows_in_dtypes(demo_messages: list[schema.Message]) -> None:

@@ -82,14 +82,67 @@ def test_a_measured_step_says_what_the_ledger_read() -> None:
     assert step.closed_by is schema.StepTrigger.OPTIMIZER and not step.skipped
 
 
+COUNTED = (640, {"bfloat16": schema.DtypeStat(640, 3)})
+"""The gradients an unarmed close counted beside the ledger (whose gradients pile is empty)."""
+
+
 def test_gradients_counted_outside_the_ledger_replace_its_gradients() -> None:
-    counted = (640, {"bfloat16": schema.DtypeStat(640, 3)})
-    step = build_step(inputs(gradients=counted), HostValues())
-    assert step.end == schema.Piles(1000, 640, 800, 50)
-    assert step.dtypes[Pile.GRADIENTS] == counted[1]
+    step = build_step(inputs(gradients=COUNTED, verdict=Verdict(measured=False)), HostValues())
+    assert step.end == schema.Piles(1000, 640, 800, None)
+    assert step.dtypes[Pile.GRADIENTS] == COUNTED[1]
     assert step.dtypes[Pile.WEIGHTS] == DTYPES[Pile.WEIGHTS]
-    # The high-water marks are the ledger's: the count outside it is taken at the close only.
-    assert (step.max, step.peak) == (HIGH, PEAK)
+
+
+def test_an_unarmed_step_not_known_states_no_high_or_peak_it_did_not_watch() -> None:
+    """The issue's step: gradients counted at the close only (340,008 B there, `max` said 0).
+    Their high and their value at the unknown peak moment are not known; the weights and the
+    optimizer state, steady through the step, are known at every moment."""
+    ledger = LedgerReading(
+        schema.Piles(1000, 0, 800, 50),
+        schema.Piles(1000, 0, 800, 3000),
+        schema.Piles(1000, 0, 800, 3000),
+        gradients_watched=False,
+    )
+    reading = CloseReading(7, ledger)
+    step = build_step(
+        inputs(reading=reading, gradients=COUNTED, verdict=Verdict(measured=False)), HostValues()
+    )
+    assert step.end == schema.Piles(1000, 640, 800, None)
+    assert step.max == schema.Piles(1000, None, 800, None)
+    assert step.peak == schema.Piles(1000, None, 800, None)
+    assert step.peak.total is None and step.end.total is None
+    assert Pile.ACTIVATIONS not in step.dtypes and step.top_activations == []
+
+
+def test_a_pile_that_moved_in_a_step_not_known_has_no_value_at_its_peak() -> None:
+    """The weights changed during the step (a recount at the close found new ones): at the
+    peak's unknown moment they may have been either; their high is the ledger's."""
+    ledger = LedgerReading(END, HIGH, PEAK, steady=frozenset({Pile.OPTIMIZER_STATE}))
+    step = build_step(
+        inputs(reading=CloseReading(7, ledger), verdict=Verdict(measured=False)), HostValues()
+    )
+    assert step.peak == schema.Piles(None, None, 800, None)
+    assert step.max == schema.Piles(1000, 400, 800, None)
+
+
+def test_gradients_watched_from_the_opening_keep_their_high_when_not_known() -> None:
+    """Armed from the step's opening, but the job's own saved-tensor hooks hid its activations:
+    the gradient hooks still kept the gradients in the ledger, whose high is exact; steady
+    gradients are known at the peak's moment too."""
+    step = build_step(inputs(verdict=Verdict(measured=False)), HostValues())
+    assert step.max == schema.Piles(1000, 400, 800, None)
+    assert step.peak == schema.Piles(1000, 400, 800, None)
+
+
+def test_a_high_below_the_steps_own_end_is_not_stated() -> None:
+    """A measured high below the close's own count (gradients counted beside the ledger) or a
+    twin whose gradients ended lower than this step's: not the step's high."""
+    step = build_step(inputs(gradients=COUNTED), HostValues())
+    assert step.end.gradients == 640 and step.max.gradients is None
+    assert step.max.weights == 1000 and step.max.activations == 3000
+    carried = Verdict(measured=False, carried=carried_figures())
+    step = build_step(inputs(gradients=COUNTED, verdict=carried), HostValues())
+    assert step.max == schema.Piles(1000, None, 800, 2500)
 
 
 def test_a_repeat_carries_the_measured_steps_activation_figures() -> None:
@@ -104,10 +157,15 @@ def test_a_repeat_carries_the_measured_steps_activation_figures() -> None:
     assert step.top_activations == list(figures.top)
 
 
-def test_activations_not_known_keep_the_ledgers_figures_and_say_so() -> None:
+def test_activations_not_known_are_null_and_say_so() -> None:
     step = build_step(inputs(verdict=Verdict(measured=False)), HostValues())
     assert not step.activations_measured and step.activations_from is None
-    assert step.max == HIGH and step.end == END
+    assert step.end == schema.Piles(1000, 400, 800, None)
+    assert step.max.activations is None and step.peak.activations is None
+    assert step.peak.total is None
+    # null on the wire, read back as None
+    (decoded,) = wire.FrameDecoder().feed(wire.preamble() + wire.encode(step))
+    assert isinstance(decoded, schema.Step) and decoded.end == step.end
 
 
 def test_alerts_in_one_list_in_the_order_they_were_gathered() -> None:

@@ -55,7 +55,7 @@ class Parts:
     def step_opens(self, after: StepInputs) -> None:
         self.opened.append(after.step)
 
-    def reset_step(self) -> None:
+    def reset_step(self, start_gradients: int | None = None) -> None:
         self.resets += 1
 
     def _search(self) -> bool:

@@ -53,6 +53,7 @@ from memtui_protocol.estimate import (
     StepFigures,
     Variant,
 )
+from memtui_protocol.schema import PILES
 
 if TYPE_CHECKING:  # for annotations only: torch is imported where the step runs
     import torch
@@ -299,7 +300,11 @@ def _step_without_values(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _figures(step: Any) -> StepFigures:
-    return StepFigures(step.end.as_dict(), step.max.as_dict(), step.peak.as_dict())
+    # Measured at every step (`--activations every`): every pile is counted.
+    end, high, peak = (
+        dict(zip(PILES, piles.counted(), strict=True)) for piles in (step.end, step.max, step.peak)
+    )
+    return StepFigures(end, high, peak)
 
 
 def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -> FakeStepResult:

@@ -280,16 +280,35 @@ class Ledger:
         which storages a retained graph holds without unpacking anything."""
         self.saved_nodes_multi: dict[int, tuple[int, tuple[Key, ...]]] = {}
         """The same for the rare wrapper of several storages (sparse and wrapper tensors)."""
+        self.watching_gradients = True
+        """Whether the gradients pile is kept here by the gradient hooks (`pile_count`): False
+        between measured steps, where the gradients are counted at each close beside the
+        ledger and its gradients pile is empty."""
+        self._touched = 0
+        """Bits (`_BITS`) of the persistent piles whose bytes moved since the step opened."""
+        self._watched_from_open = True
         self.reset_step()
 
     # ----- step window ---------------------------------------------------------------------
 
-    def reset_step(self) -> None:
-        """Start a new step window: high-water marks restart from the current state."""
+    def reset_step(self, start_gradients: int | None = None) -> None:
+        """Start a new step window: high-water marks restart from the current state.
+
+        `start_gradients`: the gradients alive as the step opens, counted at the close that
+        opened it. When the ledger does not hold them (`watching_gradients` false: the hooks
+        are disarmed), they still are the opening moment's gradients, so the opening
+        composition the marks start from has them: a step that arms at its first root call, after
+        the job's `zero_grad()` freed them, still has them in its high and its peak.
+        """
         with self._lock:
-            self.max = list(self.piles)
-            self.peak = list(self.piles)
-            self.peak_total = sum(self.piles)
+            start = list(self.piles)
+            if start_gradients is not None and not self.watching_gradients:
+                start[GRADIENTS] = start_gradients
+            self.max = start
+            self.peak = list(start)
+            self.peak_total = sum(start)
+            self._touched = 0
+            self._watched_from_open = self.watching_gradients
             self._act_dtypes_at_max = self._dtype_snapshot(ACTIVATIONS)
             self._act_max_pending = False
             self._peak_pending = False
@@ -308,6 +327,24 @@ class Ledger:
     def current(self) -> Piles:
         """The piles now."""
         return Piles(*self.piles)
+
+    def steady(self) -> frozenset[Pile]:
+        """The persistent piles the ledger watched for the whole step and whose bytes never
+        moved in it (read at the close, after the close's own recount): known at every
+        moment of the step, the peak's unseen one included. The gradients pile is one only
+        while the gradient hooks kept it here from the step's opening on."""
+        with self._lock:
+            touched = self._touched
+            steady = {index.pile for index in PERSISTENT if not touched & _BITS[index]}
+            if not (self._watched_from_open and self.watching_gradients):
+                steady.discard(Pile.GRADIENTS)
+            return frozenset(steady)
+
+    def gradients_watched(self) -> bool:
+        """Whether the gradient hooks kept the gradients pile here from the step's opening to
+        now (its high is then the ledger's own)."""
+        with self._lock:
+            return self._watched_from_open and self.watching_gradients
 
     def top_modules(self, limit: int) -> list[ModuleBytes]:
         """Modules with the most saved-activation bytes live at once during the step."""
@@ -656,6 +693,8 @@ class Ledger:
             self._module_live[entry.module] = live
             if live > self._module_max.get(entry.module, 0):
                 self._module_max[entry.module] = live
+        else:  # a persistent pile moved: it is not steady in this step (`steady`)
+            self._touched |= _BITS[pile]
         if delta > 0:
             if piles[pile] > self.max[pile]:
                 self.max[pile] = piles[pile]

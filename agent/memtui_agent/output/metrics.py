@@ -117,7 +117,9 @@ class MetricsExporter:
         )
         for stat, figures in (("end", step.end), ("max", step.max), ("peak", step.peak)):
             for pile in metrics.PILE_NAMES:
-                piles.add_metric([*values, pile, stat], getattr(figures, pile))
+                value = getattr(figures, pile)
+                if value is not None:  # not known: no sample, never a 0 that reads as one
+                    piles.add_metric([*values, pile, stat], value)
         yield piles
         yield _gauge(metrics.STEP, "The latest closed step", names, values, step.step)
         yield _gauge(

@@ -266,7 +266,8 @@ class ActivationPolicy:
     def begin(self, start: schema.Piles) -> None:
         """A new step starts from these persistent piles (the previous step's close); the
         live optimizers join the key at its first root call."""
-        self._start = (start.weights, start.gradients, start.optimizer_state, ())
+        weights, gradients, state, _ = start.counted()
+        self._start = (weights, gradients, state, ())
         self._calls = []
         self._armed_at_start = False
         self._armed_late = False

@@ -28,7 +28,11 @@ class Budget:
     def near(self) -> bool:
         """Whether the last step's peak came within `NEAR_TENTHS` of the budget."""
         limit, peak = self.limit, self.previous_peak
-        return limit is not None and peak is not None and peak.total * 10 >= limit * NEAR_TENTHS
+        return (
+            limit is not None
+            and peak is not None
+            and sum(peak.counted()) * 10 >= (limit * NEAR_TENTHS)
+        )
 
     def forecast_over(self, current: int, forecast: int, who: str) -> schema.Alert | None:
         """The alert when the piles now plus a first step's forecast state pass the budget."""
@@ -48,14 +52,17 @@ class Budget:
         gradients), once per run, naming the pile that grew the most; the peak is also what the
         next steps' arming compares with the budget."""
         before, self.previous_peak = self.previous_peak, peak
-        if self.limit is None or peak.total <= self.limit or self.warned:
+        total = sum(peak.counted())
+        if self.limit is None or total <= self.limit or self.warned:
             return None
         self.warned = True
-        before = before or schema.Piles()
-        growth = {pile: getattr(peak, pile.value) - getattr(before, pile.value) for pile in Pile}
+        earlier = (before or schema.Piles()).counted()
+        growth = {
+            pile: now - then for pile, now, then in zip(Pile, peak.counted(), earlier, strict=True)
+        }
         grew = max(growth, key=lambda pile: growth[pile])
         message = (
-            f"tracked peak {format_bytes(peak.total)} is over the budget of "
+            f"tracked peak {format_bytes(total)} is over the budget of "
             f"{format_bytes(self.limit)}; {grew} grew most (+{format_bytes(growth[grew])})"
         )
         return schema.Alert(kind=AlertKind.OVER_BUDGET, message=message, where=grew)

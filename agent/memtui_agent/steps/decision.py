@@ -245,7 +245,7 @@ def _unconfirmed(reading: ActivationReading, carried: Figures) -> Mismatch | Non
     now, twin = figures.signature, carried.signature
     if not reading.counter or now is None or twin is None:
         return Mismatch(Difference.COUNTER, (), ())
-    mismatch = compare(now, twin, carried.high.activations)
+    mismatch = compare(now, twin, carried.high.counted()[3])
     if mismatch is not None:
         return mismatch
     held_now = (figures.start_activations, figures.end_activations)

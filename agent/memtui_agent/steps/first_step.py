@@ -58,7 +58,7 @@ class FirstSteps:
             self._alert(step, AlertKind.OVER_BUDGET, device_short, Pile.OPTIMIZER_STATE)
         message = f"{who} will allocate {forecast.describe()} of optimizer state"
         self._alert(step, AlertKind.FIRST_STEP_FORECAST, message)
-        over = self._budget.forecast_over(current.total, forecast.bytes, who)
+        over = self._budget.forecast_over(sum(current.counted()), forecast.bytes, who)
         if over is not None:
             self._emit(schema.AlertNow(time=time.time(), step=step, alert=over))
 

@@ -37,6 +37,12 @@ class LedgerReading(msgspec.Struct, frozen=True):
     peak: schema.Piles = schema.Piles()
     dtypes: dict[str, dict[str, schema.DtypeStat]] = {}
     top: list[schema.ModuleBytes] = []
+    steady: frozenset[Pile] = frozenset((Pile.WEIGHTS, Pile.GRADIENTS, Pile.OPTIMIZER_STATE))
+    """The persistent piles the ledger watched through the step without their bytes moving
+    (`Ledger.steady`): known at every moment of it, the peak's included."""
+    gradients_watched: bool = True
+    """The gradient hooks kept the gradients pile in the ledger from the step's opening to its
+    close (`Ledger.gradients_watched`): its high is the ledger's own."""
 
 
 class CloseReading(msgspec.Struct, frozen=True):
@@ -107,9 +113,10 @@ class StepInputs(msgspec.Struct, frozen=True):
 
     def start_of_next(self) -> schema.Piles:
         """The persistent piles the next step starts from (its activations are its own)."""
-        end = self.reading.ledger.end
-        gradients = self.gradients[0] if self.gradients is not None else end.gradients
-        return schema.Piles(end.weights, gradients, end.optimizer_state, 0)
+        weights, gradients, state, _ = self.reading.ledger.end.counted()
+        if self.gradients is not None:
+            gradients = self.gradients[0]
+        return schema.Piles(weights, gradients, state, 0)
 
 
 class HostValues(msgspec.Struct, frozen=True):
@@ -151,20 +158,18 @@ def build_step(
         dropped: frames the emitter's socket queue had no room for so far.
     """
     ledger = inputs.reading.ledger
-    end, high, peak, top = ledger.end, ledger.high, ledger.peak, ledger.top
     dtypes = dict(ledger.dtypes)
-    gradients = end.gradients
     if inputs.gradients is not None:
-        gradients = inputs.gradients[0]
         dtypes[Pile.GRADIENTS] = inputs.gradients[1]
-    activations = end.activations
+    end, high, peak = stated_figures(inputs)
+    top = ledger.top
     carried = inputs.verdict.carried
     if carried is not None:
-        activations = carried.end_activations
-        high, peak, top = carried.high, carried.peak, list(carried.top)
+        top = list(carried.top)
         dtypes[Pile.ACTIVATIONS] = carried.dtypes
-    if gradients != end.gradients or activations != end.activations:
-        end = schema.Piles(end.weights, gradients, end.optimizer_state, activations)
+    elif not inputs.verdict.measured:  # what the ledger saw of them is part of them at most
+        top = []
+        dtypes.pop(Pile.ACTIVATIONS, None)
     alerts = inputs.alerts()
     if inputs.skipped:
         alerts.insert(0, skipped_alert(values.scale, values.scale_after))
@@ -197,6 +202,65 @@ def build_step(
         leaks=list(inputs.leaks),
         census=inputs.census,
     )
+
+
+def stated_figures(inputs: StepInputs) -> tuple[schema.Piles, schema.Piles, schema.Piles]:
+    """The step's `end`, `max` and `peak` as the frame states them: each pile measured or
+    proven, None where the step cannot know it (docs/numbers.md#not-known).
+
+    - `end`: the ledger's piles at the close, with the gradients counted beside it at an
+      unarmed close; the activations measured, carried from the twin, or None.
+    - A measured step: the ledger's high and peak (its marks start from the opening
+      composition, gradients included, `Ledger.reset_step`).
+    - A carried step: the twin's high and peak (the repeat is proven by the step's own
+      counters).
+    - A step whose activations are not known: no high or peak of the activations, so no peak
+      moment and no peak total; the weights' and optimizer state's high are the ledger's (it
+      watches them the same way on every step), the gradients' only where the gradient hooks
+      kept them in the ledger from the step's opening; at the peak's unknown moment only a
+      pile that never moved in the step (`LedgerReading.steady`) is known, as its value.
+
+    A stated high below the step's own end (a twin whose gradients ended lower) is not the
+    step's high: None.
+    """
+    ledger = inputs.reading.ledger
+    weights, gradients, state, activations = ledger.end.counted()
+    if inputs.gradients is not None:
+        gradients = inputs.gradients[0]
+    verdict = inputs.verdict
+    carried = verdict.carried
+    if verdict.measured:
+        end = schema.Piles(weights, gradients, state, activations)
+        high, peak = ledger.high, ledger.peak
+    elif carried is not None:
+        end = schema.Piles(weights, gradients, state, carried.end_activations)
+        high, peak = carried.high, carried.peak
+    else:
+        end = schema.Piles(weights, gradients, state, None)
+        watched = ledger.gradients_watched and inputs.gradients is None
+        high = schema.Piles(
+            ledger.high.weights,
+            ledger.high.gradients if watched else None,
+            ledger.high.optimizer_state,
+            None,
+        )
+        steady = ledger.steady
+        peak = schema.Piles(
+            weights if Pile.WEIGHTS in steady else None,
+            gradients if Pile.GRADIENTS in steady and watched else None,
+            state if Pile.OPTIMIZER_STATE in steady else None,
+            None,
+        )
+    return end, _not_below(high, end), peak
+
+
+def _not_below(high: schema.Piles, end: schema.Piles) -> schema.Piles:
+    """`high` with each pile that is below its own `end` made None (not the step's high)."""
+    values = []
+    for name in schema.PILES:
+        top, last = getattr(high, name), getattr(end, name)
+        values.append(None if top is not None and last is not None and top < last else top)
+    return schema.Piles(*values)
 
 
 def skipped_alert(scale: float | None, after: float | None) -> schema.Alert:

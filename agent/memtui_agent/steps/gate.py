@@ -237,7 +237,7 @@ class ActivationGate:
         ledger = reading.ledger
         figures = Figures(
             step=reading.step,
-            end_activations=ledger.end.activations,
+            end_activations=ledger.end.counted()[3],
             high=ledger.high,
             peak=ledger.peak,
             dtypes=ledger.dtypes.get(Pile.ACTIVATIONS, {}),

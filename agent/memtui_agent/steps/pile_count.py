@@ -93,11 +93,13 @@ class PersistentPiles:
         them across the close), so this step's peak holds them as a run measured at every
         step does."""
         self._ledger.sync(GRADIENTS, self._registry.gradients(parameters))
+        self._ledger.watching_gradients = True
         self.gradients = None
 
     def gradients_leave(self) -> None:
         """The gradient hooks are disarmed: gradients are counted at each close from here."""
         self._ledger.sync(GRADIENTS, [])
+        self._ledger.watching_gradients = False
 
     def current(self) -> schema.Piles:
         """The piles now. Between measured steps the gradients are counted at each close

@@ -129,7 +129,15 @@ class StepCloser:
             gradients.groups,
         )
         t_end = time.time()
-        ledger = LedgerReading(end, high, peak, dtypes, self.ledger.top_modules(TOP_MODULES))
+        ledger = LedgerReading(
+            end,
+            high,
+            peak,
+            dtypes,
+            self.ledger.top_modules(TOP_MODULES),
+            steady=self.ledger.steady(),
+            gradients_watched=self.ledger.gradients_watched(),
+        )
         reading = CloseReading(step, ledger, with_nvml(allocator, device_index))
         verdict = self._gate.verdict(reading)
         final_peak = verdict.peak(peak)
@@ -165,7 +173,7 @@ class StepCloser:
             late=tuple(late),
             distributed=distributed,
             alloc_events=drained,
-            activations_left=self.ledger.current().activations,
+            activations_left=self.ledger.current().counted()[3],
             leaks=tuple(leak.leaks),
             leak_alerts=tuple(leak.alerts),
             census=leak.census,
@@ -212,14 +220,16 @@ class StepCloser:
             used = self._gate.signatures.heap_at_close
         if used is None:
             return None
-        gradients = self.piles.gradients[0] if self.piles.gradients is not None else end.gradients
-        return used - end.weights - gradients - end.optimizer_state
+        weights, gradients, state, _ = end.counted()
+        if self.piles.gradients is not None:
+            gradients = self.piles.gradients[0]
+        return used - weights - gradients - state
 
     def _headroom(self, allocator: schema.Allocator, peak: schema.Piles) -> int | None:
         """What is left before the budget, or else before the device is full, for a leak's
         out-of-memory forecast."""
         if self.budget.limit is not None:
-            return max(0, self.budget.limit - peak.total)
+            return max(0, self.budget.limit - sum(peak.counted()))
         if allocator.device_total is not None and allocator.device_used is not None:
             cached = (allocator.reserved or 0) - (allocator.allocated or 0)
             return max(0, allocator.device_total - allocator.device_used + cached)

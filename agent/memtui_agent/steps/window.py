@@ -76,8 +76,9 @@ class Opener(Protocol):
 class Marks(Protocol):
     """The per-step high-water marks (`Ledger`)."""
 
-    def reset_step(self) -> None:
-        """High-water marks restart from the piles now."""
+    def reset_step(self, start_gradients: int | None = None) -> None:
+        """High-water marks restart from the piles now, with the gradients alive now
+        (`start_gradients`, counted at the close) where the marks do not hold them."""
         ...
 
 
@@ -125,7 +126,7 @@ class StepWindow:
         """A step opens where `after` closed: the gate arms or disarms the hooks for it, and
         the ledger's high-water marks restart from the piles now."""
         self._opener.step_opens(after)
-        self._marks.reset_step()
+        self._marks.reset_step(after.start_of_next().gradients)
         self.current = OpenStep(started=after.t_end)
 
     # ----- within the step ---------------------------------------------------------------------
