@@ -181,3 +181,41 @@ def test_the_grafana_dashboard_queries_only_what_the_exporter_serves() -> None:
     titles = " ".join(panel["title"] for panel in document["panels"]).lower()
     for subject in ("per rank", "worst", "headroom", "alerts"):
         assert subject in titles
+
+
+def test_a_pile_the_step_does_not_know_has_no_sample() -> None:
+    """Null in the frame (a step whose activations are not known, its gradients' high unseen):
+    no sample for it, never a 0 a dashboard would plot; `memtui cluster` reads the missing
+    sample back as not known, and gives the rank no peak total."""
+    from memtui.input.cluster_query import RankFigures
+
+    exporter = MetricsExporter(LABELS, {"pid": "7", "version": "v", "device": "cpu"})
+    frame = schema.Step(
+        step=5,
+        t_start=10.0,
+        t_end=10.25,
+        end=schema.Piles(1000, 2000, 4000, None),
+        max=schema.Piles(1000, None, 4000, None),
+        peak=schema.Piles(1000, None, 4000, None),
+        activations_measured=False,
+    )
+    exporter.offer(frame)
+    served = {
+        (labels["pile"], labels["stat"]): value
+        for labels, value in scrape(exporter)[metrics.PILE_BYTES]
+    }
+    assert served == {
+        ("weights", "end"): 1000,
+        ("gradients", "end"): 2000,
+        ("optimizer_state", "end"): 4000,
+        ("weights", "max"): 1000,
+        ("optimizer_state", "max"): 4000,
+        ("weights", "peak"): 1000,
+        ("optimizer_state", "peak"): 4000,
+    }
+    piles: dict[str, dict[str, int]] = {}
+    for (pile, stat), value in served.items():
+        piles.setdefault(stat, {})[pile] = int(value)
+    read = RankFigures(job="j", rank=3, step=5, piles=piles).step_message()
+    assert read is not None
+    assert (read.end, read.max, read.peak) == (frame.end, frame.max, frame.peak)

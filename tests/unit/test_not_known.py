@@ -163,3 +163,75 @@ def test_the_ranks_table_and_imbalance_do_not_compare_them(builder: ModuleType) 
     assert rows["0"][Pile.ACTIVATIONS] is None and rows["1"][Pile.ACTIVATIONS]
     line = imbalance_line(latest)
     assert line is not None and "activations not known" in line and "weights equal" in line
+
+
+# ----- this version's frames: null where the step does not know ----------------------------------
+
+
+def _null_frames(messages: list[schema.Message]) -> list[schema.Message]:
+    """The fixture as this version's agent writes a step not known (step 20): null activations
+    in `end`, `max` and `peak`, and, its gradients counted at the close only, null gradients
+    in `max` and `peak` (the weights and optimizer state were steady: known at the peak)."""
+    out: list[schema.Message] = []
+    for message in _not_known(messages):
+        if isinstance(message, schema.Step) and message.step == UNKNOWN:
+            end, high = message.end, message.max
+            message = msgspec.structs.replace(
+                message,
+                end=schema.Piles(end.weights, end.gradients, end.optimizer_state, None),
+                max=schema.Piles(high.weights, None, high.optimizer_state, None),
+                peak=schema.Piles(end.weights, None, end.optimizer_state, None),
+                dtypes={k: v for k, v in message.dtypes.items() if k != Pile.ACTIVATIONS},
+                top_activations=[],
+            )
+        out.append(message)
+    return out
+
+
+@pytest.fixture
+def null_session(builder: ModuleType) -> Session:
+    session = Session(source_label="fixture", live=False)
+    session.ingest(_null_frames(builder.demo_messages()))
+    return session
+
+
+def test_null_figures_read_as_not_known_in_every_panel(null_session: Session) -> None:
+    null_session.jump_to_step(UNKNOWN)
+    view = null_session.view_state()
+    rows = {row.name: row for row in view.piles.rows}
+    step = null_session.steps[UNKNOWN - 1]
+    assert step.end.gradients is not None and step.end.gradients > 0
+    gradients = rows[Pile.GRADIENTS]
+    assert not gradients.known and gradients.at_peak is None and gradients.step_max is None
+    weights = rows[Pile.WEIGHTS]
+    assert weights.known and weights.at_peak == weights.step_max == step.end.weights
+    assert not rows[Pile.ACTIVATIONS].known
+    # The dtype panel lists the gradients the close counted: the frame's end, not a high.
+    grads = [row for row in view.dtypes.rows if row.pile is Pile.GRADIENTS]
+    assert sum(row.bytes or 0 for row in grads) == step.end.gradients
+    index = view.timeline.steps.index(UNKNOWN)
+    assert view.timeline.piles[index] == step.peak and UNKNOWN in view.timeline.unknown
+
+
+def test_null_figures_in_the_json_csv_and_tensorboard_scalars(null_session: Session) -> None:
+    from memtui.reports.tensorboard_export import step_scalars
+
+    recording = null_session.recording
+    assert recording is not None
+    document = json.loads(json.dumps(build_report(recording)))
+    step = document["steps"][UNKNOWN - 1]
+    assert step["end"]["activations"] is None and step["end"]["gradients"] > 0
+    assert step["max"]["gradients"] is None and step["max"]["activations"] is None
+    assert step["peak"]["total"] is None and step["peak"]["piles"]["gradients"] is None
+    rows = list(csv.DictReader(io.StringIO(render_csv(recording))))
+    row = rows[UNKNOWN - 1]
+    for column in ("max_gradients", "peak_gradients", "peak_total", "end_activations"):
+        assert row[column] == "", column
+    assert row["end_gradients"] != "" and row["peak_weights"] != ""
+    scalars = step_scalars(recording.steps[UNKNOWN - 1])
+    assert "piles/peak_total" not in scalars and "piles/max/gradients" not in scalars
+    assert not any(tag.endswith("/activations") for tag in scalars)
+    assert scalars["piles/end/gradients"] == recording.steps[UNKNOWN - 1].end.gradients
+    assert "piles/peak_total" in step_scalars(recording.steps[UNKNOWN - 2])
+    text = render_text(recording)
+    assert "peak tracked total: 28.25 MiB at step 5" in text
