@@ -163,10 +163,8 @@ class PilesPanel(FlowPanel[PilesView]):
             name.append(PART_LABELS[row.name])
             if row.name is Pile.ACTIVATIONS and not view.activations_measured and row.known:
                 name.append(" ≈", style="bold")
-            if not row.known:
-                high: Text | str = Text(NOT_KNOWN, style="bold")
-                if row.step_max is not None:
-                    high = _size(row.step_max, view.binary)
+            if not row.known:  # its high where that is known (the weights' of a step not known)
+                high = _size(row.step_max, view.binary) if row.step_max is not None else ""
                 table.add_row(name, Text(NOT_KNOWN, style="bold"), Text(""), high)
                 continue
             if row.at_peak is None:

@@ -165,3 +165,39 @@ def test_a_step_whose_activations_are_not_known_shows_no_figure_for_them(
         assert top.row_count == 5
 
     tui.drive(app, body)
+
+
+def test_a_step_not_known_as_this_agent_writes_it_shows_what_it_knows(
+    tui: Any, builder: ModuleType
+) -> None:
+    """This version's frame of a step not known: null activations, and null gradients in `max`
+    and `peak` (counted at the close only). The piles panel says "not known" for both at the
+    peak, with no high for them; the steady weights keep their figures; the dtype panel lists
+    the gradients the close counted (the frame's `end`)."""
+    messages = []
+    for message in _messages(builder):
+        if isinstance(message, schema.Step) and message.step == NOT_KNOWN_STEP:
+            end = message.end
+            message = msgspec.structs.replace(
+                message,
+                end=schema.Piles(end.weights, end.gradients, end.optimizer_state, None),
+                max=schema.Piles(end.weights, None, end.optimizer_state, None),
+                peak=schema.Piles(end.weights, None, end.optimizer_state, None),
+            )
+        messages.append(message)
+    app = MemtuiApp(tui.source(messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        _cursor(app, NOT_KNOWN_STEP)
+        await pilot.pause()
+        piles = _lines(tui, app.query_one(PilesPanel))
+        assert "■ activations not known" in piles and "■ gradients not known" in piles
+        assert "total at peak not known" in piles
+        assert not any(line.startswith("■ gradients") and "B" in line for line in piles)
+        assert any(line.startswith("■ weights") and "%" in line for line in piles), piles
+        dtypes = app.query_one(DtypeTable)
+        cells = [[str(cell) for cell in dtypes.get_row_at(i)] for i in range(dtypes.row_count)]
+        gradients = [row for row in cells if row[0] == "■ gradients"]
+        assert gradients and all(row[2] != "not known" for row in gradients)
+
+    tui.drive(app, body)
