@@ -222,7 +222,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 def check_contract(report: dict[str, Any]) -> None:
     """Every key and type of the `memtui report --json` contract (docs/report-format.md)."""
     assert report["format"] == "memtui-report"
-    assert report["version"] == 1
+    assert report["version"] == 2
     job = report["job"]
     assert isinstance(job["argv"], list) and all(isinstance(a, str) for a in job["argv"])
     assert isinstance(job["pid"], int)

@@ -51,7 +51,7 @@ def test_report_json_is_strict_on_a_nan_run(
     report = _strict(capsys.readouterr().out)
     second = next(step for step in report["steps"] if step["step"] == 2)
     assert second["loss"] is None and second["scale"] is None
-    assert report["format"] == "memtui-report" and report["version"] == 1
+    assert report["format"] == "memtui-report" and report["version"] == 2
 
 
 def test_report_steps_say_whether_activations_were_measured(
