@@ -137,5 +137,7 @@ def _rank_json(rank: ClusterRank) -> dict[str, Any]:
     }
 
 
-def _piles(values: dict[str, int] | None) -> dict[str, int] | None:
-    return {pile: values.get(pile, 0) for pile in PILES} if values else None
+def _piles(values: dict[str, int] | None) -> dict[str, int | None] | None:
+    """A rank's piles for one stat; null for a pile Prometheus holds no sample of (the step
+    does not know it: the exporter serves none), never 0."""
+    return {pile: values.get(pile) for pile in PILES} if values else None

@@ -300,7 +300,13 @@ def _step_without_values(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _figures(step: Any) -> StepFigures:
-    # Measured at every step (`--activations every`): every pile is counted.
+    # Measured at every step (`--activations every`): every pile is counted, unless the model
+    # ran its forward under saved-tensor hooks of its own (then nothing here is an estimate).
+    if not all(piles.known for piles in (step.end, step.max, step.peak)):
+        raise FakeStepError(
+            f"step {step.step}'s activations could not be measured (the model saves its "
+            "tensors through saved-tensor hooks of its own)"
+        )
     end, high, peak = (
         dict(zip(PILES, piles.counted(), strict=True)) for piles in (step.end, step.max, step.peak)
     )
