@@ -82,3 +82,52 @@ def test_outputs_are_found_without_running_any_code_of_theirs() -> None:
     out = model(torch.randn(4, 8))
     watch.mark(Outputs(logits=Loud([out])), step=1, armed=True)
     assert watch.held().graphs == 1
+
+
+def _fp32_outputs(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What accelerate's `convert_outputs_to_fp32` makes of a bf16 model that computes its own
+    loss: the bf16 logits copied to fp32 after the forward, a copy the loss never used."""
+    logits = model(x).bfloat16()
+    loss = nn.functional.cross_entropy(logits.float(), y)
+    outputs = {"loss": loss, "logits": logits}
+    return {name: value.float() if value.dtype is torch.bfloat16 else value
+            for name, value in outputs.items()}
+
+
+def test_an_output_backward_never_reaches_is_not_a_held_graph() -> None:
+    """The fp32 copy's node is never run by backward, but it saves nothing: the graph behind it
+    is the loss's, which backward freed. Marked at its node, it looked held at every close."""
+    model, watch = _model(), HeldGraphs()
+    for step in (1, 2):
+        first = torch._C._autograd._get_sequence_nr()
+        outputs = _fp32_outputs(model, torch.randn(4, 8), torch.randint(0, 2, (4,)))
+        watch.mark(outputs, step=step, armed=step == 2, first=first)
+        outputs["loss"].backward()
+        assert watch.held().graphs == 0  # `outputs` (the fp32 logits) is still alive here
+        assert watch.calls() == {}
+
+
+def test_an_unreached_output_that_saved_tensors_is_still_held() -> None:
+    """An output whose own branch saved tensors (a sigmoid of the features, never in the loss)
+    keeps them after backward: that graph is held."""
+    model, watch = _model(), HeldGraphs()
+    first = torch._C._autograd._get_sequence_nr()
+    features = model(torch.randn(4, 8))
+    outputs = (features.sum(), torch.sigmoid(features).float())
+    watch.mark(outputs, step=1, armed=True, first=first)
+    outputs[0].backward()
+    assert watch.held().graphs == 1
+    del outputs
+    assert watch.held().graphs == 0
+
+
+def test_a_copy_of_an_earlier_graph_is_not_this_calls_graph() -> None:
+    """A call that only converts a tensor another call made (its node numbered before the call)
+    built no graph that saves anything."""
+    model, watch = _model(), HeldGraphs()
+    features = model(torch.randn(4, 8))
+    first = torch._C._autograd._get_sequence_nr()
+    copy = features.bfloat16().float()
+    watch.mark(copy, step=1, armed=False, first=first)
+    assert watch.held().graphs == 0
+    del copy

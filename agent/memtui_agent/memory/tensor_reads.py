@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from memtui_agent.memory.ledger import Key, storage_key
-from memtui_agent.memory.object_access import derives, mro, namespace_entry
+from memtui_agent.memory.object_access import derives, heap_type, mro, namespace_entry
 
 _TENSOR = torch._C.TensorBase
 _STORAGE = torch._C.StorageBase
@@ -120,12 +120,16 @@ class NodeType:
     """How to read nodes of one autograd node type: its C `next_functions` getset and its C
     `_sequence_nr` method (None where the type has none that is C)."""
 
-    __slots__ = ("cls", "next_functions", "sequence_nr")
+    __slots__ = ("cls", "may_save", "next_functions", "sequence_nr")
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.next_functions = _c_descriptor(cls, "next_functions", _GETSET)
         self.sequence_nr = _c_descriptor(cls, "_sequence_nr", _METHOD)
+        self.may_save = _may_save(cls)
+        """Whether nodes of this type can hold saved tensors: torch's own node types expose each
+        tensor they save as a `_raw_saved_*` getset (`ToCopyBackward0`, `ViewBackward0` have
+        none); a type that is not torch's (a custom `Function`'s node) may save anything."""
 
     def upstream(self, node: torch.autograd.graph.Node) -> tuple[Any, ...]:
         """The nodes `node` passes gradients to (`(node, input index)` pairs)."""
@@ -140,6 +144,19 @@ class NodeType:
             return None
         number = self.sequence_nr(node)
         return number if type(number) is int else None
+
+
+def _may_save(cls: type) -> bool:
+    if heap_type(cls):
+        return True
+    for entry in mro(cls):
+        names = _TYPE_NAMESPACE.__get__(entry)
+        if any(type(name) is str and name.startswith("_raw_saved_") for name in names):
+            return True
+    return False
+
+
+_TYPE_NAMESPACE = type.__dict__["__dict__"]
 
 
 def _c_descriptor(cls: type, name: str, kind: type) -> Any:

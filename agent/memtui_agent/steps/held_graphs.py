@@ -35,6 +35,8 @@ from memtui_agent.memory.tensor_reads import NodeType, grad_fn, is_tensor, next_
 
 MAX_MARKED_PER_CALL = 16
 """Output tensors marked per root call at most (a model returning a long list of tensors)."""
+MAX_PASSED_OVER = 16
+"""Nodes that save nothing passed over per output before the node reached is marked itself."""
 
 
 class GraphMarker:
@@ -113,16 +115,43 @@ class HeldGraphs:
         last = next_sequence_number()
         with torch._C.DisableTorchFunction():  # a tensor subclass's `grad_fn` is read in C
             for tensor in _tensors_in(output):
-                node = grad_fn(tensor)
-                if node is None or id(node) in marked:
-                    continue
-                marked.add(id(node))
-                number = self._node_type(type(node)).sequence(node)
-                marker = GraphMarker(self, step, armed, number, first, last)
-                node.register_hook(marker)
-                self._markers.add(marker)
-                if len(marked) >= MAX_MARKED_PER_CALL:
-                    break
+                for node, number in self._saving_nodes(grad_fn(tensor), first, last):
+                    if id(node) in marked:
+                        continue
+                    marked.add(id(node))
+                    marker = GraphMarker(self, step, armed, number, first, last)
+                    node.register_hook(marker)
+                    self._markers.add(marker)
+                    if len(marked) >= MAX_MARKED_PER_CALL:
+                        return
+
+    def _saving_nodes(
+        self, node: torch.autograd.graph.Node | None, first: int, last: int
+    ) -> Iterator[tuple[torch.autograd.graph.Node, int | None]]:
+        """The nodes that stand for an output's graph: the first ones from its node that can
+        hold saved tensors, passing over those that save none. An output converted after the
+        forward (accelerate's `convert_outputs_to_fp32` turns bf16 logits into fp32 with
+        `.float()`; a loss computed inside the model never reaches that copy) has a node of its
+        own that backward never runs but that saves nothing: the graph behind it is the one
+        backward frees. Nodes the call did not build (numbered outside `first` <= n < `last`:
+        an input's graph, a leaf's `AccumulateGrad`) are not its graph; a node whose number is
+        unreadable, or one still found after `MAX_PASSED_OVER` passed over, is marked itself."""
+        frontier = [node] if node is not None else []
+        passed = 0
+        while frontier:
+            current = frontier.pop()
+            kind = self._node_type(type(current))
+            number = kind.sequence(current)
+            if number is not None and not first <= number < last:
+                continue  # not built by this call
+            if kind.may_save or number is None or passed >= MAX_PASSED_OVER:
+                yield current, number
+                continue
+            passed += 1
+            for edge in kind.upstream(current):
+                upstream = edge[0] if type(edge) is tuple and edge else None
+                if upstream is not None:
+                    frontier.append(upstream)
 
     def _node_type(self, cls: type) -> NodeType:
         """How to read nodes of `cls`, kept for torch's own (static) node types only: a custom
