@@ -2,8 +2,8 @@
 
 The decision (`decision.decide`) says why a close's activations stand as they do, with the
 figures; this module says it to the user. `TEMPLATES` maps each cause that is worth an alert to
-its template; a cause missing from it (a plain measurement, a confirmed repeat, `off`, a step
-measured in part) raises none. `SaidOnce` is the one "say it once" of the activation alerts: a
+its template; a cause missing from it (a plain measurement, a confirmed repeat, `off`, which
+the user asked for) raises none: every other step that is not known says why, once per cause. `SaidOnce` is the one "say it once" of the activation alerts: a
 cause is said at the first close that has it, never again (later closes with it only confirm
 it), and a decision whose first cause was said already says its second.
 """
@@ -48,6 +48,12 @@ TEMPLATES: dict[Cause, str] = {
         "step {step} began while memtui followed another thread, and this thread stepped the "
         "first optimizer: memtui follows that thread from here (one thread per recording), so the "
         "activations of this step's forward, which it did not see, are not known"
+    ),
+    Cause.PARTIAL: (
+        "step {step} began as a repeat of a measured step, with memtui's hooks off, and then "
+        "called the model in a way no measured step did (other shapes, another model, more "
+        "calls: gradient accumulation over batches of varying length): the hooks counted only "
+        "from that call on, so its activations are not known and the next step is measured"
     ),
     Cause.HELD_UNARMED: _HELD,
     Cause.HELD_CROSSING: (
