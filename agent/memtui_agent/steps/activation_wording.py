@@ -171,14 +171,24 @@ class SaidOnce:
     """The activation alerts of one recording: each cause said once."""
 
     def __init__(self) -> None:
-        self._said: set[Cause] = set()
+        self._said: dict[Cause, int] = {}
+        """Each cause said, with the step whose alert said it."""
 
     def alert(self, decision: Decision) -> schema.Alert | None:
         """The decision's alert: its first cause with words not said yet (None: nothing new)."""
         for cause in decision.causes:
             if cause in TEMPLATES and cause not in self._said:
-                self._said.add(cause)
+                self._said[cause] = decision.reading.step
                 return schema.Alert(
                     kind=schema.AlertKind.ACTIVATIONS_VARY, message=message(cause, decision)
                 )
         return None
+
+    def said_at(self, decision: Decision) -> int | None:
+        """For a decision whose activations are not known: the step whose alert said why (its
+        first cause's; None for a step measured or carried, and under `off`). So every such step
+        points at its reason, though each reason is said once (`Step.activations_why_at`)."""
+        verdict = decision.verdict
+        if verdict.measured or verdict.carried is not None:
+            return None
+        return self._said.get(decision.cause)

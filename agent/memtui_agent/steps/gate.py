@@ -268,7 +268,9 @@ class ActivationGate:
         self._state = decision.next_state
         self.policy.mode = decision.next_mode
         self.policy.measure_next(decision.measure_next, decision.measure_why)
-        return replace(decision.verdict, alert=self._said.alert(decision))
+        said = self._said
+        alert = said.alert(decision)
+        return replace(decision.verdict, alert=alert, why_at=said.said_at(decision))
 
     def step_opens(self, after: StepInputs) -> None:
         """A step opens after the step `after`: arm or disarm the hooks for it."""
