@@ -120,16 +120,32 @@ class NodeType:
     """How to read nodes of one autograd node type: its C `next_functions` getset and its C
     `_sequence_nr` method (None where the type has none that is C)."""
 
-    __slots__ = ("cls", "may_save", "next_functions", "sequence_nr")
+    __slots__ = ("cls", "may_save", "next_functions", "raw_saved", "sequence_nr")
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.next_functions = _c_descriptor(cls, "next_functions", _GETSET)
         self.sequence_nr = _c_descriptor(cls, "_sequence_nr", _METHOD)
-        self.may_save = _may_save(cls)
+        self.raw_saved = _raw_saved(cls)  # `other` first: where a Python number is saved
+        """The C getsets `_raw_saved_*` of torch's own node types: each gives the saved value
+        as autograd holds it (a `SavedTensor`, or a list of them), never unpacked."""
+        self.may_save = heap_type(cls) or bool(self.raw_saved)
         """Whether nodes of this type can hold saved tensors: torch's own node types expose each
         tensor they save as a `_raw_saved_*` getset (`ToCopyBackward0`, `ViewBackward0` have
         none); a type that is not torch's (a custom `Function`'s node) may save anything."""
+
+    def saved_values(self, node: torch.autograd.graph.Node) -> Iterator[Any]:
+        """The node's saved values as autograd holds them (`SavedTensor` objects: reading one
+        unpacks nothing); an undefined or released one is still listed."""
+        for getset in self.raw_saved:
+            try:
+                value = getset.__get__(node)
+            except RuntimeError:
+                continue
+            if type(value) is list or type(value) is tuple:
+                yield from value
+            else:
+                yield value
 
     def upstream(self, node: torch.autograd.graph.Node) -> tuple[Any, ...]:
         """The nodes `node` passes gradients to (`(node, input index)` pairs)."""
@@ -146,14 +162,16 @@ class NodeType:
         return number if type(number) is int else None
 
 
-def _may_save(cls: type) -> bool:
+def _raw_saved(cls: type) -> tuple[Any, ...]:
     if heap_type(cls):
-        return True
+        return ()
+    found = []
     for entry in mro(cls):
-        names = _TYPE_NAMESPACE.__get__(entry)
-        if any(type(name) is str and name.startswith("_raw_saved_") for name in names):
-            return True
-    return False
+        for name, value in _TYPE_NAMESPACE.__get__(entry).items():
+            if type(name) is str and name.startswith("_raw_saved_") and type(value) is _GETSET:
+                found.append(value)
+    found.sort(key=lambda getset: getset.__name__ != "_raw_saved_other")
+    return tuple(found)
 
 
 _TYPE_NAMESPACE = type.__dict__["__dict__"]

@@ -3,9 +3,10 @@
 The decision (`decision.decide`) says why a close's activations stand as they do, with the
 figures; this module says it to the user. `TEMPLATES` maps each cause that is worth an alert to
 its template; a cause missing from it (a plain measurement, a confirmed repeat, `off`, which
-the user asked for) raises none: every other step that is not known says why, once per cause. `SaidOnce` is the one "say it once" of the activation alerts: a
-cause is said at the first close that has it, never again (later closes with it only confirm
-it), and a decision whose first cause was said already says its second.
+the user asked for) raises none: every other step that is not known says why, once per cause.
+`SaidOnce` is the one "say it once" of the activation alerts: a cause is said at the first
+close that has it, never again (later closes with it only confirm it, and point at that step:
+`said_at`), and a decision whose first cause was said already says its second.
 """
 
 from __future__ import annotations
