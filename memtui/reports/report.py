@@ -106,6 +106,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         duration_s=round(step.t_end - step.t_start, 6),
         activations_measured=step.activations_measured,
         activations_from=step.activations_from,
+        activations_why_at=step.activations_why_at,
         top_activations=[
             ModuleEntry(module=recording.module_name(item.module), bytes=item.bytes)
             for item in (step.top_activations if known else [])
@@ -320,7 +321,34 @@ def activation_line(steps: list[Step]) -> str | None:
         line += f", carried on {carried} (each repeats a measured step's figures)"
     if unknown:
         line += f", {NOT_KNOWN} on {unknown} (no activation figures are shown for them)"
+        line += "; " + not_known_steps(steps)
     return line
+
+
+MAX_STEPS_NAMED = 8
+"""Steps named per reason in the text report's activation line (`--json` has every step's)."""
+
+
+def not_known_steps(steps: list[Step]) -> str:
+    """Which steps' activations are not known, grouped by the step whose `activations_vary`
+    alert says why (`Step.activations_why_at`), so each can be traced to its reason."""
+    by_reason: dict[int | None, list[int]] = {}
+    for step in steps:
+        if not activations_known(step):
+            by_reason.setdefault(step.activations_why_at, []).append(step.step)
+    parts = []
+    for why_at, numbers in by_reason.items():
+        named = ", ".join(str(number) for number in numbers[:MAX_STEPS_NAMED])
+        if len(numbers) > MAX_STEPS_NAMED:
+            named += f" and {len(numbers) - MAX_STEPS_NAMED} more"
+        word = "step" if len(numbers) == 1 else "steps"
+        reason = (
+            f"why: the alert of step {why_at}"
+            if why_at is not None
+            else "why not recorded: --activations off, or an older recording"
+        )
+        parts.append(f"{word} {named} ({reason})")
+    return "; ".join(parts)
 
 
 MAX_ALERT_LINES = 20

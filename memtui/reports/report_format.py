@@ -131,6 +131,7 @@ class StepEntry(msgspec.Struct):
     duration_s: float
     activations_measured: bool
     activations_from: int | None
+    activations_why_at: int | None
     top_activations: list[ModuleEntry]
     distributed: dict[str, Any] | None
     alerts: list[AlertEntry]

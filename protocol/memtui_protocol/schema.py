@@ -502,6 +502,10 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     activations_from: int | None = None
     """The measured step whose activation figures this one repeats and carries; None with
     `activations_measured` False means they are not known (measured in part, or off)."""
+    activations_why_at: int | None = None
+    """For a step whose activations are not known: the step whose `activations_vary` alert says
+    why (each cause is said once, at the first step it holds; later steps with the same cause
+    point there). None otherwise, and under `--activations off`, which the user asked for."""
     late: Annotated[list[StepLate], msgspec.Meta(max_length=MAX_LATE)] = []
     """Device values of earlier steps that reached the host since (see `StepLate`)."""
     leaks: Annotated[list[Leak], _BOUNDED] = []

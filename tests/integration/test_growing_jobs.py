@@ -90,7 +90,14 @@ def test_the_default_never_states_a_wrong_activations_figure(
 
 def test_the_default_still_carries_healthy_repeats(runs: dict[tuple[str, str], Run]) -> None:
     """Truth is not bought by measuring everything: repeats that are repeats are carried."""
-    for job in ("healthy", "bounded_queue", "module_cache", "hook_outputs", "dropout_schedule"):
+    for job in (
+        "healthy",
+        "bounded_queue",
+        "module_cache",
+        "hook_outputs",
+        "dropout_schedule",
+        "fp32_outputs",  # an output backward never reaches is no graph kept (accelerate's bf16)
+    ):
         steps = runs[(job, "default")].recording.steps
         carried = sum(1 for step in steps if step.activations_from is not None)
         assert carried * 10 >= len(steps) * 8, (job, carried)
@@ -141,8 +148,45 @@ def test_a_validation_total_without_no_grad_is_a_retained_graph(
     assert abs(leak.bytes - (held + per_graph)) <= (held + per_graph) // 10
 
 
+def test_a_kept_graph_is_counted_to_the_byte(runs: dict[tuple[str, str], Run]) -> None:
+    """At each close the validation graphs kept since the last reset are in the activations
+    pile exactly as the job counts what they saved, the Python numbers autograd saves without
+    any saved-tensor hook included (16 B short per graph before they were adopted)."""
+    for mode in ("default", "every"):
+        run = runs[("val_scaled", mode)]
+        kept = run.counts["kept"]
+        for step in run.recording.steps[1:]:
+            if not step.activations_measured and step.activations_from is None:
+                continue
+            # Closed by the optimizer, before this step's validation: the last step's are kept.
+            assert step.end.activations == kept[step.step - 2], (mode, step.step)
+
+
+def test_every_step_not_known_points_at_the_alert_that_says_why(
+    runs: dict[tuple[str, str], Run],
+) -> None:
+    for job in _jobs(runs):
+        steps = runs[(job, "default")].recording.steps
+        said = {
+            step.step
+            for step in steps
+            for alert in step.alerts
+            if alert.kind == AlertKind.ACTIVATIONS_VARY
+        }
+        for step in steps:
+            if not step.activations_measured and step.activations_from is None:
+                assert step.activations_why_at in said, (job, step.step)
+
+
 def test_bounded_and_healthy_jobs_raise_no_leak(runs: dict[tuple[str, str], Run]) -> None:
-    for job in ("bounded_queue", "healthy", "layerdrop", "dropout_schedule", "wgan"):
+    for job in (
+        "bounded_queue",
+        "healthy",
+        "layerdrop",
+        "dropout_schedule",
+        "wgan",
+        "fp32_outputs",
+    ):
         steps = runs[(job, "default")].recording.steps
         assert not any(alert.kind == AlertKind.LEAK for s in steps for alert in s.alerts), job
         end = runs[(job, "default")].recording.end

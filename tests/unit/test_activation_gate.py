@@ -8,6 +8,7 @@ them, and closes as the step closer's readings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,15 +79,17 @@ class Job:
         batch: tuple[Any, ...] = BATCH,
         activations: int = 100,
         alarm: bool = False,
-        returned: Any = None,
+        returned: Callable[[], Any] | None = None,
         **inputs: Any,
     ) -> tuple[bool, Verdict]:
         """One step: a root call, the close's verdict, the next step opening. `alarm`: the
         close's NaN check raised one (it arms the module probes, as `HealthMonitor` does).
-        `returned`: what the root call returned (a graph the job may keep past the close).
+        `returned`: the root call's forward, run inside the call (its graph numbered there),
+        whose output the root call returns (a graph the job may keep past the close).
         Returns whether the hooks were armed during the step, and the verdict."""
         self.gate.root_call(MODEL, batch, {}, self.step)
         if returned is not None:
+            returned = returned()
             self.gate.root_returned(returned, self.step)
         armed = self.switch.armed
         verdict = self.gate.verdict(reading(self.step, activations if armed else 0))
@@ -280,14 +283,20 @@ def test_a_heap_that_moves_with_the_agents_own_measuring_is_not_called_a_size_ch
     assert not any("LayerDrop" in message for message in alerts)
 
 
+def _kept(kept: list[torch.Tensor]) -> torch.Tensor:
+    """A forward whose output the job keeps past the close."""
+    kept.append(MODEL(torch.ones(1, 2)))
+    return kept[-1]
+
+
 def test_graphs_held_at_a_close_make_the_next_steps_measured() -> None:
     """What a graph saved is known only from the pack hook: while the job keeps graphs across
     closes (a GAN's generator output, a validation total), the steps after are armed, so the
     graphs they build are counted; once none is held, repeats are carried again."""
     job = Job()
     job.settle()
-    kept = [MODEL(torch.ones(1, 2))]
-    armed, verdict = job.run(OTHER_BATCH, returned=kept[0])  # new: measured, its graph kept
+    kept: list[torch.Tensor] = []
+    armed, verdict = job.run(OTHER_BATCH, returned=lambda: _kept(kept))  # new: measured, kept
     assert armed and verdict.measured
     for _ in range(MEASURE_WHILE_HELD):
         armed, verdict = job.run(OTHER_BATCH)  # repeats, measured while the graph is held
@@ -304,14 +313,17 @@ def test_a_graph_built_unarmed_and_held_leaves_activations_not_known_while_held(
     held says "not known", with one alert; the steps after are measured."""
     job = Job()
     job.settle()
-    kept = [MODEL(torch.ones(1, 2))]
-    armed, verdict = job.run(returned=kept[0])  # a carried repeat: built unarmed
+    kept: list[torch.Tensor] = []
+    armed, verdict = job.run(returned=lambda: _kept(kept))  # a carried repeat: built unarmed
     assert not armed and not verdict.measured and verdict.carried is None
     assert verdict.alert is not None and verdict.alert.kind == AlertKind.ACTIVATIONS_VARY
     assert "memtui never saw what they saved" in verdict.alert.message
+    said_at = job.step - 1
+    assert verdict.why_at == said_at
     for _ in range(3):
         armed, verdict = job.run()
         assert armed and not verdict.measured and verdict.carried is None and verdict.alert is None
+        assert verdict.why_at == said_at  # said once; each step not known points at it
     kept.clear()
     armed, verdict = job.run()
-    assert armed and verdict.measured
+    assert armed and verdict.measured and verdict.why_at is None

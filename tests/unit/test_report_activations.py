@@ -35,3 +35,27 @@ def test_the_report_counts_measured_and_carried_steps(builder: ModuleType) -> No
         "activations: measured on 4 steps, carried on 19 (each repeats a measured step's "
         "figures), not known on 1 (no activation figures are shown for them)"
     ) in text
+
+
+def test_the_report_names_each_step_not_known_and_where_it_was_said_why(
+    builder: ModuleType,
+) -> None:
+    """Each reason is said once, as an alert; every step it holds for points at that alert."""
+    messages = builder.demo_messages()
+
+    def unknown(message: schema.Message) -> schema.Message:
+        if isinstance(message, schema.Step) and message.step in (5, 9, 12):
+            why_at = 5 if message.step < 12 else None
+            return msgspec.structs.replace(
+                message,
+                activations_measured=False,
+                activations_from=None,
+                activations_why_at=why_at,
+            )
+        return message
+
+    text = _report([unknown(m) for m in messages])
+    assert (
+        "not known on 3 (no activation figures are shown for them); steps 5, 9 (why: the alert "
+        "of step 5); step 12 (why not recorded: --activations off, or an older recording)"
+    ) in text

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from memtui_agent.memory.ledger import Key, storage_key
-from memtui_agent.memory.object_access import derives, mro, namespace_entry
+from memtui_agent.memory.object_access import derives, heap_type, mro, namespace_entry
 
 _TENSOR = torch._C.TensorBase
 _STORAGE = torch._C.StorageBase
@@ -120,12 +120,32 @@ class NodeType:
     """How to read nodes of one autograd node type: its C `next_functions` getset and its C
     `_sequence_nr` method (None where the type has none that is C)."""
 
-    __slots__ = ("cls", "next_functions", "sequence_nr")
+    __slots__ = ("cls", "may_save", "next_functions", "raw_saved", "sequence_nr")
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.next_functions = _c_descriptor(cls, "next_functions", _GETSET)
         self.sequence_nr = _c_descriptor(cls, "_sequence_nr", _METHOD)
+        self.raw_saved = _raw_saved(cls)  # `other` first: where a Python number is saved
+        """The C getsets `_raw_saved_*` of torch's own node types: each gives the saved value
+        as autograd holds it (a `SavedTensor`, or a list of them), never unpacked."""
+        self.may_save = heap_type(cls) or bool(self.raw_saved)
+        """Whether nodes of this type can hold saved tensors: torch's own node types expose each
+        tensor they save as a `_raw_saved_*` getset (`ToCopyBackward0`, `ViewBackward0` have
+        none); a type that is not torch's (a custom `Function`'s node) may save anything."""
+
+    def saved_values(self, node: torch.autograd.graph.Node) -> Iterator[Any]:
+        """The node's saved values as autograd holds them (`SavedTensor` objects: reading one
+        unpacks nothing); an undefined or released one is still listed."""
+        for getset in self.raw_saved:
+            try:
+                value = getset.__get__(node)
+            except RuntimeError:
+                continue
+            if type(value) is list or type(value) is tuple:
+                yield from value
+            else:
+                yield value
 
     def upstream(self, node: torch.autograd.graph.Node) -> tuple[Any, ...]:
         """The nodes `node` passes gradients to (`(node, input index)` pairs)."""
@@ -140,6 +160,21 @@ class NodeType:
             return None
         number = self.sequence_nr(node)
         return number if type(number) is int else None
+
+
+def _raw_saved(cls: type) -> tuple[Any, ...]:
+    if heap_type(cls):
+        return ()
+    found = []
+    for entry in mro(cls):
+        for name, value in _TYPE_NAMESPACE.__get__(entry).items():
+            if type(name) is str and name.startswith("_raw_saved_") and type(value) is _GETSET:
+                found.append(value)
+    found.sort(key=lambda getset: getset.__name__ != "_raw_saved_other")
+    return tuple(found)
+
+
+_TYPE_NAMESPACE = type.__dict__["__dict__"]
 
 
 def _c_descriptor(cls: type, name: str, kind: type) -> Any:

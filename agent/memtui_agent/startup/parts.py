@@ -29,7 +29,7 @@ from memtui_agent.hooks.library_wrappers import CheckpointNotes, ClipWarning, Gr
 from memtui_agent.hooks.objects import CloseSync, ObjectSync, Watermark
 from memtui_agent.hooks.phase import JobPhase
 from memtui_agent.hooks.root_calls import RootHooks
-from memtui_agent.hooks.saved_tensors import unpack
+from memtui_agent.hooks.saved_tensors import UnhookedSaves, unpack
 from memtui_agent.hooks.step_hooks import StepHooks, register_live_optimizers
 from memtui_agent.hooks.switches import Fail, HookSwitches
 from memtui_agent.hooks.tracker import HookSet, Tracker
@@ -37,7 +37,7 @@ from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.memory.allocator import AllocatorReader
-from memtui_agent.memory.ledger import Ledger
+from memtui_agent.memory.ledger import NO_MODULE, Ledger
 from memtui_agent.startup.agent_state import Position
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.first_step import FirstSteps
@@ -85,7 +85,10 @@ def build_parts(
     budget = Budget(config.budget)
     health = HealthMonitor(config.nan_check)
     switch = GateSwitch(arming, registry, piles, phase.stack, switches)
-    gate = ActivationGate(config.activations, switch, registry, health, budget, heap_reader())
+    unhooked = UnhookedSaves(ledger, NO_MODULE)
+    gate = ActivationGate(
+        config.activations, switch, registry, health, budget, heap_reader(), unhooked
+    )
     data_parallel = DataParallelHooks(switches, partial(_fsdp_found, gate, piles))
     watermark = Watermark()
     closer = StepCloser(

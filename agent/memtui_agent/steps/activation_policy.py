@@ -129,6 +129,8 @@ class Verdict:
     carried: Figures | None = None
     """The measured step whose figures this one repeats (None: measured, or not known)."""
     alert: schema.Alert | None = None
+    why_at: int | None = None
+    """Not known: the step whose alert says why (`activation_wording.SaidOnce.said_at`)."""
 
     def peak(self, measured: schema.Piles) -> schema.Piles:
         """The step's peak: the carried one for a repeat, else what the ledger measured."""

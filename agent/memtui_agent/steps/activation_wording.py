@@ -2,10 +2,11 @@
 
 The decision (`decision.decide`) says why a close's activations stand as they do, with the
 figures; this module says it to the user. `TEMPLATES` maps each cause that is worth an alert to
-its template; a cause missing from it (a plain measurement, a confirmed repeat, `off`, a step
-measured in part) raises none. `SaidOnce` is the one "say it once" of the activation alerts: a
-cause is said at the first close that has it, never again (later closes with it only confirm
-it), and a decision whose first cause was said already says its second.
+its template; a cause missing from it (a plain measurement, a confirmed repeat, `off`, which
+the user asked for) raises none: every other step that is not known says why, once per cause.
+`SaidOnce` is the one "say it once" of the activation alerts: a cause is said at the first
+close that has it, never again (later closes with it only confirm it, and point at that step:
+`said_at`), and a decision whose first cause was said already says its second.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ TEMPLATES: dict[Cause, str] = {
         "step {step} began while memtui followed another thread, and this thread stepped the "
         "first optimizer: memtui follows that thread from here (one thread per recording), so the "
         "activations of this step's forward, which it did not see, are not known"
+    ),
+    Cause.PARTIAL: (
+        "step {step} began as a repeat of a measured step, with memtui's hooks off, and then "
+        "called the model in a way no measured step did (other shapes, another model, more "
+        "calls: gradient accumulation over batches of varying length): the hooks counted only "
+        "from that call on, so its activations are not known and the next step is measured"
     ),
     Cause.HELD_UNARMED: _HELD,
     Cause.HELD_CROSSING: (
@@ -165,14 +172,24 @@ class SaidOnce:
     """The activation alerts of one recording: each cause said once."""
 
     def __init__(self) -> None:
-        self._said: set[Cause] = set()
+        self._said: dict[Cause, int] = {}
+        """Each cause said, with the step whose alert said it."""
 
     def alert(self, decision: Decision) -> schema.Alert | None:
         """The decision's alert: its first cause with words not said yet (None: nothing new)."""
         for cause in decision.causes:
             if cause in TEMPLATES and cause not in self._said:
-                self._said.add(cause)
+                self._said[cause] = decision.reading.step
                 return schema.Alert(
                     kind=schema.AlertKind.ACTIVATIONS_VARY, message=message(cause, decision)
                 )
         return None
+
+    def said_at(self, decision: Decision) -> int | None:
+        """For a decision whose activations are not known: the step whose alert said why (its
+        first cause's; None for a step measured or carried, and under `off`). So every such step
+        points at its reason, though each reason is said once (`Step.activations_why_at`)."""
+        verdict = decision.verdict
+        if verdict.measured or verdict.carried is not None:
+            return None
+        return self._said.get(decision.cause)

@@ -198,6 +198,7 @@ def build_step(
         optimizer_step=inputs.optimizer_step,
         activations_measured=inputs.verdict.measured,
         activations_from=carried.step if carried is not None else None,
+        activations_why_at=inputs.verdict.why_at,
         late=[*late, *inputs.late][: schema.MAX_LATE],  # at most 73 by construction
         leaks=list(inputs.leaks),
         census=inputs.census,

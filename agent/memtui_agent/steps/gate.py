@@ -49,7 +49,7 @@ from memtui_agent.steps.decision import (
 )
 from memtui_agent.steps.frame import CloseReading, StepInputs
 from memtui_agent.steps.health import HealthMonitor
-from memtui_agent.steps.held_graphs import HeldGraphs
+from memtui_agent.steps.held_graphs import Adopter, HeldGraphs
 from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
 
@@ -116,9 +116,13 @@ class ActivationGate:
         health: HealthMonitor,
         budget: Budget,
         heap: Callable[[], int | None] | None = None,
+        adopt: Adopter | None = None,
     ) -> None:
         """`heap` reads glibc's bytes in use (`step_signature.heap_reader`), for the CPU's half
-        of a carry's confirmation; None where there is no such counter."""
+        of a carry's confirmation; None where there is no such counter. `adopt` takes into the
+        activations pile a value a counted graph saved without any hook (a Python number
+        wrapped as a tensor: `hooks.saved_tensors.UnhookedSaves`)."""
+        self._adopt = adopt
         self.policy = ActivationPolicy(mode)
         self.signatures = SignatureRecorder(heap)
         self.held = HeldGraphs()
@@ -212,7 +216,7 @@ class ActivationGate:
         the agent's pack hook counted what it saved is noted with it)."""
         switch = self._switch
         counted = switch.armed and not switch.pack_missing and not switch.foreign_hooks()
-        self.held.mark(output, step, counted, self._call_first)
+        self.held.mark(output, step, counted, self._call_first, self._adopt)
 
     def backward_starts(self, retain_graph: bool) -> None:
         """A top-level backward is starting (`retain_graph`: its graph keeps its buffers)."""
@@ -268,7 +272,9 @@ class ActivationGate:
         self._state = decision.next_state
         self.policy.mode = decision.next_mode
         self.policy.measure_next(decision.measure_next, decision.measure_why)
-        return replace(decision.verdict, alert=self._said.alert(decision))
+        said = self._said
+        alert = said.alert(decision)
+        return replace(decision.verdict, alert=alert, why_at=said.said_at(decision))
 
     def step_opens(self, after: StepInputs) -> None:
         """A step opens after the step `after`: arm or disarm the hooks for it."""

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -35,6 +35,21 @@ from memtui_agent.memory.tensor_reads import NodeType, grad_fn, is_tensor, next_
 
 MAX_MARKED_PER_CALL = 16
 """Output tensors marked per root call at most (a model returning a long list of tensors)."""
+MAX_PASSED_OVER = 16
+"""Nodes that save nothing passed over per output before the node reached is marked itself."""
+
+
+class Adopter(Protocol):
+    """What takes in the values a counted graph saved without any hook
+    (`hooks.saved_tensors.UnhookedSaves`)."""
+
+    def packed_nodes(self) -> set[int]:
+        """Sequence numbers of the nodes whose saves the agent's pack hook counted, alive."""
+        ...
+
+    def adopt(self, saved: object) -> bool:
+        """Count `saved` (a `SavedTensor`) if it has no hooks; whether it did."""
+        ...
 
 
 class GraphMarker:
@@ -106,23 +121,96 @@ class HeldGraphs:
         """A top-level backward with `retain_graph=True` is running."""
         self._node_types: dict[int, NodeType] = {}
 
-    def mark(self, output: object, step: int, armed: bool, first: int = 0) -> None:
+    def mark(
+        self,
+        output: object,
+        step: int,
+        armed: bool,
+        first: int = 0,
+        adopt: Adopter | None = None,
+    ) -> None:
         """Mark the graph nodes of a root call's output (tensors, sequences, mappings); `first`
-        is the first sequence number the call's forward could give a node."""
-        marked: set[int] = set()
+        is the first sequence number the call's forward could give a node. `adopt`: for a call
+        the agent's pack hook counted, what takes the values its graph saved without any hook
+        (`_adopt_unhooked`)."""
         last = next_sequence_number()
         with torch._C.DisableTorchFunction():  # a tensor subclass's `grad_fn` is read in C
-            for tensor in _tensors_in(output):
-                node = grad_fn(tensor)
-                if node is None or id(node) in marked:
+            if armed and adopt is not None:
+                self._adopt_unhooked(output, first, last, adopt)
+            self._mark(output, step, armed, first, last)
+
+    def _adopt_unhooked(self, output: object, first: int, last: int, adopt: Adopter) -> None:
+        """Hand `adopt` what the call's graph (its nodes: numbered `first` <= n < `last`) saved
+        without any hook. Autograd never gives a Python number wrapped as a tensor to
+        saved-tensor hooks (`scores / math.sqrt(d)`, `h * 0.5` save a 0-dim float64), so a graph
+        the pack hook counted missed 8 B per such number: 128-192 B per step on a validation
+        loop that keeps its graphs. `adopt` sets the agent's pair on such a value, which is
+        counted from here and released with its graph, so a graph kept past the close is in the
+        activations pile to the byte. Only nodes whose saves the pack hook never saw are asked
+        (a number's operation saves nothing else: `x * 0.5` needs no `x` for its gradient),
+        their `other` first, and one adopted value per node: trying a value that has hooks
+        raises inside torch, which costs; bounded by the call's own nodes."""
+        packed = adopt.packed_nodes()
+        pending = [grad_fn(tensor) for tensor in _tensors_in(output)]
+        visited: set[int] = set()
+        while pending:
+            node = pending.pop()
+            if node is None or id(node) in visited:
+                continue
+            visited.add(id(node))
+            kind = self._node_type(type(node))
+            number = kind.sequence(node)
+            if number is None or not first <= number < last:
+                continue  # another call's graph, or a leaf's AccumulateGrad
+            if kind.raw_saved and number not in packed:
+                for value in kind.saved_values(node):
+                    if adopt.adopt(value):
+                        break
+            for edge in kind.upstream(node):
+                if type(edge) is tuple and edge and edge[0] is not None:
+                    pending.append(edge[0])
+
+    def _mark(self, output: object, step: int, armed: bool, first: int, last: int) -> None:
+        """One marker per node standing for an output's graph (`_saving_nodes`)."""
+        marked: set[int] = set()
+        for tensor in _tensors_in(output):
+            for node, number in self._saving_nodes(grad_fn(tensor), first, last):
+                if id(node) in marked:
                     continue
                 marked.add(id(node))
-                number = self._node_type(type(node)).sequence(node)
                 marker = GraphMarker(self, step, armed, number, first, last)
                 node.register_hook(marker)
                 self._markers.add(marker)
                 if len(marked) >= MAX_MARKED_PER_CALL:
-                    break
+                    return
+
+    def _saving_nodes(
+        self, node: torch.autograd.graph.Node | None, first: int, last: int
+    ) -> Iterator[tuple[torch.autograd.graph.Node, int | None]]:
+        """The nodes that stand for an output's graph: the first ones from its node that can
+        hold saved tensors, passing over those that save none. An output converted after the
+        forward (accelerate's `convert_outputs_to_fp32` turns bf16 logits into fp32 with
+        `.float()`; a loss computed inside the model never reaches that copy) has a node of its
+        own that backward never runs but that saves nothing: the graph behind it is the one
+        backward frees. Nodes the call did not build (numbered outside `first` <= n < `last`:
+        an input's graph, a leaf's `AccumulateGrad`) are not its graph; a node whose number is
+        unreadable, or one still found after `MAX_PASSED_OVER` passed over, is marked itself."""
+        frontier = [node] if node is not None else []
+        passed = 0
+        while frontier:
+            current = frontier.pop()
+            kind = self._node_type(type(current))
+            number = kind.sequence(current)
+            if number is not None and not first <= number < last:
+                continue  # not built by this call
+            if kind.may_save or number is None or passed >= MAX_PASSED_OVER:
+                yield current, number
+                continue
+            passed += 1
+            for edge in kind.upstream(current):
+                upstream = edge[0] if type(edge) is tuple and edge else None
+                if upstream is not None:
+                    frontier.append(upstream)
 
     def _node_type(self, cls: type) -> NodeType:
         """How to read nodes of `cls`, kept for torch's own (static) node types only: a custom
