@@ -154,7 +154,7 @@ def test_under_the_agent_models_copy_and_wrapped_functions_pickle_as_without_it(
         assert all(map(_is_inert, twin._forward_hooks.values()))
         copy.deepcopy(optimizer)
         wrapped = _wrapped_functions()
-        assert all(now is not then for now, then in zip(wrapped, originals))
+        assert all(now is not then for now, then in zip(wrapped, originals, strict=True))
         assert clip_home.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_  # both places
         assert pickle.dumps(wrapped) == before  # the same bytes: references to torch's own
     finally:
