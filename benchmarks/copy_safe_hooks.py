@@ -65,7 +65,7 @@ KINDS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
 
 
 def per_call(hook: Callable[..., Any], calls: int) -> float:
-    module, args, kwargs = object(), (1,), {}
+    module, args, kwargs = object(), (1,), dict[str, object]()
     start = time.perf_counter_ns()
     for _ in range(calls):
         hook(module, args, kwargs)
@@ -119,7 +119,7 @@ def in_the_agent(rounds: int, calls: int) -> None:
             model(torch.randn(2, 4)).sum().backward()
             optimizer.step()
         dicts = (model._forward_pre_hooks, model._forward_hooks)
-        ours = {key: hook for hooks in dicts for key, hook in hooks.items()}
+        ours: dict[int, Any] = {key: hook for hooks in dicts for key, hook in hooks.items()}
         assert all(type(hook) is CopySafeHook for hook in ours.values())
         bound = {key: hook.func for key, hook in ours.items()}
         times: dict[str, list[float]] = {"bound method": [], "CopySafeHook": []}
