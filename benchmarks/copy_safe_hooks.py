@@ -10,7 +10,8 @@ once (so only the call is measured):
 - "call": the hook called as torch calls it, `hook(module, args, kwargs)`, per call;
 - "forward": a `Linear(4, 4)` root called with the pre/post pair registered, per forward;
 for the bound method (before), `CopySafeHook` (now) and a Python class whose `__call__`
-forwards (the alternative not taken), as the median of the rounds in nanoseconds. Then the same
+forwards (the alternative not taken), as the fastest of the rounds in nanoseconds (the least
+disturbed by other work on the machine). Then the same
 root forward with the agent's real hooks (its parts installed, a few steps trained, default
 options), registered as `CopySafeHook`s and, swapped in their place, as the bound methods.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -102,7 +102,7 @@ def main() -> None:
             forwards[name].append(per_forward(models[name], options.calls // 10))
     print(f"{'hook':<16} {'ns per call':>12} {'ns per forward':>15}")
     for name in KINDS:
-        call, forward = statistics.median(calls[name]), statistics.median(forwards[name])
+        call, forward = min(calls[name]), min(forwards[name])
         print(f"{name:<16} {call:>12.0f} {forward:>15.0f}")
     in_the_agent(options.rounds, options.calls // 10)
 
@@ -132,7 +132,7 @@ def in_the_agent(rounds: int, calls: int) -> None:
         parts.remove()
     print(f"{'agent root hooks':<16} {'ns per forward':>15}")
     for name, values in times.items():
-        print(f"{name:<16} {statistics.median(values):>15.0f}")
+        print(f"{name:<16} {min(values):>15.0f}")
 
 
 if __name__ == "__main__":
