@@ -23,6 +23,7 @@ from memtui_agent.hooks.copy_safe import (
     inert_hook,
     stand_in_for,
 )
+from memtui_agent.startup.joining import STEP_CODE, JoinAtNextStep
 from memtui_agent.startup.parts import build_parts
 from memtui_protocol.config import AgentConfig
 
@@ -161,3 +162,31 @@ def test_under_the_agent_models_copy_and_wrapped_functions_pickle_as_without_it(
         parts.remove()
     assert _wrapped_functions() == originals  # restored, in both places
     assert clip_home.clip_grad_norm_ is originals[0]
+
+
+def test_a_job_waiting_for_attach_pickles_torchs_functions_as_without_it() -> None:
+    """Between `memtui attach` and the next step, joining watches `torch.autograd.backward` (a
+    job without an optimizer) or the optimizers' step: both wrappers pickle as torch's own."""
+    backward = torch.autograd.backward
+    step_code = torch.optim.Optimizer.__dict__[STEP_CODE]
+    before = pickle.dumps([backward, step_code])
+    for by_optimizer in (False, True):
+        joining = JoinAtNextStep(
+            [],
+            [],
+            start=lambda: None,
+            started=lambda agent: None,
+            failed=lambda why: None,
+            describe=lambda step: "",
+        )
+        joining.arm(by_optimizer=by_optimizer)
+        try:
+            now = [torch.autograd.backward, torch.optim.Optimizer.__dict__[STEP_CODE]]
+            assert now != [backward, step_code]  # one of them is joining's wrapper
+            assert pickle.dumps(now) == before
+        finally:
+            assert joining.cancel()
+    assert [torch.autograd.backward, torch.optim.Optimizer.__dict__[STEP_CODE]] == [
+        backward,
+        step_code,
+    ]
