@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
+from torch.jit import ScriptModule
 
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.copy_safe import CopySafeHook
@@ -54,6 +55,10 @@ class RootHooks:
         for root in self._registry.live_roots():
             known = hooked.get(id(root))
             if known is not None and known[0]() is root:
+                continue
+            if isinstance(root, ScriptModule):
+                # torch refuses hooks on a scripted module (RuntimeError), which turned the
+                # module and step hooks off for the run: its calls are not root calls here.
                 continue
             handles = [
                 root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
