@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch._C import _current_graph_task_id
 from torch.compiler import is_compiling
+from torch.jit import ScriptModule
 
 from memtui_agent.hooks.context import HookContext
+from memtui_agent.hooks.copy_safe import CopySafeHook
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
 from memtui_protocol.schema import Phase
 
@@ -41,6 +43,11 @@ class RootHooks:
         """The thread whose forwards are followed (`training_thread`)."""
         self._hooked: dict[int, tuple[weakref.ref[torch.nn.Module], list[RemovableHandle]]] = {}
         """id(root module) -> (weakref, its pre/post hook handles)."""
+        # What each root's hook dicts hold: the job copies and pickles its modules with them
+        # (`copy.deepcopy`, `torch.save`), and a copy must get an inert stand-in, never these
+        # methods' object (`copy_safe`). One pair, shared by every root.
+        self._pre_hook = CopySafeHook(self._pre)
+        self._post_hook = CopySafeHook(self._post)
 
     def hook_roots(self) -> None:
         """Hook every root not hooked yet (new model trees)."""
@@ -49,9 +56,13 @@ class RootHooks:
             known = hooked.get(id(root))
             if known is not None and known[0]() is root:
                 continue
+            if isinstance(root, ScriptModule):
+                # torch refuses hooks on a scripted module (RuntimeError), which turned the
+                # module and step hooks off for the run: its calls are not root calls here.
+                continue
             handles = [
-                root.register_forward_pre_hook(self._pre, with_kwargs=True),
-                root.register_forward_hook(self._post, always_call=True),
+                root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                root.register_forward_hook(self._post_hook, always_call=True),
             ]
             hooked[id(root)] = (forget_when_freed(root, hooked), handles)
 

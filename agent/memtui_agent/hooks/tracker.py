@@ -33,6 +33,7 @@ from torch.optim.optimizer import (
 )
 
 from memtui_agent.hooks.context import HookContext
+from memtui_agent.hooks.copy_safe import homes, stand_in_for
 from memtui_agent.hooks.counting import CountingHooks
 from memtui_agent.hooks.hook_arming import HookArming
 from memtui_agent.hooks.library_wrappers import (
@@ -174,17 +175,13 @@ class Tracker:
         self, owner: ModuleType | type, name: str, make: Callable[[Wrapper], Wrapper]
     ) -> None:
         original: Wrapper = getattr(owner, name)
-        # A plain function, given the original's name and `__wrapped__`: a Callable has no
-        # such attributes for mypy.
+        # A plain function, given the original's names and `__wrapped__` (`stand_in_for`: so
+        # pickle saves it as the original): a Callable has no such attributes for mypy.
         wrapper: Any = make(original)
-        wrapper.__wrapped__ = original
-        for attribute in ("__name__", "__qualname__", "__doc__", "__module__"):
-            try:
-                setattr(wrapper, attribute, getattr(original, attribute))
-            except (AttributeError, TypeError):
-                pass
-        setattr(owner, name, wrapper)
-        self._restore.append((owner, name, original))
+        stand_in_for(wrapper, original)
+        for place, attribute in homes(owner, name):
+            setattr(place, attribute, wrapper)
+            self._restore.append((place, attribute, original))
 
     # ----- what the agent reads -----------------------------------------------------------------
 

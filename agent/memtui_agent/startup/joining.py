@@ -36,6 +36,7 @@ import torch
 from torch.compiler import is_compiling
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from memtui_agent.hooks.copy_safe import stand_in_for
 from memtui_protocol import schema
 
 if TYPE_CHECKING:  # for annotations only
@@ -167,6 +168,7 @@ class JoinAtNextStep:
                     self._failed(f"{type(exc).__name__}: {exc}")
                 return result
 
+            stand_in_for(step_code, original)  # pickled by name, as the original (`copy_safe`)
             self._step_code, self._step_code_wrapper = original, step_code
             setattr(torch.optim.Optimizer, STEP_CODE, step_code)
             return
@@ -187,7 +189,7 @@ class JoinAtNextStep:
                     except Exception as exc:  # never into the job's backward
                         self._failed(f"{type(exc).__name__}: {exc}")
 
-        wrapped.__wrapped__ = backward  # type: ignore[attr-defined]
+        stand_in_for(wrapped, backward)  # pickled by name, as the original (`copy_safe`)
         self._backward, self._backward_wrapper = backward, wrapped
         torch.autograd.backward = wrapped
 
