@@ -13,7 +13,7 @@ import msgspec
 
 from memtui.model.leaks import CensusTally, LeakRow
 from memtui.model.recording import Recording
-from memtui.reports.report_format import CensusEntry, LeakEntry
+from memtui.reports.report_format import CensusEntry, KeptEntry, KeptHolderEntry, LeakEntry
 from memtui_protocol.schema import LeakKind, Step
 from memtui_protocol.units import format_bytes
 
@@ -61,6 +61,16 @@ def step_census(step: Step) -> CensusEntry | msgspec.UnsetType:
     return CensusEntry(
         seconds=cost.seconds, objects=cost.objects, complete=cost.complete, stopped=cost.stopped
     )
+
+
+def step_kept(step: Step) -> KeptEntry | msgspec.UnsetType:
+    """A step's own `kept`: the tensors the job kept outside every pile as its census found
+    them (absent where no census ran)."""
+    kept = step.kept
+    if kept is None:
+        return msgspec.UNSET
+    holders = [KeptHolderEntry(item.holder, item.bytes, item.tensors) for item in kept.holders]
+    return KeptEntry(bytes=kept.bytes, tensors=kept.tensors, holders=holders)
 
 
 def censuses(recording: Recording) -> CensusTally | None:

@@ -29,6 +29,7 @@ from memtui.reports.leak_report import (
     leak_entries,
     leak_lines,
     step_census,
+    step_kept,
     step_leaks,
 )
 from memtui.reports.report_format import (
@@ -116,6 +117,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         else msgspec.UNSET,
         leaks=step_leaks(step),
         census=step_census(step),
+        kept=step_kept(step),
     )
 
 
