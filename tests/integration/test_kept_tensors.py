@@ -6,7 +6,8 @@ it after every step, and keeps a second EMA as a plain list of tensors. It print
 after each `opt.step()`. Under `memtui run --headless`, in `auto`, `every` and `off`: every
 step's weights equal the job's count of the student and the AveragedModel (from the step that
 first calls it), and every step that took a census states the list's bytes under its name
-`ema_list` in `kept`.
+`ema_list` in `kept`, and `kept`'s total equals the job's count of every tensor it keeps outside
+the piles.
 """
 
 from __future__ import annotations
@@ -58,4 +59,7 @@ def test_an_ema_model_and_an_ema_list_are_counted_exactly(tmp_path: Path, mode: 
         ema_list = holders["ema_list"]
         assert (ema_list.bytes, ema_list.tensors) == (counts[number - 1]["ema_list"], 6)
         assert kept.bytes == sum(holder.bytes for holder in kept.holders)
+        # Nothing of the piles (the models' weights and gradients, the optimizer's state) is
+        # in it; the rest of what the loop keeps (batch, outputs, loss) is, each storage once.
+        assert kept.bytes == counts[number - 1]["kept"]
     assert recording.agent_errors == []
