@@ -73,6 +73,29 @@ def step_kept(step: Step) -> KeptEntry | msgspec.UnsetType:
     return KeptEntry(bytes=kept.bytes, tensors=kept.tensors, holders=holders)
 
 
+KEPT_NAMED = 5
+"""Holders the text report's kept line names (the JSON has up to 16 per step)."""
+
+
+def kept_line(recording: Recording, binary: bool = True) -> str | None:
+    """The tensors the job kept outside every pile at the last step whose census counted them
+    (None when no step did): their total, and the largest holders by name."""
+    last = next((step for step in reversed(recording.steps) if step.kept is not None), None)
+    if last is None or last.kept is None:
+        return None
+    kept = last.kept
+    size = partial(format_bytes, binary=binary)
+    total = (
+        f"{size(kept.bytes)} in {kept.tensors} tensor{'s' if kept.tensors != 1 else ''}"
+        if kept.bytes is not None
+        else "a total not known (its census stopped at its bound)"
+    )
+    named = ", ".join(f"{item.holder} {size(item.bytes)}" for item in kept.holders[:KEPT_NAMED])
+    return f"kept outside the piles at step {last.step} (its census): {total}" + (
+        f"; {named}" if named else ""
+    )
+
+
 def censuses(recording: Recording) -> CensusTally | None:
     """The report's `censuses`: every census of the run, in all (None when none ran)."""
     tally = recording.leaks.censuses

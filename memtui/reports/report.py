@@ -26,6 +26,7 @@ from memtui.model.step_rows import (
 from memtui.reports.leak_report import (
     census_line,
     censuses,
+    kept_line,
     leak_entries,
     leak_lines,
     step_census,
@@ -393,6 +394,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     census = census_line(recording) if not leaks else None  # with leaks: in their section
     if census is not None:
         lines.append(census)
+    kept = kept_line(recording, binary)
+    if kept is not None:
+        lines.append(kept)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))

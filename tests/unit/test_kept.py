@@ -3,6 +3,8 @@ figure a census gives (`kept_of`), checked against storages counted here."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from memtui_agent.memory.census import take_census
@@ -29,7 +31,7 @@ def _due_steps(last: int, new_model_at: int | None = None) -> list[int]:
 def test_counted_at_the_third_close_then_at_doubling_gaps_up_to_the_cap() -> None:
     due = _due_steps(3000)
     assert due[:6] == [FIRST, 9, 21, 45, 93, 189]
-    gaps = [later - earlier for earlier, later in zip(due, due[1:], strict=False)]
+    gaps = [later - earlier for earlier, later in pairwise(due)]
     assert max(gaps) == MAX_GAP and gaps[-1] == MAX_GAP
 
 
