@@ -41,6 +41,13 @@ def test_a_new_model_is_counted_at_its_first_close() -> None:
     assert _due_steps(50, new_model_at=14) == [FIRST, 9, 14, 21, 45]
 
 
+def test_a_census_stopped_at_its_bound_puts_the_next_count_at_the_longest_gap() -> None:
+    schedule = KeptSchedule()
+    assert schedule.due(FIRST, 0)
+    schedule.counted(FIRST, 0, complete=False)
+    assert not schedule.due(FIRST + MAX_GAP - 1, 0) and schedule.due(FIRST + MAX_GAP, 0)
+
+
 def test_the_figure_counts_each_storage_once_and_leaves_the_piles_out() -> None:
     """A list of tensors and a view of one of them under another name: the storage once, under
     the holder the walk reached first; a weight's storage (in a pile) and a held activation

@@ -42,10 +42,14 @@ class KeptSchedule:
             return True
         return step >= self._next
 
-    def counted(self, step: int, generation: int) -> None:
-        """A census ran at the close of `step` (this schedule's or the leak watch's)."""
+    def counted(self, step: int, generation: int, complete: bool = True) -> None:
+        """A census ran at the close of `step` (this schedule's or the leak watch's); one that
+        stopped at its bound (`complete` False: a job whose names hold millions of objects,
+        up to `census.MAX_SECONDS` each time) puts the next count at the longest gap at once."""
         self._generation = generation
-        if step >= self._next:
+        if not complete:
+            self._gap = MAX_GAP
+        if step >= self._next or not complete:
             self._gap = min(self._gap * 2, MAX_GAP)
             self._next = step + self._gap
 

@@ -192,7 +192,7 @@ class StepCloser:
             taken = self._taken
             if taken is None:
                 return None, cost
-            self.kept.counted(step, generation)
+            self.kept.counted(step, generation, taken.complete)
             if taken.stopped is CensusStop.ERROR:
                 return None, cost
             return kept_of(taken, self.ledger.activation_keys()), cost
