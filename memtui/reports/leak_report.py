@@ -13,7 +13,7 @@ import msgspec
 
 from memtui.model.leaks import CensusTally, LeakRow
 from memtui.model.recording import Recording
-from memtui.reports.report_format import CensusEntry, LeakEntry
+from memtui.reports.report_format import CensusEntry, KeptEntry, KeptHolderEntry, LeakEntry
 from memtui_protocol.schema import LeakKind, Step
 from memtui_protocol.units import format_bytes
 
@@ -60,6 +60,39 @@ def step_census(step: Step) -> CensusEntry | msgspec.UnsetType:
         return msgspec.UNSET
     return CensusEntry(
         seconds=cost.seconds, objects=cost.objects, complete=cost.complete, stopped=cost.stopped
+    )
+
+
+def step_kept(step: Step) -> KeptEntry | msgspec.UnsetType:
+    """A step's own `kept`: the tensors the job kept outside every pile as its census found
+    them (absent where no census ran)."""
+    kept = step.kept
+    if kept is None:
+        return msgspec.UNSET
+    holders = [KeptHolderEntry(item.holder, item.bytes, item.tensors) for item in kept.holders]
+    return KeptEntry(bytes=kept.bytes, tensors=kept.tensors, holders=holders)
+
+
+KEPT_NAMED = 5
+"""Holders the text report's kept line names (the JSON has up to 16 per step)."""
+
+
+def kept_line(recording: Recording, binary: bool = True) -> str | None:
+    """The tensors the job kept outside every pile at the last step whose census counted them
+    (None when no step did): their total, and the largest holders by name."""
+    last = next((step for step in reversed(recording.steps) if step.kept is not None), None)
+    if last is None or last.kept is None:
+        return None
+    kept = last.kept
+    size = partial(format_bytes, binary=binary)
+    total = (
+        f"{size(kept.bytes)} in {kept.tensors} tensor{'s' if kept.tensors != 1 else ''}"
+        if kept.bytes is not None
+        else "a total not known (its census stopped at its bound)"
+    )
+    named = ", ".join(f"{item.holder} {size(item.bytes)}" for item in kept.holders[:KEPT_NAMED])
+    return f"kept outside the piles at step {last.step} (its census): {total}" + (
+        f"; {named}" if named else ""
     )
 
 

@@ -27,9 +27,11 @@ from memtui.model.step_rows import (
 from memtui.reports.leak_report import (
     census_line,
     censuses,
+    kept_line,
     leak_entries,
     leak_lines,
     step_census,
+    step_kept,
     step_leaks,
 )
 from memtui.reports.report_format import (
@@ -126,6 +128,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         else msgspec.UNSET,
         leaks=step_leaks(step),
         census=step_census(step),
+        kept=step_kept(step),
     )
 
 
@@ -428,6 +431,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     census = census_line(recording) if not leaks else None  # with leaks: in their section
     if census is not None:
         lines.append(census)
+    kept = kept_line(recording, binary)
+    if kept is not None:
+        lines.append(kept)
     names = report.optimizers
     if len(names) > 1:
         lines.append("  " + ", ".join(f"{name}: {count}" for name, count in names.items()))

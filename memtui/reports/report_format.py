@@ -110,6 +110,24 @@ class CensusEntry(msgspec.Struct):
     """Why it ended early: `objects` or `seconds` (its bounds), `error`; None when it did not."""
 
 
+class KeptHolderEntry(msgspec.Struct):
+    """One holder of tensors the job keeps outside every pile (`Kept.holders`)."""
+
+    holder: str
+    bytes: int
+    tensors: int
+
+
+class KeptEntry(msgspec.Struct):
+    """Tensors the job keeps that no pile holds, as the step's census found them."""
+
+    bytes: int | None
+    """Unique storages of all holders; null when the census stopped at its bound."""
+    tensors: int
+    holders: list[KeptHolderEntry]
+    """The largest holders (at most 16), largest first."""
+
+
 class StepEntry(msgspec.Struct):
     """One closed step (see "What a step is" in the document)."""
 
@@ -140,6 +158,8 @@ class StepEntry(msgspec.Struct):
     """Only on a step whose close took a census that named growing holders."""
     census: CensusEntry | msgspec.UnsetType = msgspec.UNSET
     """Only on a step whose close took a census."""
+    kept: KeptEntry | msgspec.UnsetType = msgspec.UNSET
+    """Only on a step whose close took a census: nothing proves it unchanged between them."""
 
 
 class JobEntry(msgspec.Struct):

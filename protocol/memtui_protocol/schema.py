@@ -432,6 +432,38 @@ class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):
     """`CensusStop`: which bound stopped it, or an error; None when it did not stop early."""
 
 
+MAX_KEPT_HOLDERS = 16
+"""Holders one `Kept` names at most (the largest); its totals count them all."""
+
+
+class KeptHolder(msgspec.Struct, frozen=True):
+    """One holder of tensors the job keeps that no pile counts (`Kept.holders`)."""
+
+    holder: str
+    """Named as a leak's holder is: the shortest path from a name the user wrote (`ema`,
+    `trainer.shadow`, `x (local of train)`)."""
+    bytes: int
+    """Its storages no pile and no other holder counts, each once."""
+    tensors: int
+    """Its tensors whose storage it counts."""
+
+
+class Kept(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Tensors the job keeps at a close that no pile holds, as a census at that close found
+    them (docs/numbers.md#tensors-the-job-keeps): an EMA kept as a list of tensors, a buffer
+    dict on the side, the batch and outputs the loop still refers to. Part of what `other`
+    holds beside the piles. Only on the steps whose close took a census: nothing proves it
+    unchanged between censuses, so no other step states it."""
+
+    bytes: int | None
+    """Unique storages of every holder (a view counted once, storages in a pile, held
+    activations and gradients left out); None when the census stopped at its bound (then more
+    holders may exist than those named)."""
+    tensors: int
+    holders: Annotated[list[KeptHolder], msgspec.Meta(max_length=MAX_KEPT_HOLDERS)] = []
+    """The largest holders, largest first."""
+
+
 LATE_SEARCH = 64
 """How far back a late value may point: the agent never keeps more steps pending."""
 MAX_LATE = 4 * LATE_SEARCH
@@ -512,6 +544,9 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     """Holders whose memory grows, as a census at this close found them (see `Leak`)."""
     census: CensusCost | None = None
     """The census this close ran, if any: its cost is part of the step's time."""
+    kept: Kept | None = None
+    """Tensors the job keeps that no pile holds, as this close's census found them; None on
+    the steps that took no census."""
 
 
 def apply_late(

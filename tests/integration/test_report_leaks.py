@@ -319,3 +319,43 @@ def test_a_real_leaking_job_reads_the_same_in_the_report_and_on_screen(tmp_path:
         (r.holder, str(r.kind), r.bytes, r.tensors, r.per_step, r.first_step) for r in gap.leaks
     ]
     assert on_screen == _leaks(document)
+
+
+def _with_kept(
+    messages: list[schema.Message], kept: dict[int, schema.Kept]
+) -> list[schema.Message]:
+    return [
+        msgspec.structs.replace(message, kept=kept[message.step])
+        if isinstance(message, schema.Step) and message.step in kept
+        else message
+        for message in messages
+    ]
+
+
+def test_a_steps_kept_figure_is_in_its_json_entry_and_the_last_one_in_the_text(
+    builder: ModuleType,
+) -> None:
+    """`kept` only on the steps that took a census, as recorded; the text report names the last
+    one's total and largest holders with its step; a total not known says so."""
+    holders = [schema.KeptHolder("ema_list", 88104, 6), schema.KeptHolder("inputs", 2048, 1)]
+    first = schema.Kept(bytes=90152, tensors=7, holders=holders)
+    later = schema.Kept(bytes=None, tensors=7, holders=holders)
+    document = build_report(_recording(_with_kept(builder.demo_messages(), {3: first})))
+    steps = {entry["step"]: entry for entry in json.loads(strict_json(document))["steps"]}
+    assert steps[3]["kept"] == {
+        "bytes": 90152,
+        "tensors": 7,
+        "holders": [
+            {"holder": "ema_list", "bytes": 88104, "tensors": 6},
+            {"holder": "inputs", "bytes": 2048, "tensors": 1},
+        ],
+    }
+    assert not any("kept" in entry for number, entry in steps.items() if number != 3)
+    text = render_text(_recording(_with_kept(builder.demo_messages(), {3: first})))
+    assert (
+        "kept outside the piles at step 3 (its census): 88.04 KiB in 7 tensors; "
+        "ema_list 86.04 KiB, inputs 2.00 KiB"
+    ) in text.splitlines()
+    text = render_text(_recording(_with_kept(builder.demo_messages(), {3: first, 9: later})))
+    assert "kept outside the piles at step 9 (its census): a total not known" in text
+    assert "kept outside" not in render_text(_recording(builder.demo_messages()))

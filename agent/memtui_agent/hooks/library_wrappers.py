@@ -233,3 +233,53 @@ def global_hooks_but_ours(original: Wrapper) -> Wrapper:
             return found
 
     return has_any_global_hook
+
+
+ROOT_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+"""A module's dicts that hold (or flag, by the hook's id) the per-root hooks memtui installs
+(`root_calls.RootHooks`)."""
+
+
+def state_without_ours(original: Wrapper) -> Wrapper:
+    """`torch.nn.Module.__getstate__`, with memtui's per-root hooks left out of the state.
+
+    `copy.deepcopy(model)` (what `torch.optim.swa_utils.AveragedModel` and every EMA or teacher
+    copy does) and `torch.save(model)` read a module's state through `__getstate__`; with the
+    root hooks (bound methods of the agent's objects) in it, both failed under memtui ("cannot
+    pickle '_thread.RLock' object") where the plain run works, and a copy that did succeed would
+    carry the agent's hooks into the job's new module or into a file that needs memtui to load.
+    The state handed out is the module's own, as without memtui; the module itself keeps its
+    hooks. A module with no hook of ours (all but the roots) pays one dict lookup per hook dict.
+    """
+
+    def __getstate__(module: Any) -> Any:
+        state = original(module)
+        if type(state) is not dict:  # a subclass's own state: nothing of ours is known there
+            return state
+        ours = [
+            key
+            for name in ("_forward_pre_hooks", "_forward_hooks")
+            for key, hook in (state.get(name) or {}).items()
+            if _ours(hook)
+        ]
+        if not ours:
+            return state
+        state = dict(state)
+        for name in ROOT_HOOK_DICTS:
+            hooks = state.get(name)
+            if hooks is None or not any(key in hooks for key in ours):
+                continue
+            kept = type(hooks)()
+            for key, value in hooks.items():
+                if key not in ours:
+                    kept[key] = value
+            state[name] = kept
+        return state
+
+    return __getstate__

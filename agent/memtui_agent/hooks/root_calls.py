@@ -22,6 +22,7 @@ from torch.jit import ScriptModule
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.copy_safe import CopySafeHook
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
+from memtui_agent.hooks.module_scout import ModuleScout
 from memtui_protocol.schema import Phase
 
 if TYPE_CHECKING:  # for annotations only
@@ -32,7 +33,9 @@ if TYPE_CHECKING:  # for annotations only
 class RootHooks:
     """The per-root hooks of one tracker, and their handles."""
 
-    def __init__(self, context: HookContext, arming: HookArming) -> None:
+    def __init__(self, context: HookContext, arming: HookArming, scout: ModuleScout) -> None:
+        """`scout` is the between-roots hook, out while a root's forward runs."""
+        self._scout = scout
         self._registry = context.registry
         self._phase = context.phase
         self._arming = arming
@@ -66,8 +69,14 @@ class RootHooks:
             ]
             hooked[id(root)] = (forget_when_freed(root, hooked), handles)
 
+    def outside(self) -> None:
+        """No root's forward runs now (the hooks are installed, or the followed thread moved):
+        the between-roots hook goes in."""
+        self._scout.on()
+
     def remove(self) -> None:
-        """Remove every root's hooks."""
+        """Remove every root's hooks (and the between-roots hook)."""
+        self._scout.off()
         for _ref, handles in list(self._hooked.values()):
             for handle in handles:
                 handle.remove()
@@ -95,6 +104,7 @@ class RootHooks:
             phase.root_depth += 1
             if phase.root_depth > 1:
                 return  # a root called inside another root's forward
+            self._scout.off()  # inside a known model: its modules are known or attached to it
             try:
                 phase.in_optimizer = False
                 self._gate.root_call(module, args, kwargs or {}, self._window.number)
@@ -111,6 +121,7 @@ class RootHooks:
             phase.root_depth = max(0, phase.root_depth - 1)
             if phase.root_depth:
                 return
+            self._scout.on()
             try:
                 if sys.exc_info()[1] is not None:
                     if not self._arming.modules_armed:

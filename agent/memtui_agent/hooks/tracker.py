@@ -42,6 +42,7 @@ from memtui_agent.hooks.library_wrappers import (
     GradScalerWrappers,
     Wrapper,
     global_hooks_but_ours,
+    state_without_ours,
 )
 from memtui_agent.hooks.root_calls import RootHooks
 from memtui_agent.hooks.saved_tensors import unpack_samplers
@@ -92,6 +93,7 @@ class Tracker:
         """
         self._context.thread.restart()
         self.arming.arm_modules()
+        self.hooks.roots.outside()
         self._context.gate.started()
         steps = self.hooks.steps
         scaler = self.hooks.scaler
@@ -117,6 +119,9 @@ class Tracker:
         ):
             self._handles.append(register(note))
         self._wrap(torch.nn.Module, "_apply", self._wrap_module_apply)
+        # A copy or a pickle of a model (AveragedModel, an EMA, torch.save) is the job's own,
+        # without the agent's per-root hooks.
+        self._wrap(torch.nn.Module, "__getstate__", state_without_ours)
         if hasattr(module_hooks, "_has_any_global_hook"):
             self._wrap(module_hooks, "_has_any_global_hook", global_hooks_but_ours)
 
@@ -224,6 +229,7 @@ class Tracker:
             hooks.arming.leave_thread(old)
             hooks.arming.unhook_grads()  # torch calls a copy of a tensor's hooks: safe mid-backward
             hooks.roots.remove()  # likewise, a module's hooks
+            hooks.roots.outside()
             context.registry.forget_objects()
             hooks.counting.forget_parameters()
             context.window.forget_losses()

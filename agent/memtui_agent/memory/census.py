@@ -176,6 +176,14 @@ class Holding:
     unknown_graphs: int = 0
     """Root-call graphs it keeps alive that were built while the agent's hooks were off: what
     they saved is not known, and not in `graph_storages`."""
+    kept_tensors: int = 0
+    """Its tensors with a storage in `storages` that the activations pile does not hold
+    either (`kept_storages`): what it keeps outside every pile."""
+
+    def kept_storages(self, activations: frozenset[int] | set[int]) -> int:
+        """Bytes of its own tensors' storages that no pile holds: `storages` less those saved
+        by graphs still alive (the activations pile counts those)."""
+        return sum(size for key, size in self.storages.items() if key not in activations)
 
     @property
     def bytes(self) -> int:
@@ -245,6 +253,7 @@ class _Walk:
     """State of one census walk."""
 
     excluded: frozenset[int] | set[int]
+    activations: frozenset[int] | set[int]
     deadline: float
     max_objects: int
     saved: dict[int, list[tuple[Key, int]]]
@@ -297,6 +306,7 @@ def take_census(
     max_seconds: float = MAX_SECONDS,
     saved: dict[int, list[tuple[Key, int]]] | None = None,
     calls: dict[int, HeldCall] | None = None,
+    activations: frozenset[int] | set[int] = frozenset(),
 ) -> Census:
     """Walk from `roots`, breadth first, and file every tensor by holder. Never raises.
 
@@ -308,10 +318,14 @@ def take_census(
         max_seconds: likewise for time.
         saved: what the agent's pack hook recorded, by node (`Ledger.saved_by_node`).
         calls: live root-call graphs by their output nodes' sequence numbers (`held_graphs`).
+        activations: storage keys the activations pile holds now: filed like any other, but
+            a tensor held only through them is not one the holder keeps outside every pile
+            (`Holding.kept_tensors`).
     """
     started = time.perf_counter()
     walk = _Walk(
         excluded,
+        activations,
         started + max_seconds,
         max_objects,
         dict(saved) if saved else {},
@@ -593,8 +607,8 @@ def _file_tensor(walk: _Walk, tensor: Any, facts: TypeFacts, holder: str, depth:
         # A wrapper subclass (DTensor, a float8 tensor): its memory is its inner tensors'.
         for _name, item in attributes(tensor, facts):
             _enqueue(walk, item, None, holder, depth + 1)
-    else:
-        _count(walk, found, holding.storages)
+    elif any(key not in walk.activations for key in _count(walk, found, holding.storages)):
+        holding.kept_tensors += 1
     grad = leaf_grad(tensor)
     if grad is not None:
         grad_storages = storages(grad)
@@ -650,9 +664,13 @@ def _attribute_by_call(walk: _Walk) -> int:
     return unattributed
 
 
-def _count(walk: _Walk, found: Iterable[tuple[Key, int]], into: dict[int, int]) -> None:
+def _count(walk: _Walk, found: Iterable[tuple[Key, int]], into: dict[int, int]) -> list[Key]:
+    """File the storages not counted yet (nor in a pile) `into` a holding; the keys filed."""
+    filed = []
     for key, nbytes in found:
         if key in walk.excluded or key in walk.counted:
             continue
         walk.counted.add(key)
         into[key] = nbytes
+        filed.append(key)
+    return filed

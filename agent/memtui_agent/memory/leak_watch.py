@@ -111,7 +111,7 @@ class LeakWatch:
         elif step < self._quiet_until or not self._growing():
             return report
         census = self._take()
-        report.census = _cost(census)
+        report.census = census_cost(census)
         previous, self._previous = self._previous, (step, census)
         if previous is None or previous[0] >= step:
             self._next_census = step + CONFIRM_AFTER
@@ -272,7 +272,8 @@ def usual_fix(holding: Holding) -> str:
     return "drop the reference once it is no longer needed"
 
 
-def _cost(census: Census) -> CensusCost:
+def census_cost(census: Census) -> CensusCost:
+    """What one census cost, as the frame states it."""
     return CensusCost(
         seconds=round(census.seconds, 4),
         objects=census.visited,

@@ -659,6 +659,14 @@ class Ledger:
         with self._lock:
             return frozenset().union(*self._members)
 
+    def activation_keys(self) -> frozenset[Key]:
+        """Keys of every storage the activations pile holds now (saved by graphs still
+        alive); a walk over the ledger's entries, for a census only."""
+        with self._lock:
+            return frozenset(
+                key for key, entry in self._entries.items() if entry.mask & ACTIVATION_BIT
+            )
+
     # ----- the one place where bytes move --------------------------------------------------
 
     def _set_mask(self, key: Key, entry: _Entry, mask: int) -> None:

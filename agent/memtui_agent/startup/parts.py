@@ -26,6 +26,7 @@ from memtui_agent.hooks.counting import CountingHooks
 from memtui_agent.hooks.data_parallel import DataParallelHooks
 from memtui_agent.hooks.hook_arming import GateSwitch, HookArming
 from memtui_agent.hooks.library_wrappers import CheckpointNotes, ClipWarning, GradScalerWrappers
+from memtui_agent.hooks.module_scout import ModuleScout
 from memtui_agent.hooks.objects import CloseSync, ObjectSync, Watermark
 from memtui_agent.hooks.phase import JobPhase
 from memtui_agent.hooks.root_calls import RootHooks
@@ -114,8 +115,10 @@ def build_parts(
         ledger=ledger,
         piles=piles,
     )
-    roots = RootHooks(context, arming)
+    scout = ModuleScout(context)
+    roots = RootHooks(context, arming, scout)
     objects = ObjectSync(context, roots, data_parallel, watermark)
+    scout.bind(objects.sync_objects)
     counting = CountingHooks(context, arming, health, data_parallel, objects)
     arming.bind(counting)
     first_steps = FirstSteps(budget, emit, AllocatorReader.active)

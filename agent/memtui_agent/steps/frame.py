@@ -96,7 +96,10 @@ class StepInputs(msgspec.Struct, frozen=True):
     leaks: tuple[schema.Leak, ...] = ()
     leak_alerts: tuple[schema.Alert, ...] = ()
     census: schema.CensusCost | None = None
-    """The census this close took (a leak suspected, or graphs to count), if any."""
+    """The census this close took (a leak suspected, graphs to count, or the tensors the job
+    keeps to count), if any."""
+    kept: schema.Kept | None = None
+    """The tensors the job keeps outside every pile, as this close's census found them."""
 
     def alerts(self) -> list[schema.Alert]:
         """The step's alerts in the frame's order (without the skip's, which needs the scales)."""
@@ -202,6 +205,7 @@ def build_step(
         late=[*late, *inputs.late][: schema.MAX_LATE],  # at most 73 by construction
         leaks=list(inputs.leaks),
         census=inputs.census,
+        kept=inputs.kept,
     )
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.memory.gradient_batch import GradientBatch, gather
-from memtui_agent.memory.ledger import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, Ledger
+from memtui_agent.memory.ledger import GRADIENTS, OPTIMIZER_STATE, WEIGHTS, Ledger, storages_of
 from memtui_agent.steps.pile_watch import PileWatch
 from memtui_protocol import schema
 
@@ -86,6 +86,15 @@ class PersistentPiles:
         if summary is None:
             ledger.sync(GRADIENTS, batch.tensors)
         return batch
+
+    def gradient_keys(self) -> frozenset[int]:
+        """Storage keys of the gradients counted outside the ledger (between measured steps),
+        which a census must leave out as the ledger's piles are; empty while the ledger holds
+        them. A walk over the parameters: for a census only."""
+        if self.gradients is None or self._hooks.armed:
+            return frozenset()
+        found = self._registry.gradients(self._registry.parameters())
+        return frozenset(key for grad in found for key, _, _, _ in storages_of(grad))
 
     def gradients_rejoin(self, parameters: list[torch.Tensor]) -> None:
         """The gradient hooks are armed again: the gradients of `parameters` alive now are the

@@ -31,7 +31,8 @@ from memtui_agent.memory.allocator import (
 )
 from memtui_agent.memory.census import Census, Root, take_census
 from memtui_agent.memory.gpu_events import GpuEvents
-from memtui_agent.memory.leak_watch import LeakReport, LeakWatch
+from memtui_agent.memory.kept import KeptSchedule, kept_of
+from memtui_agent.memory.leak_watch import LeakReport, LeakWatch, census_cost
 from memtui_agent.memory.ledger import Ledger
 from memtui_agent.memory.memory_readers import host_now, with_nvml
 from memtui_agent.steps.budget import Budget
@@ -89,6 +90,9 @@ class StepCloser:
         self.alloc_events: AllocEventsRecorder | None = None
         """Set by the agent with `--alloc-events`: drains the allocator's history each close."""
         self.leaks = LeakWatch(self._census)
+        self.kept = KeptSchedule()
+        self._taken: Census | None = None
+        """The census this close took (the leak watch's or the kept schedule's), if any."""
         self.census_failed: Callable[[BaseException], None] = _ignore
         """Told once per error a census met (the agent says it on stderr and in the
         recording); the census itself ends there, the next one runs as usual."""
@@ -142,6 +146,7 @@ class StepCloser:
         verdict = self._gate.verdict(reading)
         final_peak = verdict.peak(peak)
         over_budget = self.budget.judge_peak(final_peak)
+        self._taken = None
         try:
             leak = self.leaks.at_close(
                 step,
@@ -152,6 +157,7 @@ class StepCloser:
         except Exception as exc:  # the leak watch's own error: this close has no leak figures
             self.census_failed(exc)
             leak = LeakReport()
+        kept, census_cost = self._kept_tensors(step, leak.census)
         distributed = self._hooks.distributed_at_close()
         return StepInputs(
             step=step,
@@ -176,14 +182,40 @@ class StepCloser:
             activations_left=self.ledger.current().counted()[3],
             leaks=tuple(leak.leaks),
             leak_alerts=tuple(leak.alerts),
-            census=leak.census,
+            census=census_cost,
+            kept=kept,
         )
+
+    def _kept_tensors(
+        self, step: int, cost: schema.CensusCost | None
+    ) -> tuple[schema.Kept | None, schema.CensusCost | None]:
+        """The tensors the job keeps outside every pile, where this close counts them (a census
+        the leak watch took, or one the kept schedule asks for), and the cost of the census
+        this close took. Never raises: an error leaves this close without the figure."""
+        try:
+            generation = self.registry.generation
+            if self._taken is None and self.kept.due(step, generation):
+                self._taken = self._census()
+                cost = census_cost(self._taken)
+            taken = self._taken
+            if taken is None:
+                return None, cost
+            self.kept.counted(step, generation, taken.complete)
+            if taken.stopped is CensusStop.ERROR:
+                return None, cost
+            return kept_of(taken, self.ledger.activation_keys()), cost
+        except Exception as exc:
+            self.census_failed(exc)
+            return None, cost
+        finally:
+            self._taken = None  # the census and the objects it names are not kept past the close
 
     def _census(self) -> Census:
         """A census of the job's live tensors from the names it wrote (this thread's frames
         are the training loop's)."""
         frame = sys._getframe(1)
-        return self._take(lambda: census_roots(self.registry, frame))
+        self._taken = self._take(lambda: census_roots(self.registry, frame))
+        return self._taken
 
     def final_leaks(
         self, step: int, namespace: dict[str, Any] | None, error: BaseException | None
@@ -200,9 +232,10 @@ class StepCloser:
         try:
             census = take_census(
                 roots(),
-                excluded=self.ledger.persistent_keys(),
+                excluded=self.ledger.persistent_keys() | self.piles.gradient_keys(),
                 saved=self.ledger.saved_by_node(),
                 calls=self._gate.held.calls(),
+                activations=self.ledger.activation_keys(),
             )
         except Exception as exc:  # finding the roots failed: this census only
             exc.__traceback__ = None  # its frames would hold the roots
