@@ -90,7 +90,14 @@ def test_the_default_never_states_a_wrong_activations_figure(
 
 def test_the_default_still_carries_healthy_repeats(runs: dict[tuple[str, str], Run]) -> None:
     """Truth is not bought by measuring everything: repeats that are repeats are carried."""
-    for job in ("healthy", "bounded_queue", "module_cache", "hook_outputs", "dropout_schedule"):
+    for job in (
+        "healthy",
+        "bounded_queue",
+        "module_cache",
+        "hook_outputs",
+        "dropout_schedule",
+        "llama_autocast",
+    ):
         steps = runs[(job, "default")].recording.steps
         carried = sum(1 for step in steps if step.activations_from is not None)
         assert carried * 10 >= len(steps) * 8, (job, carried)
