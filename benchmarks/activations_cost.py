@@ -1,6 +1,6 @@
 """What each `--activations` mode costs, against no monitoring, measured in the same run.
 
-    python benchmarks/activations_cost.py                    # gpt, stack, bert; 4 rounds
+    python benchmarks/activations_cost.py       # gpt, stack, bert, bertpad, llama; 4 rounds
     python benchmarks/activations_cost.py --jobs stack --rounds 6 --steps 60
 
 Each (job, configuration) runs in a fresh interpreter (`worker.py`), rounds interleaved so that
@@ -56,7 +56,7 @@ def run_worker(job: str, config: str, steps: int, threads: int) -> list[float]:
 def main() -> int:
     """Interleave the rounds, print one table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", default="gpt,stack,bert")
+    parser.add_argument("--jobs", default="gpt,stack,bert,bertpad,llama")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)

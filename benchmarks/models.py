@@ -196,9 +196,41 @@ def bert_job() -> Job:
     return BertJob(model, torch.optim.AdamW(model.parameters()), inputs, targets, False)
 
 
+class LlamaJob(Job):
+    """A small Hugging Face Llama (4 layers, hidden 64, batch 2x32) trained under bf16 autocast
+    on the CPU: hundreds of small saved tensors, views and dropped intermediates."""
+
+    def step(self) -> torch.Tensor:
+        """One step through the model's own loss, its forward under autocast."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss: torch.Tensor = self.model(input_ids=self.inputs, labels=self.targets).loss
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+
+def llama_job() -> Job:
+    """`LlamaJob`, built from a config (nothing downloaded); needs `transformers`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(config)
+    inputs = torch.randint(0, 1000, (2, 32))
+    return LlamaJob(model, torch.optim.AdamW(model.parameters()), inputs, inputs, False)
+
+
 def build_job(name: str, quick: bool) -> Job:
-    """The named job ("gpt", "stack", "stack100", "tiny", "bert" or "bertpad"), seeded so every
-    process is equal.
+    """The named job ("gpt", "stack", "stack100", "tiny", "bert", "bertpad" or "llama"), seeded
+    so every process is equal.
 
     "stack" is 200 blocks (601 modules; 20 blocks with `quick`), "stack100" 33 blocks (exactly
     100 modules, for the recording-size section) and "tiny" 8 blocks, small enough to run
@@ -207,6 +239,8 @@ def build_job(name: str, quick: bool) -> Job:
     torch.manual_seed(0)
     if name == "bert":
         return bert_job()
+    if name == "llama":
+        return llama_job()
     if name == "bertpad":
         job = bert_job()
         return BertPaddedJob(job.model, job.optimizer, job.inputs, job.targets, False)

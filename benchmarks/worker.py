@@ -161,7 +161,7 @@ def _outer(config: str, job: Any) -> Iterator[Callable[[], Any]]:
 def main() -> int:
     """Parse the arguments, run the job, print the result line."""
     parser = argparse.ArgumentParser(description="one benchmark process (see module docstring)")
-    jobs = ["gpt", "stack", "stack100", "tiny", "bert", "bertpad"]
+    jobs = ["gpt", "stack", "stack100", "tiny", "bert", "bertpad", "llama"]
     parser.add_argument("--job", required=True, choices=jobs)
     parser.add_argument("--config", required=True, choices=CONFIGS)
     parser.add_argument("--steps", type=int, required=True)

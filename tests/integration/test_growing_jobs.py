@@ -97,6 +97,7 @@ def test_the_default_still_carries_healthy_repeats(runs: dict[tuple[str, str], R
         "hook_outputs",
         "dropout_schedule",
         "fp32_outputs",  # an output backward never reaches is no graph kept (accelerate's bf16)
+        "llama_autocast",
     ):
         steps = runs[(job, "default")].recording.steps
         carried = sum(1 for step in steps if step.activations_from is not None)

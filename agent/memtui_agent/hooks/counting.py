@@ -149,6 +149,9 @@ class CountingHooks:
                 if (seen is None or seen() is not origin) and not self._pack_parameter(origin):
                     return tensor  # FSDP's gathered parameter: kept as FSDP expects
                 # A weight, never an activation: autograd keeps it as it would without hooks.
+                share = self._gate.signatures.share
+                if share is not None and share.on:
+                    share.held()
                 return SavedWeight(tensor, tensor._version)
             stack = self._stack
             module = stack[-1] if stack else NO_MODULE
@@ -156,6 +159,9 @@ class CountingHooks:
             if plain is not None:  # almost every saved tensor: one storage
                 key, nbytes, name, _storage = plain
                 if not nbytes or not key >> 8:
+                    share = self._gate.signatures.share
+                    if share is not None and share.on:
+                        share.held()
                     return tensor  # holds no memory
                 ledger = self._ledger
                 ledger.acquire_activation(key, nbytes, name, module)
@@ -163,14 +169,23 @@ class CountingHooks:
                 # The node being built is the last one this thread numbered (the next number,
                 # less one): a census finds what a retained graph holds from this record,
                 # never by unpacking it.
-                ledger.saved_nodes[id(one)] = (next_sequence_number() << NODE_SHIFT) | key
+                node = next_sequence_number()
+                ledger.saved_nodes[id(one)] = (node << NODE_SHIFT) | key
+                share = self._gate.signatures.share
+                if share is not None and share.on:
+                    # What autograd would keep of it without the hook (`hook_share`).
+                    share.saved(tensor, node - 1)
                 return one
             infos = storages_of(tensor)
             keys = [info[0] for info in infos]
             saved = Saved(tensor.detach(), keys, self._ledger, tensor._version)
             for key, nbytes, dtype, _storage in infos:
                 self._ledger.acquire_activation(key, nbytes, dtype, module)
-            self._ledger.saved_nodes_multi[id(saved)] = (next_sequence_number() - 1, tuple(keys))
+            node = next_sequence_number() - 1
+            self._ledger.saved_nodes_multi[id(saved)] = (node, tuple(keys))
+            share = self._gate.signatures.share
+            if share is not None and share.on:
+                share.saved(tensor, node)
             return saved
         except Exception as exc:
             self._disable("pack", exc)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+import sys
 import threading
 import weakref
 from collections.abc import Iterable
@@ -288,6 +289,21 @@ class Ledger:
         """Bits (`_BITS`) of the persistent piles whose bytes moved since the step opened."""
         self._watched_from_open = True
         self.reset_step()
+
+    def own_bytes(self) -> int:
+        """Bytes of the tables that grow with the activations counted (a dict's table is
+        reallocated as it grows, and stays as large once its entries go): what the ledger
+        itself adds to glibc's heap during a measured forward (`steps.step_signature`)."""
+        tables: tuple[object, ...] = (
+            self._entries,
+            self.saved_nodes,
+            self.saved_nodes_multi,
+            self._module_live,
+            self._module_max,
+            self._ref_keys,
+            self._pool,
+        )
+        return sum(sys.getsizeof(table) for table in tables)
 
     # ----- step window ---------------------------------------------------------------------
 

@@ -45,13 +45,14 @@ from memtui_agent.steps.first_step import FirstSteps
 from memtui_agent.steps.frame import ClosedStep
 from memtui_agent.steps.gate import ActivationGate
 from memtui_agent.steps.health import HealthMonitor
+from memtui_agent.steps.hook_share import calibrate
 from memtui_agent.steps.pile_count import PersistentPiles
 from memtui_agent.steps.step_closer import StepCloser
 from memtui_agent.steps.step_signature import heap_reader
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
-from memtui_protocol.schema import StepTrigger
+from memtui_protocol.schema import ActivationMode, StepTrigger
 
 if TYPE_CHECKING:  # for annotations only
     from torch import nn
@@ -87,8 +88,19 @@ def build_parts(
     health = HealthMonitor(config.nan_check)
     switch = GateSwitch(arming, registry, piles, phase.stack, switches)
     unhooked = UnhookedSaves(ledger, NO_MODULE)
+    heap = heap_reader()
+    # Calibrated before the job runs, on the thread that starts the agent, with no hooks on.
+    costs = calibrate(heap) if config.activations is ActivationMode.AUTO else None
     gate = ActivationGate(
-        config.activations, switch, registry, health, budget, heap_reader(), unhooked
+        config.activations,
+        switch,
+        registry,
+        health,
+        budget,
+        heap,
+        costs=costs,
+        own=ledger.own_bytes,
+        adopt=unhooked,
     )
     data_parallel = DataParallelHooks(switches, partial(_fsdp_found, gate, piles))
     watermark = Watermark()

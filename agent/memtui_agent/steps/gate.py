@@ -50,6 +50,7 @@ from memtui_agent.steps.decision import (
 from memtui_agent.steps.frame import CloseReading, StepInputs
 from memtui_agent.steps.health import HealthMonitor
 from memtui_agent.steps.held_graphs import Adopter, HeldGraphs
+from memtui_agent.steps.hook_share import Costs
 from memtui_agent.steps.step_signature import SignatureRecorder
 from memtui_protocol.schema import ActivationMode, AlertKind, Pile
 
@@ -116,15 +117,19 @@ class ActivationGate:
         health: HealthMonitor,
         budget: Budget,
         heap: Callable[[], int | None] | None = None,
+        costs: Costs | None = None,
+        own: Callable[[], int] | None = None,
         adopt: Adopter | None = None,
     ) -> None:
         """`heap` reads glibc's bytes in use (`step_signature.heap_reader`), for the CPU's half
-        of a carry's confirmation; None where there is no such counter. `adopt` takes into the
+        of a carry's confirmation; None where there is no such counter. `costs`: the agent's
+        own heap bytes per saved tensor (`hook_share.calibrate`), and `own` those of its tables
+        (`Ledger.own_bytes`), taken off a measured step's reading. `adopt` takes into the
         activations pile a value a counted graph saved without any hook (a Python number
         wrapped as a tensor: `hooks.saved_tensors.UnhookedSaves`)."""
         self._adopt = adopt
         self.policy = ActivationPolicy(mode)
-        self.signatures = SignatureRecorder(heap)
+        self.signatures = SignatureRecorder(heap, costs, own)
         self.held = HeldGraphs()
         self._start_activations = 0
         """Activations held as the open step began (graphs kept from earlier steps)."""
@@ -161,7 +166,7 @@ class ActivationGate:
         """The hooks are installed: the first step is measured whatever the mode says (the
         models are found there); in `off` only the module hooks that find them run."""
         if self.policy.mode is not ActivationMode.OFF:
-            self._switch.arm(None)
+            self.signatures.aside(lambda: self._switch.arm(None))
             self.policy.first_armed()
             self._blind = self._switch.pack_missing
 
@@ -176,13 +181,14 @@ class ActivationGate:
     def parameters_found(self) -> None:
         """New parameters may exist: hook their gradients if this step is measured."""
         if self._switch.armed and self.policy.mode is not ActivationMode.OFF:
-            self._switch.hook_new_parameters()
+            self.signatures.aside(self._switch.hook_new_parameters)
 
     def root_call(
         self, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], step: int
     ) -> None:
         """A top-level call of a root module (its forward pre-hook): arm from here if the step
         must be measured, or if its calls so far repeat no measured step."""
+        self.signatures.root_call()
         self._call_first = next_sequence_number()
         # Which optimizers live, and whether each has its state yet: a new optimizer's first
         # step (state allocated) differs from its later ones at equal piles.
@@ -196,7 +202,7 @@ class ActivationGate:
         if self.policy.root_call(signature, step, self._must_measure(), alive) and (
             not foreign or self._must_measure()
         ):
-            self._switch.arm(module)
+            self.signatures.aside(lambda: self._switch.arm(module))
         if self._switch.armed and self._switch.pack_missing:
             self._blind = True
 
@@ -285,14 +291,16 @@ class ActivationGate:
         mode = policy.mode
         switch = self._switch
         if mode is ActivationMode.OFF or (mode is ActivationMode.AUTO and policy.saw_calls):
-            switch.disarm()  # `auto`: the next root call decides
+            # `auto`: the next root call decides.
+            self.signatures.aside(switch.disarm)
         elif mode is ActivationMode.EVERY:
             if not switch.armed:
-                switch.arm(None)  # `auto` turned into `every` at an unarmed close
+                # `auto` turned into `every` at an unarmed close.
+                self.signatures.aside(lambda: switch.arm(None))
         elif mode is ActivationMode.AUTO:
             # No root module was called (a job of plain tensors): nothing to decide on, so the
             # next step is measured from its start.
-            switch.arm(None)
+            self.signatures.aside(lambda: switch.arm(None))
         policy.begin(after.start_of_next())
         self._blind = False
         if mode is not ActivationMode.OFF and switch.armed:

@@ -14,7 +14,10 @@ hook:
   (bytes and number of allocations made): exact. On a CPU glibc's in-use heap (`malloc_info`,
   about 40 us) at the first backward, less that at the step's start: what the forward allocated
   and still holds, activations first; it moves by a few hundred bytes between equal steps, so
-  it is compared within a tolerance.
+  it is compared within a tolerance. A step measured by the hooks holds more or less heap than
+  the same step without them (autograd keeps its saved tensors otherwise under a pack hook):
+  that share, counted by kind of saved tensor and calibrated at start (`hook_share`), is taken
+  off its reading, so measured and unmeasured steps compare exactly.
 
 A step's `Signature` is compared with its measured twin's; any difference means "not known".
 Graphs kept past the close are seen exactly elsewhere (`held_graphs`).
@@ -29,11 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from memtui_agent.steps.hook_share import Costs, HookShare
 from memtui_protocol.schema import Allocator
 
 MEMORY_TOLERANCE = 16 * 1024
 """On a CPU, in-use heap bytes that differ by less than this (or 1% of the activations' high,
-if more) count as equal: equal steps of this project's CPU jobs differed by up to 2 KiB."""
+if more) count as equal: equal steps of this project's CPU jobs differed by up to 2 KiB, and of
+a small Llama under bf16 autocast by up to 5 KiB. The job's own noise only: memtui's share of a
+measured step's heap is taken off before comparing (`hook_share`)."""
 
 
 def _sequence_reader() -> Callable[[], int] | None:
@@ -146,11 +152,29 @@ class Mismatch:
 class SignatureRecorder:
     """Reads the counters as a step starts, at its top-level backward passes and its close."""
 
-    def __init__(self, heap: Callable[[], int | None] | None) -> None:
+    def __init__(
+        self,
+        heap: Callable[[], int | None] | None,
+        costs: Costs | None = None,
+        own: Callable[[], int] | None = None,
+    ) -> None:
+        """`costs`: what the agent's pack hook adds to the heap per saved tensor
+        (`hook_share.calibrate`); None takes nothing off a measured step's reading. `own`: the
+        bytes of the agent's own tables that grow as it counts (`Ledger.own_bytes`): what they
+        grew by is taken off too."""
+        self._own = own
         self._nodes = _sequence_reader()
         self._heap = heap
+        self.share = HookShare(costs) if costs is not None and heap is not None else None
+        """Counts the saved tensors of a measured step (the pack hook calls it)."""
         self._node_mark = self._read_nodes()
         self._heap_start = self._read_heap()
+        self._own_start = self._read_own()
+        self._aside = 0
+        """Heap bytes the agent's own actions (arming the hooks) moved since the step began."""
+        self._heap_close = self._heap_start
+        self._fresh = True
+        """No root call yet in the open step (`root_call` takes the start's reading anew)."""
         self._heap_at_backward: int | None = None
         self._node_counts: list[int] = []
 
@@ -164,7 +188,41 @@ class SignatureRecorder:
         self._count_nodes()
         if len(self._node_counts) == 1 and self._heap_start is not None:
             used = self._read_heap()
-            self._heap_at_backward = used - self._heap_start if used is not None else None
+            # Alive or freed, the saved tensors now are what autograd would keep otherwise.
+            share = self.share.at_backward() if self.share is not None else 0
+            share += self._read_own() - self._own_start + self._aside
+            self._heap_at_backward = used - self._heap_start - share if used is not None else None
+
+    def root_call(self) -> None:
+        """A root module's top-level call begins: the open step's first takes the start's
+        reading again, so what the agent did since the close (the close's frame, disarming)
+        is outside it. Without a root call the step starts at the close."""
+        if not self._fresh:
+            return
+        self._fresh = False
+        if self._heap_start is None or self._node_counts:
+            return
+        start = self._read_heap()
+        if start is None:
+            return
+        self._heap_start, self._own_start, self._aside = start, self._read_own(), 0
+        if self.share is not None:
+            self.share.reset()  # what was packed before the call is outside the reading
+
+    def aside(self, action: Callable[[], object]) -> None:
+        """Run the agent's `action` (arming or disarming the hooks), its heap bytes set aside
+        from the open step's reading: it runs at the step's start or its first root call, on
+        steps measured and not alike (two heap readings, only where it runs)."""
+        if self._heap_start is None or self._node_counts:
+            action()  # no heap compared, or the step's reading was taken
+            return
+        before = self._read_heap()
+        try:
+            action()
+        finally:
+            after = self._read_heap()
+            if before is not None and after is not None:
+                self._aside += after - before
 
     def close(self, allocator: Allocator) -> Signature:
         """The closing step's signature (`allocator`: the close's reading); the next step
@@ -179,13 +237,18 @@ class SignatureRecorder:
         signature = Signature(tuple(self._node_counts), memory, exact)
         self._node_counts = []
         self._heap_at_backward = None
-        self._heap_start = self._read_heap() if not exact else None
+        self._heap_start = self._heap_close = self._read_heap() if not exact else None
+        self._own_start = self._read_own()
+        self._aside = 0
+        self._fresh = True
+        if self.share is not None:
+            self.share.reset(counting=self._heap_start is not None)
         return signature
 
     @property
     def heap_at_close(self) -> int | None:
         """glibc's bytes in use at the last close (CPU jobs; None on a GPU or off glibc)."""
-        return self._heap_start
+        return self._heap_close
 
     def _count_nodes(self) -> None:
         now = self._read_nodes()
@@ -194,6 +257,9 @@ class SignatureRecorder:
 
     def _read_nodes(self) -> int:
         return self._nodes() if self._nodes is not None else 0
+
+    def _read_own(self) -> int:
+        return self._own() if self._own is not None else 0
 
     def _read_heap(self) -> int | None:
         try:
