@@ -67,6 +67,8 @@ _BITS = tuple(1 << index for index in PileIndex)
 """A storage's membership mask: one bit per pile; the lowest set bit is the pile it counts in."""
 ACTIVATION_BIT = _BITS[ACTIVATIONS]
 _ACTIVATIONS_AT = int(ACTIVATIONS)
+_GRADIENTS_AT = int(GRADIENTS)
+_GRADIENTS_BIT = _BITS[GRADIENTS]
 """The hot paths' spelling of `ACTIVATIONS`: a plain int indexes and compares in CPython's fast
 paths, an IntEnum member in the generic ones (80 against 30 ns for four list reads)."""
 NO_PILE = -1
@@ -106,6 +108,8 @@ def storage_key(device: int, pointer: int) -> Key:
 _dtype_names: dict[torch.dtype, str] = {}
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
 
 
 def dtype_inventory(
@@ -357,6 +361,8 @@ class Ledger:
             fingerprint = None
         if fingerprint is not None and fingerprint == self._fingerprints[pile]:
             return False
+        if fingerprint is not None and self._confirmed(pile, fingerprint):
+            return False
         # Otherwise a cache keyed by id() and confirmed by data_ptr() skips re-deriving the
         # storages of tensors seen before. It holds keys only, never tensors or storages, so it
         # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
@@ -403,6 +409,33 @@ class Ledger:
             if fingerprint is not None and 0 not in fingerprint[1]:
                 self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
         return changed
+
+    def _confirmed(self, pile: PileIndex, fingerprint: tuple[list[int], list[int], int]) -> bool:
+        """Whether every tensor is in the pile's cache at its pointer with one storage, and
+        those storages are exactly the pile's members: the loop of `sync` would then change
+        nothing. The usual armed close (every gradient claimed by its hook, `claim_gradient`),
+        checked with C iterators instead of a Python loop per tensor."""
+        ids, pointers, _count = fingerprint
+        if 0 in pointers:
+            return False
+        cache = self._sync_cache[pile]
+        cached = list(map(cache.get, ids))
+        if None in cached:
+            return False
+        # Narrowed by the test above, which mypy does not follow into the list.
+        known: list[tuple[int, tuple[Key, ...]]] = cached  # type: ignore[assignment]
+        if list(map(_FIRST, known)) != pointers:
+            return False
+        keys = list(map(_SECOND, known))
+        if set(map(len, keys)) != {1}:
+            return False
+        with self._lock:
+            members = self._members[pile]
+            if len(members) > len(keys) or set(map(_FIRST, keys)) != members:
+                return False
+            self._sync_cache[pile] = dict(zip(ids, known, strict=True))
+            self._fingerprints[pile] = (ids, pointers, len(members))
+        return True
 
     def summarize(
         self, pile: PileIndex, tensors: list[torch.Tensor]
@@ -488,6 +521,55 @@ class Ledger:
         if tensor is not None:
             self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
 
+    def claim_gradient(
+        self, key: Key, nbytes: int, dtype: str, storage: torch.UntypedStorage, tensor: torch.Tensor
+    ) -> None:
+        """`claim(GRADIENTS, ...)` for the gradient hook, whose tensor starts at its storage's
+        data (every fresh `.grad`, a new storage no pile holds): one call, the accounting
+        inlined. Anything else (a storage already in the ledger, an empty one) takes `claim`.
+        """
+        with self._lock:
+            members = self._members[_GRADIENTS_AT]
+            if key in members:
+                pass
+            elif nbytes <= 0 or key in self._entries:
+                self._claim((key, nbytes, dtype, storage), GRADIENTS)
+            else:
+                # `_claim` of a new storage, with `_new_entry`, `_set_mask` and `_account`
+                # inlined (the same steps in the same order; a test replays both).
+                pool = self._pool
+                if pool:
+                    entry = pool.pop()
+                    entry.dtype = dtype
+                    entry.act_refs = 0
+                    entry.module = NO_MODULE
+                else:
+                    entry = _Entry(nbytes, dtype)
+                entry.nbytes = nbytes
+                entry.mask = _GRADIENTS_BIT
+                entry.pile = _GRADIENTS_AT
+                self._entries[key] = entry
+                ref = entry.ref = weakref.ref(storage, self._on_freed)
+                self._ref_keys[id(ref)] = key
+                members.add(key)
+                self._membership_changes += 1
+                piles = self.piles
+                size = piles[_GRADIENTS_AT] + nbytes
+                piles[_GRADIENTS_AT] = size
+                dtypes = self._dtypes[_GRADIENTS_AT]
+                stat = dtypes.get(dtype)
+                if stat is None:
+                    stat = dtypes[dtype] = [0, 0]
+                stat[0] += nbytes
+                stat[1] += 1
+                if size > self.max[_GRADIENTS_AT]:
+                    self.max[_GRADIENTS_AT] = size
+                total = sum(piles)
+                if total > self.peak_total:
+                    self.peak_total = total
+                    self._peak_pending = True
+        self._sync_cache[_GRADIENTS_AT][id(tensor)] = (key >> 8, (key,))
+
     def _claim(self, info: StorageInfo, pile: PileIndex) -> None:
         key, nbytes, dtype, storage = info
         entry = self._entries.get(key)
@@ -526,7 +608,31 @@ class Ledger:
             for members in self._members:
                 members.discard(key)
             self._membership_changes += 1
-            self._set_mask(key, entry, 0)
+            old = entry.pile
+            if old in (NO_PILE, _ACTIVATIONS_AT) or entry.nbytes <= 0:
+                self._set_mask(key, entry, 0)
+                return
+            # `_set_mask(key, entry, 0)` for a storage counted in a persistent pile (a freed
+            # gradient, every step), with `_account` and `_drop_entry` inlined.
+            entry.mask = 0
+            entry.pile = NO_PILE
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            nbytes = entry.nbytes
+            self.piles[old] -= nbytes
+            dtypes = self._dtypes[old]
+            name = entry.dtype
+            stat = dtypes.get(name)
+            if stat is None:
+                stat = dtypes[name] = [0, 0]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if stat[1] == 0:
+                del dtypes[name]
+            del self._entries[key]
+            entry.ref = None  # its `_ref_keys` item was popped above
+            if len(self._pool) < ENTRY_POOL:
+                self._pool.append(entry)
 
     def _new_entry(self, nbytes: int, dtype: str) -> _Entry:
         pool = self._pool
@@ -556,12 +662,40 @@ class Ledger:
                     entry.module = module
                     self._set_mask(key, entry, entry.mask | ACTIVATION_BIT)
                 return
-            entry = self._entries[key] = self._new_entry(nbytes, dtype)
+            pool = self._pool
+            entry = pool.pop() if pool else _Entry(nbytes, dtype)
+            self._entries[key] = entry
+            entry.nbytes = nbytes
+            entry.dtype = dtype
             entry.act_refs = 1
             entry.module = module
             entry.mask = ACTIVATION_BIT
             entry.pile = _ACTIVATIONS_AT
-            self._account(_ACTIVATIONS_AT, entry, nbytes)
+            if nbytes <= 0:
+                self._account(_ACTIVATIONS_AT, entry, nbytes)
+                return
+            # `_account(ACTIVATIONS, entry, nbytes)` inlined (every saved tensor; a test
+            # replays the inlined paths against the general ones).
+            piles = self.piles
+            size = piles[_ACTIVATIONS_AT] + nbytes
+            piles[_ACTIVATIONS_AT] = size
+            dtypes = self._dtypes[_ACTIVATIONS_AT]
+            stat = dtypes.get(dtype)
+            if stat is None:
+                stat = dtypes[dtype] = [0, 0]
+            stat[0] += nbytes
+            stat[1] += 1
+            live = self._module_live.get(module, 0) + nbytes
+            self._module_live[module] = live
+            if live > self._module_max.get(module, 0):
+                self._module_max[module] = live
+            if size > self.max[_ACTIVATIONS_AT]:
+                self.max[_ACTIVATIONS_AT] = size
+                self._act_max_pending = True
+            total = sum(piles)
+            if total > self.peak_total:
+                self.peak_total = total
+                self._peak_pending = True
 
     def release_activation(self, key: Key) -> None:
         """A pack wrapper was freed (its graph was released)."""
@@ -578,8 +712,36 @@ class Ledger:
             # An activation and nothing else: it leaves every pile.
             entry.mask = 0
             entry.pile = NO_PILE
-            self._account(_ACTIVATIONS_AT, entry, -entry.nbytes)
-            self._drop_entry(key, entry)
+            nbytes = entry.nbytes
+            if nbytes <= 0:
+                self._account(_ACTIVATIONS_AT, entry, -nbytes)
+                self._drop_entry(key, entry)
+                return
+            # `_account(ACTIVATIONS, entry, -nbytes)` and `_drop_entry` inlined.
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            self.piles[_ACTIVATIONS_AT] -= nbytes
+            dtypes = self._dtypes[_ACTIVATIONS_AT]
+            name = entry.dtype
+            stat = dtypes.get(name)
+            if stat is None:
+                stat = dtypes[name] = [0, 0]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if stat[1] == 0:
+                del dtypes[name]
+            module = entry.module
+            live = self._module_live.get(module, 0) - nbytes
+            self._module_live[module] = live
+            if live > self._module_max.get(module, 0):
+                self._module_max[module] = live
+            del self._entries[key]
+            ref = entry.ref
+            if ref is not None:
+                self._ref_keys.pop(id(ref), None)
+                entry.ref = None
+            if len(self._pool) < ENTRY_POOL:
+                self._pool.append(entry)
 
     def saved_by_node(self) -> dict[int, list[tuple[Key, int]]]:
         """What the live saved-tensor wrappers hold, by the autograd node each was packed for:
