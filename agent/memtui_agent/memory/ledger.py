@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 from enum import IntEnum
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -79,6 +80,11 @@ NO_MODULE = -1
 Key = int
 """A storage's identity: its data pointer and device in one int (`storage_key`)."""
 StorageInfo = tuple[Key, int, str, torch.UntypedStorage]
+_Cached = Key | tuple[int, tuple[Key, ...]]
+"""`sync`'s cache of a tensor's storages (by id): its key alone when it has one storage that
+starts at its data (the tensor's data pointer is then the key's: `key >> 8`), an int, which the
+garbage collector does not track (a gradient hook writes one per gradient per step); otherwise
+(the tensor's data pointer, the keys)."""
 """(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
 NODE_SHIFT = 80
 """Bits of a `saved_nodes` value below the node's sequence number: a key is under 2^66 (an
@@ -108,8 +114,6 @@ def storage_key(device: int, pointer: int) -> Key:
 _dtype_names: dict[torch.dtype, str] = {}
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
 
 
 def dtype_inventory(
@@ -267,7 +271,7 @@ class Ledger:
         self.piles = [0 for _ in PileIndex]
         self._dtypes: list[dict[str, list[int]]] = [{} for _ in PileIndex]
         self._module_live: dict[int, int] = {}
-        self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{} for _ in PERSISTENT]
+        self._sync_cache: list[dict[int, _Cached]] = [{} for _ in PERSISTENT]
         self._fingerprints: list[Any] = [None for _ in PERSISTENT]
         self._act_max_pending = False
         self._peak_pending = False
@@ -368,7 +372,7 @@ class Ledger:
         # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
         # reused) is derived again.
         cache = self._sync_cache[pile]
-        fresh: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        fresh: dict[int, _Cached] = {}
         found: set[Key] = set()
         new_infos: list[StorageInfo] = []
         for tensor in tensors:
@@ -380,7 +384,12 @@ class Ledger:
             except RuntimeError:
                 pointer = 0
             cached = cache.get(ident)
-            if cached is not None and cached[0] == pointer and pointer != 0:
+            if isinstance(cached, int):  # one storage, starting at the tensor's data
+                if cached >> 8 == pointer and pointer != 0 and cached in members:
+                    fresh[ident] = cached
+                    found.add(cached)
+                    continue
+            elif cached is not None and cached[0] == pointer and pointer != 0:
                 keys = cached[1]
                 if len(keys) == 1:
                     if keys[0] in members:
@@ -392,7 +401,11 @@ class Ledger:
                     found.update(keys)
                     continue
             infos = storages_of(tensor)
-            fresh[ident] = (pointer, tuple(info[0] for info in infos))
+            keys = tuple(info[0] for info in infos)
+            if len(keys) == 1 and keys[0] >> 8 == pointer:
+                fresh[ident] = keys[0]
+            else:
+                fresh[ident] = (pointer, keys)
             for info in infos:
                 found.add(info[0])
                 new_infos.append(info)
@@ -416,24 +429,21 @@ class Ledger:
         nothing. The usual armed close (every gradient claimed by its hook, `claim_gradient`),
         checked with C iterators instead of a Python loop per tensor."""
         ids, pointers, _count = fingerprint
-        if 0 in pointers:
+        if not ids or 0 in pointers:
             return False
         cache = self._sync_cache[pile]
         cached = list(map(cache.get, ids))
-        if None in cached:
+        if set(map(type, cached)) != {int}:  # one not cached, or not a single storage
             return False
         # Narrowed by the test above, which mypy does not follow into the list.
-        known: list[tuple[int, tuple[Key, ...]]] = cached  # type: ignore[assignment]
-        if list(map(_FIRST, known)) != pointers:
-            return False
-        keys = list(map(_SECOND, known))
-        if set(map(len, keys)) != {1}:
+        keys: list[Key] = cached  # type: ignore[assignment]
+        if list(map(operator.rshift, keys, repeat(8))) != pointers:
             return False
         with self._lock:
             members = self._members[pile]
-            if len(members) > len(keys) or set(map(_FIRST, keys)) != members:
+            if len(members) > len(keys) or set(keys) != members:
                 return False
-            self._sync_cache[pile] = dict(zip(ids, known, strict=True))
+            self._sync_cache[pile] = dict(zip(ids, keys, strict=True))
             self._fingerprints[pile] = (ids, pointers, len(members))
         return True
 
@@ -519,7 +529,7 @@ class Ledger:
             if key not in self._members[pile]:
                 self._claim((key, nbytes, dtype, storage), pile)
         if tensor is not None:
-            self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
+            self._sync_cache[pile][id(tensor)] = key
 
     def claim_gradient(
         self, key: Key, nbytes: int, dtype: str, storage: torch.UntypedStorage, tensor: torch.Tensor
@@ -568,7 +578,7 @@ class Ledger:
                 if total > self.peak_total:
                     self.peak_total = total
                     self._peak_pending = True
-        self._sync_cache[_GRADIENTS_AT][id(tensor)] = (key >> 8, (key,))
+        self._sync_cache[_GRADIENTS_AT][id(tensor)] = key  # an int: nothing for the collector
 
     def _claim(self, info: StorageInfo, pile: PileIndex) -> None:
         key, nbytes, dtype, storage = info
