@@ -217,8 +217,9 @@ class CountingHooks:
                 self._ledger.add(GRADIENTS, grad)
                 return
             key, nbytes, name, storage = plain
-            # A view at an offset is not cached: the close derives its storage.
-            cached = grad if grad.data_ptr() == key >> 8 else None
-            self._ledger.claim(GRADIENTS, key, nbytes, name, storage, cached)
+            if grad.data_ptr() == key >> 8:
+                self._ledger.claim_gradient(key, nbytes, name, storage, grad)
+            else:  # a view at an offset is not cached: the close derives its storage
+                self._ledger.claim(GRADIENTS, key, nbytes, name, storage)
         except Exception as exc:
             self._disable("grads", exc)

@@ -27,6 +27,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 from enum import IntEnum
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -68,6 +69,8 @@ _BITS = tuple(1 << index for index in PileIndex)
 """A storage's membership mask: one bit per pile; the lowest set bit is the pile it counts in."""
 ACTIVATION_BIT = _BITS[ACTIVATIONS]
 _ACTIVATIONS_AT = int(ACTIVATIONS)
+_GRADIENTS_AT = int(GRADIENTS)
+_GRADIENTS_BIT = _BITS[GRADIENTS]
 """The hot paths' spelling of `ACTIVATIONS`: a plain int indexes and compares in CPython's fast
 paths, an IntEnum member in the generic ones (80 against 30 ns for four list reads)."""
 NO_PILE = -1
@@ -78,6 +81,11 @@ NO_MODULE = -1
 Key = int
 """A storage's identity: its data pointer and device in one int (`storage_key`)."""
 StorageInfo = tuple[Key, int, str, torch.UntypedStorage]
+_Cached = Key | tuple[int, tuple[Key, ...]]
+"""`sync`'s cache of a tensor's storages (by id): its key alone when it has one storage that
+starts at its data (the tensor's data pointer is then the key's: `key >> 8`), an int, which the
+garbage collector does not track (a gradient hook writes one per gradient per step); otherwise
+(the tensor's data pointer, the keys)."""
 """(key, nbytes, dtype name, untyped storage) for one storage of a tensor."""
 NODE_SHIFT = 80
 """Bits of a `saved_nodes` value below the node's sequence number: a key is under 2^66 (an
@@ -264,7 +272,7 @@ class Ledger:
         self.piles = [0 for _ in PileIndex]
         self._dtypes: list[dict[str, list[int]]] = [{} for _ in PileIndex]
         self._module_live: dict[int, int] = {}
-        self._sync_cache: list[dict[int, tuple[int, tuple[Key, ...]]]] = [{} for _ in PERSISTENT]
+        self._sync_cache: list[dict[int, _Cached]] = [{} for _ in PERSISTENT]
         self._fingerprints: list[Any] = [None for _ in PERSISTENT]
         self._act_max_pending = False
         self._peak_pending = False
@@ -410,12 +418,14 @@ class Ledger:
             fingerprint = None
         if fingerprint is not None and fingerprint == self._fingerprints[pile]:
             return False
+        if fingerprint is not None and self._confirmed(pile, fingerprint):
+            return False
         # Otherwise a cache keyed by id() and confirmed by data_ptr() skips re-deriving the
         # storages of tensors seen before. It holds keys only, never tensors or storages, so it
         # keeps nothing alive; a cached key no longer in the pile (freed, and its pointer
         # reused) is derived again.
         cache = self._sync_cache[pile]
-        fresh: dict[int, tuple[int, tuple[Key, ...]]] = {}
+        fresh: dict[int, _Cached] = {}
         found: set[Key] = set()
         new_infos: list[StorageInfo] = []
         for tensor in tensors:
@@ -427,7 +437,12 @@ class Ledger:
             except RuntimeError:
                 pointer = 0
             cached = cache.get(ident)
-            if cached is not None and cached[0] == pointer and pointer != 0:
+            if isinstance(cached, int):  # one storage, starting at the tensor's data
+                if cached >> 8 == pointer and pointer != 0 and cached in members:
+                    fresh[ident] = cached
+                    found.add(cached)
+                    continue
+            elif cached is not None and cached[0] == pointer and pointer != 0:
                 keys = cached[1]
                 if len(keys) == 1:
                     if keys[0] in members:
@@ -439,7 +454,11 @@ class Ledger:
                     found.update(keys)
                     continue
             infos = storages_of(tensor)
-            fresh[ident] = (pointer, tuple(info[0] for info in infos))
+            keys = tuple(info[0] for info in infos)
+            if len(keys) == 1 and keys[0] >> 8 == pointer:
+                fresh[ident] = keys[0]
+            else:
+                fresh[ident] = (pointer, keys)
             for info in infos:
                 found.add(info[0])
                 new_infos.append(info)
@@ -456,6 +475,30 @@ class Ledger:
             if fingerprint is not None and 0 not in fingerprint[1]:
                 self._fingerprints[pile] = (fingerprint[0], fingerprint[1], len(members))
         return changed
+
+    def _confirmed(self, pile: PileIndex, fingerprint: tuple[list[int], list[int], int]) -> bool:
+        """Whether every tensor is in the pile's cache at its pointer with one storage, and
+        those storages are exactly the pile's members: the loop of `sync` would then change
+        nothing. The usual armed close (every gradient claimed by its hook, `claim_gradient`),
+        checked with C iterators instead of a Python loop per tensor."""
+        ids, pointers, _count = fingerprint
+        if not ids or 0 in pointers:
+            return False
+        cache = self._sync_cache[pile]
+        cached = list(map(cache.get, ids))
+        if set(map(type, cached)) != {int}:  # one not cached, or not a single storage
+            return False
+        # Narrowed by the test above, which mypy does not follow into the list.
+        keys: list[Key] = cached  # type: ignore[assignment]
+        if list(map(operator.rshift, keys, repeat(8))) != pointers:
+            return False
+        with self._lock:
+            members = self._members[pile]
+            if len(members) > len(keys) or set(keys) != members:
+                return False
+            self._sync_cache[pile] = dict(zip(ids, keys, strict=True))
+            self._fingerprints[pile] = (ids, pointers, len(members))
+        return True
 
     def summarize(
         self, pile: PileIndex, tensors: list[torch.Tensor]
@@ -539,7 +582,56 @@ class Ledger:
             if key not in self._members[pile]:
                 self._claim((key, nbytes, dtype, storage), pile)
         if tensor is not None:
-            self._sync_cache[pile][id(tensor)] = (key >> 8, (key,))
+            self._sync_cache[pile][id(tensor)] = key
+
+    def claim_gradient(
+        self, key: Key, nbytes: int, dtype: str, storage: torch.UntypedStorage, tensor: torch.Tensor
+    ) -> None:
+        """`claim(GRADIENTS, ...)` for the gradient hook, whose tensor starts at its storage's
+        data (every fresh `.grad`, a new storage no pile holds): one call, the accounting
+        inlined. Anything else (a storage already in the ledger, an empty one) takes `claim`.
+        """
+        with self._lock:
+            members = self._members[_GRADIENTS_AT]
+            if key in members:
+                pass
+            elif nbytes <= 0 or key in self._entries:
+                self._claim((key, nbytes, dtype, storage), GRADIENTS)
+            else:
+                # `_claim` of a new storage, with `_new_entry`, `_set_mask` and `_account`
+                # inlined (the same steps in the same order; a test replays both).
+                pool = self._pool
+                if pool:
+                    entry = pool.pop()
+                    entry.dtype = dtype
+                    entry.act_refs = 0
+                    entry.module = NO_MODULE
+                else:
+                    entry = _Entry(nbytes, dtype)
+                entry.nbytes = nbytes
+                entry.mask = _GRADIENTS_BIT
+                entry.pile = _GRADIENTS_AT
+                self._entries[key] = entry
+                ref = entry.ref = weakref.ref(storage, self._on_freed)
+                self._ref_keys[id(ref)] = key
+                members.add(key)
+                self._membership_changes += 1
+                piles = self.piles
+                size = piles[_GRADIENTS_AT] + nbytes
+                piles[_GRADIENTS_AT] = size
+                dtypes = self._dtypes[_GRADIENTS_AT]
+                stat = dtypes.get(dtype)
+                if stat is None:
+                    stat = dtypes[dtype] = [0, 0]
+                stat[0] += nbytes
+                stat[1] += 1
+                if size > self.max[_GRADIENTS_AT]:
+                    self.max[_GRADIENTS_AT] = size
+                total = sum(piles)
+                if total > self.peak_total:
+                    self.peak_total = total
+                    self._peak_pending = True
+        self._sync_cache[_GRADIENTS_AT][id(tensor)] = key  # an int: nothing for the collector
 
     def _claim(self, info: StorageInfo, pile: PileIndex) -> None:
         key, nbytes, dtype, storage = info
@@ -579,7 +671,31 @@ class Ledger:
             for members in self._members:
                 members.discard(key)
             self._membership_changes += 1
-            self._set_mask(key, entry, 0)
+            old = entry.pile
+            if old in (NO_PILE, _ACTIVATIONS_AT) or entry.nbytes <= 0:
+                self._set_mask(key, entry, 0)
+                return
+            # `_set_mask(key, entry, 0)` for a storage counted in a persistent pile (a freed
+            # gradient, every step), with `_account` and `_drop_entry` inlined.
+            entry.mask = 0
+            entry.pile = NO_PILE
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            nbytes = entry.nbytes
+            self.piles[old] -= nbytes
+            dtypes = self._dtypes[old]
+            name = entry.dtype
+            stat = dtypes.get(name)
+            if stat is None:
+                stat = dtypes[name] = [0, 0]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if stat[1] == 0:
+                del dtypes[name]
+            del self._entries[key]
+            entry.ref = None  # its `_ref_keys` item was popped above
+            if len(self._pool) < ENTRY_POOL:
+                self._pool.append(entry)
 
     def _new_entry(self, nbytes: int, dtype: str) -> _Entry:
         pool = self._pool
@@ -609,12 +725,40 @@ class Ledger:
                     entry.module = module
                     self._set_mask(key, entry, entry.mask | ACTIVATION_BIT)
                 return
-            entry = self._entries[key] = self._new_entry(nbytes, dtype)
+            pool = self._pool
+            entry = pool.pop() if pool else _Entry(nbytes, dtype)
+            self._entries[key] = entry
+            entry.nbytes = nbytes
+            entry.dtype = dtype
             entry.act_refs = 1
             entry.module = module
             entry.mask = ACTIVATION_BIT
             entry.pile = _ACTIVATIONS_AT
-            self._account(_ACTIVATIONS_AT, entry, nbytes)
+            if nbytes <= 0:
+                self._account(_ACTIVATIONS_AT, entry, nbytes)
+                return
+            # `_account(ACTIVATIONS, entry, nbytes)` inlined (every saved tensor; a test
+            # replays the inlined paths against the general ones).
+            piles = self.piles
+            size = piles[_ACTIVATIONS_AT] + nbytes
+            piles[_ACTIVATIONS_AT] = size
+            dtypes = self._dtypes[_ACTIVATIONS_AT]
+            stat = dtypes.get(dtype)
+            if stat is None:
+                stat = dtypes[dtype] = [0, 0]
+            stat[0] += nbytes
+            stat[1] += 1
+            live = self._module_live.get(module, 0) + nbytes
+            self._module_live[module] = live
+            if live > self._module_max.get(module, 0):
+                self._module_max[module] = live
+            if size > self.max[_ACTIVATIONS_AT]:
+                self.max[_ACTIVATIONS_AT] = size
+                self._act_max_pending = True
+            total = sum(piles)
+            if total > self.peak_total:
+                self.peak_total = total
+                self._peak_pending = True
 
     def release_activation(self, key: Key) -> None:
         """A pack wrapper was freed (its graph was released)."""
@@ -631,8 +775,36 @@ class Ledger:
             # An activation and nothing else: it leaves every pile.
             entry.mask = 0
             entry.pile = NO_PILE
-            self._account(_ACTIVATIONS_AT, entry, -entry.nbytes)
-            self._drop_entry(key, entry)
+            nbytes = entry.nbytes
+            if nbytes <= 0:
+                self._account(_ACTIVATIONS_AT, entry, -nbytes)
+                self._drop_entry(key, entry)
+                return
+            # `_account(ACTIVATIONS, entry, -nbytes)` and `_drop_entry` inlined.
+            if self._peak_pending or self._act_max_pending:
+                self._settle()
+            self.piles[_ACTIVATIONS_AT] -= nbytes
+            dtypes = self._dtypes[_ACTIVATIONS_AT]
+            name = entry.dtype
+            stat = dtypes.get(name)
+            if stat is None:
+                stat = dtypes[name] = [0, 0]
+            stat[0] -= nbytes
+            stat[1] -= 1
+            if stat[1] == 0:
+                del dtypes[name]
+            module = entry.module
+            live = self._module_live.get(module, 0) - nbytes
+            self._module_live[module] = live
+            if live > self._module_max.get(module, 0):
+                self._module_max[module] = live
+            del self._entries[key]
+            ref = entry.ref
+            if ref is not None:
+                self._ref_keys.pop(id(ref), None)
+                entry.ref = None
+            if len(self._pool) < ENTRY_POOL:
+                self._pool.append(entry)
 
     def saved_by_node(self) -> dict[int, list[tuple[Key, int]]]:
         """What the live saved-tensor wrappers hold, by the autograd node each was packed for:
