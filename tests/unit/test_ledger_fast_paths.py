@@ -108,6 +108,7 @@ def figures(ledger: Ledger) -> tuple[object, ...]:
             sorted(ledger._entries),
             ledger.at_close(),
             ledger.top_modules(8),
+            ledger.steady(),
         )
 
 

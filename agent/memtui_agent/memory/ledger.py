@@ -619,6 +619,7 @@ class Ledger:
                 piles = self.piles
                 size = piles[_GRADIENTS_AT] + nbytes
                 piles[_GRADIENTS_AT] = size
+                self._touched |= _GRADIENTS_BIT  # the pile moved: not steady (`steady`)
                 dtypes = self._dtypes[_GRADIENTS_AT]
                 stat = dtypes.get(dtype)
                 if stat is None:
@@ -683,6 +684,7 @@ class Ledger:
                 self._settle()
             nbytes = entry.nbytes
             self.piles[old] -= nbytes
+            self._touched |= _BITS[old]  # the pile moved: not steady (`steady`)
             dtypes = self._dtypes[old]
             name = entry.dtype
             stat = dtypes.get(name)
