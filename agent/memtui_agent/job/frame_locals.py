@@ -108,9 +108,13 @@ def _word(address: int) -> int:
     return ctypes.c_void_p.from_address(address).value or 0
 
 
-def _object(pointer: int) -> Any:
-    """The object at `pointer` (a new reference); only called on checked, non-NULL slots."""
-    return ctypes.cast(ctypes.c_void_p(pointer), ctypes.py_object).value
+def _object_at(slot: int) -> Any:
+    """The object a checked, non-NULL slot at address `slot` points to (a new reference).
+
+    Read through `py_object.from_address`, never `ctypes.cast(c_void_p(...), py_object)`: a
+    cast of a ctypes instance leaves a reference cycle (the result's `_objects` dict holds the
+    `c_void_p`), 2 objects of garbage per local read, work for the job's collector."""
+    return ctypes.py_object.from_address(slot).value
 
 
 def _slot_names(code: types.CodeType) -> list[str]:
@@ -175,10 +179,10 @@ class FastLocals:
         cells = set(code.co_cellvars) | set(code.co_freevars)
         found: list[tuple[str, Any]] = []
         for index, name in enumerate(_slot_names(code)):
-            pointer = _word(base + index * _WORD)
-            if not pointer:
+            slot = base + index * _WORD
+            if not _word(slot):
                 continue  # not bound yet, or deleted
-            value = _object(pointer)
+            value = _object_at(slot)
             if name in cells and type(value) is _CELL:
                 try:
                     value = value.cell_contents
