@@ -42,8 +42,9 @@ def figures(
     memory: tuple[int, ...] | None = None,
     exact: bool = False,
     signature: bool = True,
+    weights: int = 10,
 ) -> Figures:
-    piles = schema.Piles(weights=10, activations=high)
+    piles = schema.Piles(weights=weights, activations=high)
     counters = Signature(nodes, memory, exact) if signature else None
     return Figures(step, end, piles, piles, {}, (), signature=counters, start_activations=start)
 
@@ -346,6 +347,14 @@ CASES = [
         measure_next=1,
     ),
     Case(
+        "weights moved in the step",  # an AveragedModel deep-copied in it: the twin's peak
+        auto(),  # holds other weights
+        REPEATS,
+        now=figures(7, weights=30),
+        cause=Cause.PILES,
+        measure_next=1,
+    ),
+    Case(
         "two unconfirmed in the window (one slid out): still one at a time",
         auto(recent=(False, False) + (True,) * (RECENT_CARRIES - 2)),
         REPEATS,
@@ -518,6 +527,10 @@ def test_the_words_quote_the_numbers_that_differ() -> None:
         "started with 64 B of activations held and closed with 64 B, step 2 with 0 B"
         in (words["held activations changed"])
     )
+    assert (
+        "its weights and optimizer state reached 30 B and 0 B, step 2's 10 B and 0 B"
+        in (words["weights moved in the step"])
+    )
     assert "4 of the last 4 steps" not in words["keeps varying"]
     assert (
         "3 of the last 4 steps that repeated a measured step's calls did something"
@@ -557,6 +570,7 @@ def test_a_clause_for_every_difference() -> None:
         Mismatch(Difference.HEAP, (90_000,), (50_000,)),
         Mismatch(Difference.DEVICE, (10, 2), (20, 3)),
         Mismatch(Difference.HELD, (1, 2), (3, 4)),
+        Mismatch(Difference.PILES, (1, 2), (3, 4)),
         Mismatch(Difference.READERS, (1,), (0,)),
         Mismatch(Difference.COUNTER, (), ()),
     ]

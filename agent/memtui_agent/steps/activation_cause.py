@@ -59,6 +59,7 @@ class Cause(Enum):
     READERS = Difference.READERS.value
     HEAP = Difference.HEAP.value
     HELD = Difference.HELD.value
+    PILES = Difference.PILES.value
     """A repeat whose counters differ from its twin's in this (`step_signature.Difference`):
     not known, the next step measured."""
     NO_COUNTER = "no node counter"

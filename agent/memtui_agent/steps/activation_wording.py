@@ -70,6 +70,11 @@ TEMPLATES: dict[Cause, str] = {
         "cannot tell which"
     ),
     Cause.HELD: _REPEAT + _NOT_KNOWN.format(why="graphs kept from earlier steps changed"),
+    Cause.PILES: _REPEAT
+    + _NOT_KNOWN.format(
+        why="its weights or optimizer state changed during the step (a model, a copy of one or "
+        "an optimizer's state made or freed), so the measured step's peak does not hold for it"
+    ),
     Cause.NO_COUNTER: _REPEAT + _EVERY.format(why="no carry can be confirmed in this job"),
     Cause.KEEPS_VARYING: _REPEAT
     + _EVERY.format(
@@ -102,6 +107,10 @@ CLAUSES: dict[Difference, str] = {
     Difference.HELD: (
         "it started with {now0:,} B of activations held and closed with {now1:,} B, step {twin} "
         "with {then0:,} B and {then1:,} B"
+    ),
+    Difference.PILES: (
+        "its weights and optimizer state reached {now0:,} B and {now1:,} B, step {twin}'s "
+        "{then0:,} B and {then1:,} B"
     ),
     Difference.READERS: "its memory was read from another counter than step {twin}'s",
     Difference.COUNTER: "this torch has no autograd node counter to confirm it by",

@@ -48,6 +48,7 @@ _UNCONFIRMED = {
     Difference.READERS: Cause.READERS,
     Difference.HEAP: Cause.HEAP,
     Difference.HELD: Cause.HELD,
+    Difference.PILES: Cause.PILES,
 }
 """The cause of a repeat found unconfirmed once, by what differed (the counter's absence is
 never a one-off: `Cause.NO_COUNTER`)."""
@@ -252,4 +253,11 @@ def _unconfirmed(reading: ActivationReading, carried: Figures) -> Mismatch | Non
     held_then = (carried.start_activations, carried.end_activations)
     if held_now != held_then:
         return Mismatch(Difference.HELD, held_now, held_then)
+    # The twin's peak holds its own weights and optimizer state: a step in which these reached
+    # other highs (an `AveragedModel` deep-copied in it, state made or freed) does not repeat
+    # it, whatever its calls did.
+    weights, _, state, _ = figures.high.counted()
+    then_weights, _, then_state, _ = carried.high.counted()
+    if (weights, state) != (then_weights, then_state):
+        return Mismatch(Difference.PILES, (weights, state), (then_weights, then_state))
     return None

@@ -130,6 +130,7 @@ class Difference(Enum):
     HEAP = "heap bytes"
     DEVICE = "allocations"
     HELD = "held activations"
+    PILES = "persistent piles"
     READERS = "memory readers"
     COUNTER = "node counter"
 
