@@ -23,11 +23,21 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 
 AGENT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """The agent's own code: a Ctrl-C that arrives while it runs is kept for the job's code."""
+
+_DROPPING: frozenset[CodeType] = frozenset(
+    getattr(holder(), "_remove").__code__  # noqa: B009  # private: mypy knows no `_remove`
+    for holder in (weakref.WeakSet, weakref.WeakValueDictionary, weakref.WeakKeyDictionary)
+)
+"""The standard library's weakref callbacks that forget a freed item (the agent's `WeakSet` of
+graph markers has one per marker): an exception raised in them is dropped like a finalizer's,
+so a Ctrl-C arriving there is kept for the job's code too, whoever owns the collection (a
+CI run lost one in `WeakSet._remove`)."""
 
 
 def keep_ctrl_c_for_the_job() -> None:
@@ -63,10 +73,16 @@ class DeferringHandler:
         self.job_handler = job_handler
 
     def __call__(self, signum: int, frame: FrameType | None) -> object:
-        if frame is not None and frame.f_code.co_filename.startswith(AGENT_DIR):
+        if frame is not None and dropped_there(frame.f_code):
             _soon(_thread.interrupt_main)
             return None
         return self.job_handler(signum, frame)
+
+
+def dropped_there(code: CodeType) -> bool:
+    """Whether an exception raised in `code` would be dropped or land in the agent: the agent's
+    own code, or a standard-library weakref callback (`_DROPPING`)."""
+    return code.co_filename.startswith(AGENT_DIR) or code in _DROPPING
 
 
 def _soon(action: Callable[[], None]) -> None:
