@@ -198,15 +198,7 @@ class Piles(msgspec.Struct, array_like=True, frozen=True):
     def total(self) -> int | None:
         """Sum of the four tracked piles; None when any of them is not known (a sum without
         one is not the total)."""
-        weights, gradients, state, activations = (
-            self.weights,
-            self.gradients,
-            self.optimizer_state,
-            self.activations,
-        )
-        if weights is None or gradients is None or state is None or activations is None:
-            return None
-        return weights + gradients + state + activations
+        return sum(self.counted()) if self.known else None
 
     @property
     def known(self) -> bool:
