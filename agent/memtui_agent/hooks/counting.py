@@ -32,6 +32,7 @@ from memtui_agent.memory.ledger import (
     plain_storage,
     storages_of,
 )
+from memtui_agent.memory.saved_form import held_form
 from memtui_agent.memory.tensor_reads import next_sequence_number
 from memtui_agent.steps.health import HealthMonitor
 from memtui_protocol.schema import Phase
@@ -165,11 +166,11 @@ class CountingHooks:
                     return tensor  # holds no memory
                 ledger = self._ledger
                 ledger.acquire_activation(key, nbytes, name, module)
-                one = SavedOne(tensor.detach(), key, ledger, tensor._version)
                 # The node being built is the last one this thread numbered (the next number,
                 # less one): a census finds what a retained graph holds from this record,
                 # never by unpacking it.
                 node = next_sequence_number()
+                one = SavedOne(held_form(tensor, node - 1), key, ledger, tensor._version)
                 ledger.saved_nodes[id(one)] = (node << NODE_SHIFT) | key
                 share = self._gate.signatures.share
                 if share is not None and share.on:
@@ -178,10 +179,10 @@ class CountingHooks:
                 return one
             infos = storages_of(tensor)
             keys = [info[0] for info in infos]
-            saved = Saved(tensor.detach(), keys, self._ledger, tensor._version)
+            node = next_sequence_number() - 1
+            saved = Saved(held_form(tensor, node), keys, self._ledger, tensor._version)
             for key, nbytes, dtype, _storage in infos:
                 self._ledger.acquire_activation(key, nbytes, dtype, module)
-            node = next_sequence_number() - 1
             self._ledger.saved_nodes_multi[id(saved)] = (node, tuple(keys))
             share = self._gate.signatures.share
             if share is not None and share.on:

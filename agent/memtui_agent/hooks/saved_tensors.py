@@ -21,13 +21,8 @@ if TYPE_CHECKING:  # for annotations only
 
 
 class Saved:
-    """What autograd holds instead of a saved tensor while our pack hook is active.
-
-    It holds `tensor.detach()`, never the tensor itself: ops that save their own output would
-    otherwise form a reference cycle through the graph and the wrapper would never be freed.
-    The alias shares the tensor's version counter, so unpacking can make the check autograd
-    skips under saved-tensor hooks (`unpack`).
-    """
+    """What autograd holds instead of a saved tensor while our pack hook is active: the tensor
+    as `held_form` keeps it, its storages' keys, and the version it was saved at."""
 
     __slots__ = ("__weakref__", "keys", "ledger", "tensor", "version")
 

@@ -2,13 +2,14 @@
 measured by the hooks and one run without them compare exactly (`step_signature`).
 
 Under the agent's saved-tensor pack hook autograd keeps each saved tensor otherwise than without
-it: a hook object per saved tensor, and the agent's holder keeps `tensor.detach()` (a tensor of
-its own, without autograd's metadata) where autograd alone keeps the tensor itself (or, for a
-node's own output, a copy without metadata). So a measured step holds more heap than its
-unmeasured repeat for tensors the job still holds, and less for those it dropped (autograd
-alone would keep them whole): on a small Llama under bf16 autocast 39 KiB less, on the
-601-module benchmark model 74 KiB more: beyond the tolerance kept for the job's own noise
-(`MEMORY_TOLERANCE`), so no repeat was ever confirmed.
+it: a hook object per saved tensor (a 48-byte glibc chunk on this project's machines) that
+holds the agent's wrapper. The wrapper keeps the tensor itself, as autograd alone does, except a
+node's own output, kept as a detached alias (`memory.saved_form.held_form`). Before that choice
+every saved input was a detached alias too (about 240 bytes more each), and whether autograd
+alone would have kept the original whole depended on what the job dropped: per-kind costs of
+-650 to +240 bytes whose small errors, summed over thousands of saved tensors, were more than
+the tolerance kept for the job's own noise (`MEMORY_TOLERANCE`) on the 601-module benchmark
+model. The counting's own containers are the agent's too, taken off exactly (`own_bytes`).
 
 What each saved tensor costs, by kind, is a property of this torch and allocator: `calibrate`
 measures it once, at start, on a small graph built with and without a pack hook that keeps what
@@ -21,11 +22,14 @@ the reading stays as it is: a repeat is then confirmed only where it was before.
 from __future__ import annotations
 
 import statistics
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
+
+from memtui_agent.memory.saved_form import held_form
 
 if TYPE_CHECKING:  # for annotations only
     import torch
@@ -82,6 +86,9 @@ CALIBRATION_NODES = 256
 """Saved tensors per kind in the calibration graph: enough that glibc's noise (a few hundred
 bytes, `step_signature`) is about a byte per tensor."""
 CALIBRATION_ROUNDS = 7
+CHUNK = 16
+"""glibc's chunk granularity on 64-bit platforms (`MALLOC_ALIGNMENT`): every block it hands out
+is a multiple of it, so is what a saved tensor adds."""
 STEADY_SPREAD = 6.0
 """Bytes per tensor by which a round of one kind may differ from their median..."""
 QUORUM = 4
@@ -121,13 +128,15 @@ def _build(kind: Kind, hooked: bool, heap: Callable[[], int | None]) -> int | No
         if kind is Kind.HELD:
             scratch.held()
             return _Keep(tensor)
-        scratch.saved(tensor, sequence() - 1)
-        return _Keep(tensor.detach())
+        node = sequence() - 1
+        scratch.saved(tensor, node)
+        return _Keep(held_form(tensor, node))
 
     def unpack(kept: _Keep) -> torch.Tensor:
         return kept.tensor
 
     kept: list[Any] = []
+    own = scratch.own_bytes()
     before = heap()
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack) if hooked else None
     if hooks is not None:
@@ -158,8 +167,10 @@ def _build(kind: Kind, hooked: bool, heap: Callable[[], int | None]) -> int | No
         if hooks is not None:
             hooks.__exit__(None, None, None)
     after = heap()
+    # The counting's containers are taken off as memtui's own (`own_bytes`), not per tensor.
+    counted = scratch.own_bytes() - own
     del kept, inputs
-    return None if before is None or after is None else after - before
+    return None if before is None or after is None else after - before - counted
 
 
 def calibrate(heap: Callable[[], int | None] | None) -> Costs | None:
@@ -188,7 +199,10 @@ def calibrate(heap: Callable[[], int | None] | None) -> Costs | None:
             # Its graph saved a dropped input besides the two statistics.
             plain = (per_kind[Kind.DROPPED_PLAIN] - per_kind[Kind.DROPPED]) / 2
             per_kind[Kind.DROPPED_PLAIN] = plain
-        return Costs(per_kind)
+        # What a saved tensor adds is a whole number of glibc chunks: the median of rounds
+        # lands a few bytes under it (bins reused by the build itself), which over the
+        # thousands of saved tensors of a step was 4 to 7 KB of the 16 KiB tolerance.
+        return Costs({kind: round(cost / CHUNK) * CHUNK for kind, cost in per_kind.items()})
     except Exception:
         return None
 
@@ -211,6 +225,18 @@ class HookShare:
         """The views' bases: autograd alone keeps each through its views."""
         self._plain: set[int] = set()
         """Tensors without grad among them (by their reference's id)."""
+
+    def own_bytes(self) -> int:
+        """Bytes of the containers the counting itself grows (a list's array and a set's table
+        are glibc's above 512 bytes): memtui's own, like the ledger's tables (`Ledger.own_bytes`),
+        so taken off with them. On the 601-module benchmark model they held 35 KB at the first
+        backward (802 saved inputs), which a share per saved tensor did not follow."""
+        return (
+            sys.getsizeof(self._inputs)
+            + sys.getsizeof(self._views)
+            + sys.getsizeof(self._bases)
+            + sys.getsizeof(self._plain)
+        )
 
     def held(self) -> None:
         """A saved tensor kept as it is (a weight)."""

@@ -294,7 +294,10 @@ class SignatureRecorder:
         return self._nodes() if self._nodes is not None else 0
 
     def _read_own(self) -> int:
-        return self._own() if self._own is not None else 0
+        """The agent's own containers that grow with a measured step: the ledger's tables and
+        the share's counting."""
+        own = self._own() if self._own is not None else 0
+        return own + (self.share.own_bytes() if self.share is not None else 0)
 
     def _read_heap(self) -> int | None:
         try:
