@@ -21,6 +21,7 @@ the reading stays as it is: a repeat is then confirmed only where it was before.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import weakref
@@ -178,6 +179,11 @@ def calibrate(heap: Callable[[], int | None] | None) -> Costs | None:
     it cannot be read or is not steady (then no share is taken off: `HookShare`)."""
     if heap is None:
         return None
+    collecting = gc.isenabled()
+    # A collection inside a build frees whatever garbage the process had (a test suite's, a
+    # job's imports) in the middle of its two heap readings: held off for the calibration's
+    # few tenths of a second, then as the job had it.
+    gc.disable()
     try:
         import torch
 
@@ -205,6 +211,9 @@ def calibrate(heap: Callable[[], int | None] | None) -> Costs | None:
         return Costs({kind: round(cost / CHUNK) * CHUNK for kind, cost in per_kind.items()})
     except Exception:
         return None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class HookShare:
