@@ -287,6 +287,39 @@ def test_a_heap_that_moves_with_the_agents_own_measuring_is_not_called_a_size_ch
     assert not any("LayerDrop" in message for message in alerts)
 
 
+def test_a_repeat_not_confirmed_has_its_twin_measured_again() -> None:
+    """Two batch shapes in turn (a padded batch's lengths). The twin of one was measured while
+    its heap still held first-time allocations: its first repeat is not known, the next step of
+    that shape is measured anew and the repeats after it are carried from it. (Measuring only the
+    next step, of the other shape, left every later repeat of the first one not known.)"""
+    job = Job()
+    heap = {"now": 1_000_000}
+    job.gate.signatures = SignatureRecorder(lambda: heap["now"])
+    biased = False
+    not_known: list[int] = []
+    carried_from: dict[int, int] = {}
+    for _ in range(16):
+        batch = BATCH if job.step % 2 else OTHER_BATCH
+        job.gate.root_call(MODEL, batch, {}, job.step)
+        armed = job.switch.armed
+        one_off = 0
+        if armed and batch is BATCH and job.step > 2 and not biased:
+            one_off, biased = 230_000, True
+        heap["now"] = 1_000_000 + 50_000 + one_off
+        job.gate.backward_starts(False)
+        heap["now"] = 1_000_000
+        verdict = job.gate.verdict(reading(job.step, 100 if armed else 0))
+        if not verdict.measured and verdict.carried is None:
+            not_known.append(job.step)
+        elif verdict.carried is not None:
+            carried_from[job.step] = verdict.carried.step
+        job.gate.step_opens(closed_inputs(job.step, verdict))
+        job.step += 1
+    assert biased and len(not_known) == 1, not_known
+    assert carried_from[15] == carried_from[13] > not_known[0]  # the twin measured anew
+    assert job.gate.mode is ActivationMode.AUTO
+
+
 def _kept(kept: list[torch.Tensor]) -> torch.Tensor:
     """A forward whose output the job keeps past the close."""
     kept.append(MODEL(torch.ones(1, 2)))

@@ -248,6 +248,8 @@ class ActivationPolicy:
         self._armed_for = Cause.MEASURED
         """Why the open step was armed (`Cause.MEASURED`: from its start)."""
         self._start: StartKey = (0, 0, 0, ())
+        self._closed: StepKey | None = None
+        """The key of the step that closed last (`forget_closed`)."""
         self._calls: list[CallSignature] = []
         self._armed_at_start = False
         self._armed_late = False
@@ -341,6 +343,7 @@ class ActivationPolicy:
         `figures` are not its activations: nothing is remembered for repeats.
         """
         key: StepKey = (self._start, tuple(self._calls))
+        self._closed = key
         self._measure_next = max(0, self._measure_next - 1)
         if self.mode is schema.ActivationMode.OFF or blind:
             return Match()
@@ -360,6 +363,27 @@ class ActivationPolicy:
             self._whole_next[self._start] = min(self._whole_next.get(self._start, 0) + 2, 8)
         return Match(partial=True)
 
+    def forget_closed(self) -> None:
+        """The step that just closed repeated a remembered one, but its counters did not confirm
+        it (`decision`): that twin is forgotten, so the next step with the same calls is
+        measured and becomes the twin. Without it a twin measured among the first steps (its
+        heap still holding first-time allocations: 230 KB more on benchmarks' padded BERT) left
+        every later repeat of its length "not known", one in six steps."""
+        key = self._closed
+        if key is None or key not in self._references:
+            return
+        del self._references[key]
+        self._forget_calls(key)
+
+    def _forget_calls(self, key: StepKey) -> None:
+        """`key`'s calls out of the prefix trees (its figures already gone)."""
+        start, calls = key
+        tree = self._prefixes[start]
+        tree.remove(calls)
+        if not tree.count:
+            del self._prefixes[start]
+        self._kept_calls -= len(calls)
+
     def _remember(self, key: StepKey, figures: Figures) -> None:
         start, calls = key
         if key not in self._references:
@@ -370,9 +394,5 @@ class ActivationPolicy:
         while len(self._references) > 1 and (
             len(self._references) > KEEP_REFERENCES or self._kept_calls > KEEP_CALLS
         ):
-            (old_start, old_calls), _ = self._references.popitem(last=False)
-            tree = self._prefixes[old_start]
-            tree.remove(old_calls)
-            if not tree.count:
-                del self._prefixes[old_start]
-            self._kept_calls -= len(old_calls)
+            old, _ = self._references.popitem(last=False)
+            self._forget_calls(old)

@@ -284,6 +284,10 @@ class ActivationGate:
         self._state = decision.next_state
         self.policy.mode = decision.next_mode
         self.policy.measure_next(decision.measure_next, decision.measure_why)
+        if decision.mismatch is not None:
+            # A repeat its counters did not confirm: its twin stands for it no more, so the
+            # next step with the same calls is measured and becomes the twin.
+            self.policy.forget_closed()
         said = self._said
         alert = said.alert(decision)
         return replace(decision.verdict, alert=alert, why_at=said.said_at(decision))
