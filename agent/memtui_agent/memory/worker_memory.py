@@ -1,0 +1,153 @@
+"""The private memory of the job's DataLoader workers, sampled by a thread of its own.
+
+A DataLoader with `num_workers > 0` forks worker processes that share the parent's pages until
+one of them writes to a page: then that page is copied into the worker (copy on write). Reading
+a Python object writes its reference count, so a worker that reads a dataset held as Python
+objects (a list of dicts of floats) copies the pages it reads, one by one, as the epoch goes on.
+None of it is in the job's process: its piles and its RSS stay flat while the workers grow.
+
+`WorkerSampler` follows the workers it is given (`add`, by pid: `job.data_loaders` finds them as
+a DataLoader starts them) with psutil's `memory_full_info()`: USS (the pages only that worker
+holds, what its exit would free) and PSS (shared pages split among their sharers) from
+`/proc/PID/smaps_rollup`, about 0.2 to 2 ms a worker. That read happens on this module's
+thread, about once a second, never on the training thread: a close only takes the last
+sample (`latest`, one attribute read). The thread starts with the first worker (a job without
+workers has none) and holds pids and psutil handles only, never a job object.
+
+Bounded: at most `MAX_WORKERS` workers followed at once; a worker that exited is forgotten.
+An error ends the sampling and is reported once (`on_error`); the job goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psutil
+
+from memtui_protocol import schema
+
+SAMPLE_SECONDS = 1.0
+"""How often the workers are sampled: their memory moves with the pages they read, over
+seconds; a faster rate would only cost more reads of smaps_rollup."""
+MAX_WORKERS = 256
+"""The most worker processes followed at once (a job runs a few per DataLoader)."""
+
+
+class _Worker:
+    """One followed worker: its psutil handle (which checks the pid was not reused) and the
+    private memory of its first sample, from which its growth is counted."""
+
+    __slots__ = ("first", "process")
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.first: int | None = None
+
+
+class WorkerSampler:
+    """Samples the followed workers' memory about once a second, on its own thread."""
+
+    def __init__(
+        self, on_error: Callable[[BaseException], None], period: float = SAMPLE_SECONDS
+    ) -> None:
+        self._on_error = on_error
+        self._period = period
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._pending: list[int] = []
+        self._workers: dict[int, _Worker] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.latest: schema.Workers | None = None
+        """The last sample (None before the first, and once no worker is left)."""
+        self.samples = 0
+        """Samples taken so far: a close tells a new sample from the one it already saw."""
+        self.grown: dict[int, int] = {}
+        """Each worker's growth since its first sample, by pid, as of the last sample."""
+
+    def add(self, pids: Iterable[int]) -> None:
+        """Follow these workers from now (called as a DataLoader starts them; cheap: the
+        thread reads them, at once). Ignored in any process but the one that made this
+        sampler (a forked worker that builds a DataLoader of its own has no thread)."""
+        if os.getpid() != self._owner or self._stopping:
+            return
+        with self._lock:
+            room = MAX_WORKERS - len(self._workers) - len(self._pending)
+            self._pending.extend(list(pids)[: max(0, room)])
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="memtui-workers", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop sampling (the agent leaves)."""
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ----- the sampler's thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                self.sample()
+            except Exception as exc:  # never a traceback into the job: said once, then off
+                self._stopping = True
+                self.latest = None
+                self._on_error(exc)
+                return
+            self._wake.wait(self._period)
+            self._wake.clear()
+
+    def sample(self) -> None:
+        """One sample of every followed worker (the thread's loop; tests call it directly)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for pid in pending:
+            if pid in self._workers:
+                continue
+            try:
+                self._workers[pid] = _Worker(psutil.Process(pid))
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue  # it exited before its first sample
+        count = uss = growth = pss = 0
+        pss_known = True
+        grown = {}
+        for pid, worker in list(self._workers.items()):
+            try:
+                memory = worker.process.memory_full_info()
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                del self._workers[pid]  # exited (an epoch's workers end with it)
+                continue
+            private = int(memory.uss)
+            if worker.first is None:
+                worker.first = private
+            count += 1
+            uss += private
+            growth += private - worker.first
+            grown[pid] = private - worker.first
+            shared = getattr(memory, "pss", None)
+            if shared is None:
+                pss_known = False
+            else:
+                pss += int(shared)
+        self.grown = grown
+        self.samples += 1
+        self.latest = (
+            schema.Workers(
+                count=count,
+                uss=uss,
+                growth=growth,
+                pss=pss if pss_known else None,
+                sampled=round(time.time(), 3),
+            )
+            if count
+            else None
+        )
