@@ -10,7 +10,8 @@ None of it is in the job's process: its piles and its RSS stay flat while the wo
 a DataLoader starts them) with psutil's `memory_full_info()`: USS (the pages only that worker
 holds, what its exit would free) and PSS (shared pages split among their sharers) from
 `/proc/PID/smaps_rollup`, about 0.2 to 2 ms a worker. That read happens on this module's
-thread, about once a second, never on the training thread: a close only takes the last
+thread, once a second (four times a second for a worker's first 20 samples), never on the
+training thread: a close only takes the last
 sample (`latest`, one attribute read). The thread starts with the first worker (a job without
 workers has none) and holds pids and psutil handles only, never a job object.
 
@@ -33,6 +34,11 @@ from memtui_protocol import schema
 SAMPLE_SECONDS = 1.0
 """How often the workers are sampled: their memory moves with the pages they read, over
 seconds; a faster rate would only cost more reads of smaps_rollup."""
+YOUNG_SECONDS = 0.25
+YOUNG_SAMPLES = 20
+"""A worker's first samples come this often: a shuffled epoch copies most of a dataset's pages
+in its first seconds (two workers of tests/fixtures/workers/dataset_workers.py: +120 MiB in 4 s,
+which one sample a second sees as 4 points, too few to tell a sustained growth)."""
 MAX_WORKERS = 256
 """The most worker processes followed at once (a job runs a few per DataLoader)."""
 
@@ -41,11 +47,12 @@ class _Worker:
     """One followed worker: its psutil handle (which checks the pid was not reused) and the
     private memory of its first sample, from which its growth is counted."""
 
-    __slots__ = ("first", "process")
+    __slots__ = ("first", "process", "samples")
 
     def __init__(self, process: Any) -> None:
         self.process = process
         self.first: int | None = None
+        self.samples = 0
 
 
 class WorkerSampler:
@@ -103,8 +110,13 @@ class WorkerSampler:
                 self.latest = None
                 self._on_error(exc)
                 return
-            self._wake.wait(self._period)
+            self._wake.wait(self._wait())
             self._wake.clear()
+
+    def _wait(self) -> float:
+        """Seconds to the next sample: sooner while a followed worker is young."""
+        young = any(worker.samples < YOUNG_SAMPLES for worker in self._workers.values())
+        return min(self._period, YOUNG_SECONDS) if young else self._period
 
     def sample(self) -> None:
         """One sample of every followed worker (the thread's loop; tests call it directly)."""
@@ -129,6 +141,7 @@ class WorkerSampler:
             private = int(memory.uss)
             if worker.first is None:
                 worker.first = private
+            worker.samples += 1
             count += 1
             uss += private
             growth += private - worker.first
