@@ -47,10 +47,13 @@ CSV_COLUMNS = (
     "rss",
     "activations_measured",
     "activations_from",
+    "workers_uss",
+    "workers_growth",
 )
 """A step whose activations are not known (neither measured nor carried: `activations_measured`
 0 and `activations_from` empty) leaves its activation cells and `peak_total` empty: its frame's
-figures for them are partial."""
+figures for them are partial. `workers_uss` and `workers_growth` are the DataLoader workers'
+private memory and its growth since they started (empty for a job without workers)."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -160,6 +163,8 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "rss": step.host.rss,
             "activations_measured": int(step.activations_measured),
             "activations_from": step.activations_from,
+            "workers_uss": step.workers.uss if step.workers is not None else None,
+            "workers_growth": step.workers.growth if step.workers is not None else None,
         }
         for prefix, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
             row.update({f"{prefix}_{pile}": pile_figure(step, piles, pile) for pile in Pile})
