@@ -86,7 +86,7 @@ def test_workers_copying_a_python_list_are_a_leak_of_the_dataset_attribute(
     assert leak["tensors"] == 0 and leak["fix"] and "numpy array" in leak["fix"]
     alerts = [alert for alert in document["alerts"] if alert["kind"] == "leak"]
     assert [alert["where"] for alert in alerts] == ["dataset.items"]
-    assert "2 DataLoader workers grew" in alerts[0]["message"]
+    assert "2 DataLoader workers (pids " in alerts[0]["message"]
     assert "a list of 30,000 dict objects in DS" in alerts[0]["message"]
     workers = [step["workers"] for step in document["steps"] if "workers" in step]
     assert workers and all(entry["count"] == 2 for entry in workers)

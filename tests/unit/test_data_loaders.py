@@ -153,7 +153,7 @@ def test_growing_workers_name_the_dataset_attribute_once_with_the_fix() -> None:
     assert len(alerts) == 1
     alert = alerts[0]
     assert alert.kind == AlertKind.LEAK and alert.where == "dataset.items"
-    assert "2 DataLoader workers grew" in alert.message
+    assert "2 DataLoader workers (pids 11, 12) grew" in alert.message
     assert "a list of 3,000 dict objects in Samples" in alert.message
     assert alert.message.endswith(FIX)
     named = [leak for report in reports for leak in report.leaks]

@@ -58,6 +58,13 @@ def test_a_slow_steady_growth_is_sustained_once_large() -> None:
     assert found and found[0] >= 1 + (MIN_TOTAL // MiB) * 10
 
 
+def test_few_samples_of_a_large_growth_suffice() -> None:
+    """A loaded machine's sampler wakes late: 4 points, each 30 MiB above the last."""
+    found = _feed(WorkerGrowth(), [0, 30 * MiB, 60 * MiB, 90 * MiB])
+    assert found == [31]
+    assert _feed(WorkerGrowth(), [0, 30 * MiB, 30 * MiB, 60 * MiB]) == []
+
+
 def test_the_same_sample_seen_at_many_closes_counts_once() -> None:
     """Closes come faster than samples: a close without a new sample adds no point."""
     growth = WorkerGrowth()

@@ -30,6 +30,8 @@ FIX = (
 """The fix the alert and the `Leak` carry."""
 NO_DATASET = "DataLoader workers"
 """The holder named when the workers' dataset is gone or cannot be referred to weakly."""
+PIDS_SHOWN = 8
+"""Worker pids the alert names (their count says how many there are)."""
 RESEND = 1.1
 """The entry is sent again once the growth reached this many times what was last sent."""
 
@@ -62,8 +64,9 @@ class WorkerLeaks:
             return report
         named = self._named
         if named is None:
-            leak, container = self._name(found, sampler.grown)
-            report.alerts.append(worker_alert(leak, reading.count, container))
+            grown = sampler.grown
+            leak, container = self._name(found, grown)
+            report.alerts.append(worker_alert(leak, sorted(grown), container))
         elif self._growth.highest >= named.bytes * RESEND:
             leak = msgspec.structs.replace(
                 named, bytes=self._growth.highest, per_step=found.per_step
@@ -100,12 +103,16 @@ class WorkerLeaks:
         return leak, container
 
 
-def worker_alert(leak: schema.Leak, count: int, container: Container | None) -> schema.Alert:
-    """The alert: which workers, how much they grew and since when, what they read, the fix."""
-    plural = "s" if count != 1 else ""
+def worker_alert(leak: schema.Leak, pids: list[int], container: Container | None) -> schema.Alert:
+    """The alert: which workers (their pids), how much they grew and since when, what they
+    read, the fix."""
+    plural = "s" if len(pids) != 1 else ""
+    shown = ", ".join(str(pid) for pid in pids[:PIDS_SHOWN])
+    shown += ", ..." if len(pids) > PIDS_SHOWN else ""
     message = (
-        f"{count} DataLoader worker{plural} grew {format_bytes(leak.bytes)} of private memory "
-        f"(USS) since step {leak.first_step}, {format_bytes(leak.per_step)} per step"
+        f"{len(pids)} DataLoader worker{plural} (pid{plural} {shown}) grew "
+        f"{format_bytes(leak.bytes)} of private memory (USS) since step {leak.first_step}, "
+        f"{format_bytes(leak.per_step)} per step"
     )
     if container is not None:
         items = f"{container.items:,} {container.item_type} objects" if container.item_type else ""
