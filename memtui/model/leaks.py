@@ -184,5 +184,5 @@ def leak_holding(row: LeakRow) -> str:
     if row.kind is LeakKind.TENSORS:
         return tensors
     if row.kind is LeakKind.WORKERS:
-        return "DataLoader workers' USS"
+        return "workers' USS"
     return f"{tensors} ({row.kind})"

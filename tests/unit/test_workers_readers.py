@@ -84,7 +84,7 @@ def test_the_report_says_the_workers_outside_the_piles() -> None:
     assert [(leak["holder"], leak["kind"]) for leak in document["leaks"]] == [
         ("dataset.items", "workers")
     ]
-    assert leak_holding(LeakRow.of(LEAK, 2)) == "DataLoader workers' USS"
+    assert leak_holding(LeakRow.of(LEAK, 2)) == "workers' USS"
 
 
 def test_a_job_without_workers_says_nothing_of_them() -> None:
