@@ -14,8 +14,16 @@ from typing import Any
 import numpy
 
 from memtui_agent.job.data_loaders import MIN_ITEMS, DataLoaders, large_container
+from memtui_agent.memory import worker_memory
 from memtui_agent.memory.worker_growth import WINDOW
-from memtui_agent.memory.worker_memory import WorkerSampler
+from memtui_agent.memory.worker_memory import (
+    SAMPLE_SECONDS,
+    SHARE,
+    YOUNG_SAMPLES,
+    YOUNG_SECONDS,
+    YOUNG_SHARE,
+    WorkerSampler,
+)
 from memtui_agent.steps.worker_leaks import FIX, NO_DATASET, WorkerLeaks
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, LeakKind
@@ -209,3 +217,17 @@ def test_the_sampler_reads_a_live_process_and_forgets_a_gone_one() -> None:
     assert latest is not None and latest.count == 1 and latest.uss > 0
     assert latest.pss is not None and latest.pss > 0
     assert list(sampler.grown) == [os.getpid()]  # the gone pid is not followed
+
+
+def test_the_sampler_spaces_its_samples_to_its_share_of_a_core() -> None:
+    """A young worker is sampled every 0.25 s, an older one every second, unless a sample's CPU
+    time would make that more than 10 % (young) or 2 % of a core."""
+    sampler = WorkerSampler(lambda exc: None)
+    sampler._workers[1] = worker_memory._Worker(None)
+    assert sampler.next_wait() == YOUNG_SECONDS
+    sampler.cost = 0.05  # 50 ms of CPU a sample: a few workers of a large job
+    assert sampler.next_wait() == 0.05 / YOUNG_SHARE
+    sampler._workers[1].samples = YOUNG_SAMPLES
+    assert sampler.next_wait() == 0.05 / SHARE
+    sampler.cost = 0.001
+    assert sampler.next_wait() == SAMPLE_SECONDS

@@ -9,9 +9,10 @@ None of it is in the job's process: its piles and its RSS stay flat while the wo
 `WorkerSampler` follows the workers it is given (`add`, by pid: `job.data_loaders` finds them as
 a DataLoader starts them) with psutil's `memory_full_info()`: USS (the pages only that worker
 holds, what its exit would free) and PSS (shared pages split among their sharers) from
-`/proc/PID/smaps_rollup`, about 0.2 to 2 ms a worker. That read happens on this module's
-thread, once a second (four times a second for a worker's first 20 samples), never on the
-training thread: a close only takes the last
+`/proc/PID/smaps_rollup`, a walk of the worker's page tables in the kernel (9 ms of CPU for a
+worker of a 430 MB job). That read happens on this module's thread, once a second (four times
+a second for a worker's first 20 samples), spaced further where it would take more than 2 % of
+a core (10 % while young), never on the training thread: a close only takes the last
 sample (`latest`, one attribute read). The thread starts with the first worker (a job without
 workers has none) and holds pids and psutil handles only, never a job object.
 
@@ -39,6 +40,13 @@ YOUNG_SAMPLES = 20
 """A worker's first samples come this often: a shuffled epoch copies most of a dataset's pages
 in its first seconds (two workers of tests/fixtures/workers/dataset_workers.py: +120 MiB in 4 s,
 which one sample a second sees as 4 points, too few to tell a sustained growth)."""
+SHARE = 0.02
+YOUNG_SHARE = 0.1
+"""The most of one core the sampler's thread may use, once its workers are past their first
+samples and while they are young: the next sample waits at least its last sample's CPU time
+divided by this. Reading smaps_rollup walks the worker's page tables in the kernel: 9 ms of CPU
+a read for a worker of a 430 MB job (the fixture's, measured with `time.thread_time()`), more for
+a larger one, where the samples space out instead of the thread taking a core."""
 MAX_WORKERS = 256
 """The most worker processes followed at once (a job runs a few per DataLoader)."""
 
@@ -74,6 +82,8 @@ class WorkerSampler:
         """The last sample (None before the first, and once no worker is left)."""
         self.samples = 0
         """Samples taken so far: a close tells a new sample from the one it already saw."""
+        self.cost = 0.0
+        """CPU seconds the last sample took on this thread (`SHARE` spaces the next one)."""
         self.grown: dict[int, int] = {}
         """Each worker's growth since its first sample, by pid, as of the last sample."""
 
@@ -104,19 +114,24 @@ class WorkerSampler:
     def _run(self) -> None:
         while not self._stopping:
             try:
+                started = time.thread_time()
                 self.sample()
+                self.cost = time.thread_time() - started
             except Exception as exc:  # never a traceback into the job: said once, then off
                 self._stopping = True
                 self.latest = None
                 self._on_error(exc)
                 return
-            self._wake.wait(self._wait())
+            self._wake.wait(self.next_wait())
             self._wake.clear()
 
-    def _wait(self) -> float:
-        """Seconds to the next sample: sooner while a followed worker is young."""
+    def next_wait(self) -> float:
+        """Seconds to the next sample: sooner while a followed worker is young, never so soon
+        that sampling takes more than its share of a core."""
         young = any(worker.samples < YOUNG_SAMPLES for worker in self._workers.values())
-        return min(self._period, YOUNG_SECONDS) if young else self._period
+        if young:
+            return max(min(self._period, YOUNG_SECONDS), self.cost / YOUNG_SHARE)
+        return max(self._period, self.cost / SHARE)
 
     def sample(self) -> None:
         """One sample of every followed worker (the thread's loop; tests call it directly)."""
