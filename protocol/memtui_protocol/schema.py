@@ -400,7 +400,8 @@ class Workers(msgspec.Struct, frozen=True, omit_defaults=True):
     uss: int
     """Their private memory (unique set size) summed: what the machine frees if they exit."""
     growth: int
-    """How much `uss` grew since each worker's first sample (summed over the workers alive)."""
+    """How much `uss` grew since each worker's baseline (its first sample after the first step
+    close that followed its start), summed over the workers alive."""
     pss: int | None = None
     """Their proportional set size summed (shared pages split among the processes sharing
     them); None where the system does not say it."""

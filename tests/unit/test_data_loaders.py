@@ -217,6 +217,14 @@ def test_the_sampler_reads_a_live_process_and_forgets_a_gone_one() -> None:
     assert latest is not None and latest.count == 1 and latest.uss > 0
     assert latest.pss is not None and latest.pss > 0
     assert list(sampler.grown) == [os.getpid()]  # the gone pid is not followed
+    assert sampler.grown[os.getpid()] == 0  # no close yet: no baseline, no growth
+    sampler.note_close()
+    sampler.sample()  # the baseline: the first sample after a close
+    assert sampler.grown == {os.getpid(): 0}
+    held = bytearray(32 * 1024 * 1024)  # written: private pages of this process
+    sampler.sample()
+    assert sampler.grown[os.getpid()] >= 30 * 1024 * 1024
+    del held
 
 
 def test_the_sampler_spaces_its_samples_to_its_share_of_a_core() -> None:

@@ -52,13 +52,15 @@ MAX_WORKERS = 256
 
 
 class _Worker:
-    """One followed worker: its psutil handle (which checks the pid was not reused) and the
-    private memory of its first sample, from which its growth is counted."""
+    """One followed worker: its psutil handle (which checks the pid was not reused), the close
+    count when it was added, and its private memory at its baseline sample, from which its
+    growth is counted."""
 
-    __slots__ = ("first", "process", "samples")
+    __slots__ = ("added", "first", "process", "samples")
 
-    def __init__(self, process: Any) -> None:
+    def __init__(self, process: Any, added: int = 0) -> None:
         self.process = process
+        self.added = added
         self.first: int | None = None
         self.samples = 0
 
@@ -73,7 +75,7 @@ class WorkerSampler:
         self._period = period
         self._owner = os.getpid()
         self._lock = threading.Lock()
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, int]] = []
         self._workers: dict[int, _Worker] = {}
         self._wake = threading.Event()
         self._stopping = False
@@ -84,8 +86,12 @@ class WorkerSampler:
         """Samples taken so far: a close tells a new sample from the one it already saw."""
         self.cost = 0.0
         """CPU seconds the last sample took on this thread (`SHARE` spaces the next one)."""
+        self.closes = 0
+        """Step closes so far (`note_close`): a worker's baseline is its first sample after the
+        first close that followed its start."""
         self.grown: dict[int, int] = {}
-        """Each worker's growth since its first sample, by pid, as of the last sample."""
+        """Each worker's growth since its baseline sample, by pid, as of the last sample (0
+        before its baseline)."""
 
     def add(self, pids: Iterable[int]) -> None:
         """Follow these workers from now (called as a DataLoader starts them; cheap: the
@@ -95,11 +101,19 @@ class WorkerSampler:
             return
         with self._lock:
             room = MAX_WORKERS - len(self._workers) - len(self._pending)
-            self._pending.extend(list(pids)[: max(0, room)])
+            closes = self.closes
+            self._pending.extend((pid, closes) for pid in list(pids)[: max(0, room)])
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="memtui-workers", daemon=True)
             self._thread.start()
         self._wake.set()
+
+    def note_close(self) -> None:
+        """A step closed (on the training thread; one increment). Workers started before it
+        have delivered a batch, so they are past their start: a worker started by spawn or a
+        forkserver imports torch and the job's modules first (tens to hundreds of MiB that are
+        no copy of the job's pages), which its baseline must not count as growth."""
+        self.closes += 1
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop sampling (the agent leaves)."""
@@ -137,11 +151,11 @@ class WorkerSampler:
         """One sample of every followed worker (the thread's loop; tests call it directly)."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for pid in pending:
+        for pid, added in pending:
             if pid in self._workers:
                 continue
             try:
-                self._workers[pid] = _Worker(psutil.Process(pid))
+                self._workers[pid] = _Worker(psutil.Process(pid), added)
             except (psutil.NoSuchProcess, psutil.ZombieProcess):
                 continue  # it exited before its first sample
         count = uss = growth = pss = 0
@@ -154,13 +168,13 @@ class WorkerSampler:
                 del self._workers[pid]  # exited (an epoch's workers end with it)
                 continue
             private = int(memory.uss)
-            if worker.first is None:
+            if worker.first is None and self.closes > worker.added:
                 worker.first = private
             worker.samples += 1
             count += 1
             uss += private
-            growth += private - worker.first
-            grown[pid] = private - worker.first
+            grown[pid] = private - worker.first if worker.first is not None else 0
+            growth += grown[pid]
             shared = getattr(memory, "pss", None)
             if shared is None:
                 pss_known = False

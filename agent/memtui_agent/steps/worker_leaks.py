@@ -57,6 +57,7 @@ class WorkerLeaks:
         """One close: the workers' last sample, and the alert and entry their growth calls
         for. Cheap: attribute reads, and one bounded read of the dataset when first named."""
         sampler = self.loaders.sampler
+        sampler.note_close()
         samples, reading = sampler.samples, sampler.latest
         report = WorkerReport(workers=reading)
         found = self._growth.at_close(step, samples, reading)
