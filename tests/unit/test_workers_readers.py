@@ -127,3 +127,15 @@ def test_a_step_frame_without_workers_still_decodes() -> None:
     assert msgspec.msgpack.decode(old, type=schema.Step).workers is None
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(_step(1)), type=schema.Step)
     assert again.workers == WORKERS
+
+
+def test_tensorboard_scalars_have_the_workers() -> None:
+    from memtui.reports.tensorboard_export import step_scalars
+
+    scalars = step_scalars(_step(2))
+    assert (scalars["workers/uss"], scalars["workers/growth"], scalars["workers/pss"]) == (
+        180 * MiB,
+        160 * MiB,
+        350 * MiB,
+    )
+    assert not any(name.startswith("workers/") for name in step_scalars(_step(2, workers=None)))
