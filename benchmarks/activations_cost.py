@@ -2,6 +2,7 @@
 
     python benchmarks/activations_cost.py       # gpt, stack, bert, bertpad, llama; 4 rounds
     python benchmarks/activations_cost.py --jobs stack --rounds 6 --steps 60
+    python benchmarks/activations_cost.py --clock cpu   # CPU time per step, on a shared machine
 
 Each (job, configuration) runs in a fresh interpreter (`worker.py`), rounds interleaved so that
 machine noise spreads over every configuration alike; each process reports the median of its
@@ -29,8 +30,8 @@ HERE = Path(__file__).parent
 CONFIGS = ["none", "floor", "default", "every", "full"]
 
 
-def run_worker(job: str, config: str, steps: int, threads: int) -> list[float]:
-    """Step times of one fresh process."""
+def run_worker(job: str, config: str, steps: int, threads: int, clock: str) -> list[float]:
+    """Step times of one fresh process, read with `clock` (worker.py's `--clock`)."""
     command = [
         sys.executable,
         str(HERE / "worker.py"),
@@ -40,6 +41,8 @@ def run_worker(job: str, config: str, steps: int, threads: int) -> list[float]:
         config,
         "--steps",
         str(steps),
+        "--clock",
+        clock,
     ]
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     import os
@@ -62,6 +65,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: each step's CPU time of the whole process (its threads included) instead of "
+        "its elapsed time, for a machine that other work shares",
+    )
     args = parser.parse_args()
     jobs = args.jobs.split(",")
     configs = args.configs.split(",")
@@ -69,7 +79,7 @@ def main() -> int:
     for round_index in range(args.rounds):
         for job in jobs:
             for config in configs:
-                times = run_worker(job, config, args.steps, args.threads)
+                times = run_worker(job, config, args.steps, args.threads, args.clock)
                 medians.setdefault((job, config), []).append(
                     statistics.median(times[args.warmup :])
                 )

@@ -47,6 +47,8 @@ MEMTUI_CONFIGS = {
 Prometheus endpoint (`metrics_port=0`), scraped once a second by another process (Prometheus
 scrapes every 5-15 s as usually configured: this is the busier case)."""
 SCRAPE_SECONDS = 1.0
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+"""What a step's time is read with (`--clock`)."""
 CONFIGS = ["none", "floor", *MEMTUI_CONFIGS, "profiler", "memtracker", "traceml"]
 
 
@@ -63,11 +65,12 @@ def _loop(
     steps: int,
     rss_at: set[int],
     wrap: Callable[[], contextlib.AbstractContextManager[Any]],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[float], dict[int, int]]:
-    """Run `steps` steps, timing each one; sample RSS after the step numbers in `rss_at`."""
+    """Run `steps` steps, timing each one with `clock`; sample RSS after the step numbers in
+    `rss_at`."""
     times: list[float] = []
     samples: dict[int, int] = {}
-    clock = time.perf_counter
     for number in range(1, steps + 1):
         started = clock()
         with wrap():
@@ -169,6 +172,13 @@ def main() -> int:
     parser.add_argument("--record", default=None, help="recording path for the memtui agent")
     parser.add_argument("--rss-at", default="", help="comma-separated step numbers")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the loop here")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: the process's CPU time, every thread of it (the agent's "
+        "emitter included), which other processes' load on the machine stretches far less",
+    )
     args = parser.parse_args()
     rss_at = {int(item) for item in args.rss_at.split(",") if item}
 
@@ -205,7 +215,7 @@ def main() -> int:
     with _outer(args.config, job) as wrap:
         if profiler is not None:
             profiler.enable()
-        times, samples = _loop(job, args.steps, rss_at, wrap)
+        times, samples = _loop(job, args.steps, rss_at, wrap, CLOCKS[args.clock])
         if profiler is not None:
             profiler.disable()
             profiler.dump_stats(args.profile)

@@ -17,6 +17,7 @@ from memtui.input.input_files import InputFileError, open_input
 from memtui.input.recording_file import RecordingError, writer_alive
 from memtui.model.alert_kinds import AlertKindShown, alert_kind
 from memtui.model.job_state import Ending, how_it_ended
+from memtui.model.kept_trail import KeptTrail
 from memtui.model.leaks import MAX_HOLDERS, LeakBook
 from memtui.model.step_rows import AlertRow, module_label
 from memtui_protocol import schema, wire
@@ -76,6 +77,8 @@ class Recording:
     names_dropped: int = 0
     """Module names beyond `schema.MAX_NAMES` in all, not kept (a hostile or broken writer)."""
     leaks: LeakBook = field(default_factory=LeakBook)
+    kept: KeptTrail = field(default_factory=KeptTrail)
+    """What the job kept outside every pile, at each step whose close counted it."""
     """The holders the job's censuses named, census by census, and the job's last count."""
     recording_stopped: str | None = None
     """Why the agent's recording stopped early, as the agent said it (a full disk), if it did."""
@@ -110,6 +113,8 @@ def apply(recording: Recording, message: schema.Message) -> None:
         recording.steps.append(message)
         if message.leaks or message.census is not None:  # only the steps that took a census
             recording.leaks.stepped(message)
+        if message.kept is not None:
+            recording.kept.stepped(message)
         if message.alerts:  # most steps have none: the TUI folds thousands a second
             recording.alerts.extend(
                 StepAlert.of(message.step, alert, message.t_end) for alert in message.alerts

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
+from memtui.model.kept_trail import KeptAt
 from memtui.model.leaks import LeakRow
 from memtui.model.recording import Recording, alert_rows, apply
 from memtui.model.step_rows import AlertRow, folded_alerts
@@ -316,7 +317,7 @@ class Session:
         return ViewState(
             header=self._header(step),
             notes=NotesView(self._notes(extra_notes)),
-            piles=piles_view(step, live, self.binary, self._step_owner(step)),
+            piles=piles_view(step, live, self.binary, self._step_owner(step), self._kept(step)),
             gap=gap_view(step, live, self.binary, *self._leaks(step)),
             timeline=timeline_view(
                 self._timeline_window(timeline_width),
@@ -375,6 +376,13 @@ class Session:
         if len(self.optimizer_names) > 1 and step.optimizer is not None:
             return f"{step.optimizer} step {step.optimizer_step}"
         return None
+
+    def _kept(self, step: schema.Step | None) -> KeptAt | None:
+        """What the job kept outside every pile as of the cursor step (the latest census at or
+        before it)."""
+        if step is None or self.recording is None:
+            return None
+        return self.recording.kept.at(step.step)
 
     def _leaks(self, step: schema.Step | None) -> tuple[tuple[LeakRow, ...], bool]:
         """The leaks as of the cursor step (the latest census at or before it) and whether they

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from memtui.model.alloc_rows import AllocRow
 from memtui.model.job_state import Ending, JobState
+from memtui.model.kept_trail import KeptAt
 from memtui.model.leaks import LeakRow
 from memtui.model.rank_rows import RankRow
 from memtui.model.step_rows import (
@@ -89,7 +90,12 @@ class PilesView:
     activations_known: bool = True
     """Measured or carried: False, the rows say "not known" instead of the frame's partial
     figures."""
+    activations_why_at: int | None = None
+    """Activations not known: the step whose `activations_vary` alert says why."""
     distributed_lines: tuple[str, ...] = ()
+    kept: KeptAt | None = None
+    """What the job kept outside every pile (part of `other`), as the latest census at or
+    before this step counted it."""
 
 
 @dataclass(frozen=True)
@@ -198,8 +204,10 @@ def piles_view(
     live: schema.Piles | None,
     binary: bool,
     step_owner: str | None = None,
+    kept: KeptAt | None = None,
 ) -> PilesView:
-    """The piles panel for the cursor step (or the live piles before the first step closes)."""
+    """The piles panel for the cursor step (or the live piles before the first step closes),
+    with `kept`: the latest count at or before it of what the job keeps outside every pile."""
     rows = pile_rows(step, live if step is None else None)
     if step is None:
         return PilesView(rows, binary)
@@ -213,7 +221,9 @@ def piles_view(
         activations_measured=step.activations_measured,
         activations_from=step.activations_from,
         activations_known=activations_known(step),
+        activations_why_at=step.activations_why_at,
         distributed_lines=distributed_notes(step, binary),
+        kept=kept,
     )
 
 

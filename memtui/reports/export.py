@@ -47,13 +47,18 @@ CSV_COLUMNS = (
     "rss",
     "activations_measured",
     "activations_from",
+    "activations_why_at",
+    "kept",
     "workers_uss",
     "workers_growth",
 )
 """A step whose activations are not known (neither measured nor carried: `activations_measured`
 0 and `activations_from` empty) leaves its activation cells and `peak_total` empty: its frame's
-figures for them are partial. `workers_uss` and `workers_growth` are the DataLoader workers'
-private memory and its growth since they started (empty for a job without workers)."""
+figures for them are partial, and `activations_why_at` is the step whose alert says why. `kept`:
+the bytes the job keeps outside every pile (part of `other`), on the steps whose close took a
+census only, empty elsewhere and where that census stopped at its bound. `workers_uss` and
+`workers_growth`: the DataLoader workers' private memory and its growth since their baseline
+(empty for a job without workers)."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -163,6 +168,8 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "rss": step.host.rss,
             "activations_measured": int(step.activations_measured),
             "activations_from": step.activations_from,
+            "activations_why_at": step.activations_why_at,
+            "kept": step.kept.bytes if step.kept is not None else None,
             "workers_uss": step.workers.uss if step.workers is not None else None,
             "workers_growth": step.workers.growth if step.workers is not None else None,
         }

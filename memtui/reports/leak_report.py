@@ -11,6 +11,7 @@ from functools import partial
 
 import msgspec
 
+from memtui.model.kept_trail import kept_words
 from memtui.model.leaks import CensusTally, LeakRow
 from memtui.model.recording import Recording
 from memtui.reports.report_format import CensusEntry, KeptEntry, KeptHolderEntry, LeakEntry
@@ -81,20 +82,8 @@ KEPT_NAMED = 5
 def kept_line(recording: Recording, binary: bool = True) -> str | None:
     """The tensors the job kept outside every pile at the last step whose census counted them
     (None when no step did): their total, and the largest holders by name."""
-    last = next((step for step in reversed(recording.steps) if step.kept is not None), None)
-    if last is None or last.kept is None:
-        return None
-    kept = last.kept
-    size = partial(format_bytes, binary=binary)
-    total = (
-        f"{size(kept.bytes)} in {kept.tensors} tensor{'s' if kept.tensors != 1 else ''}"
-        if kept.bytes is not None
-        else "a total not known (its census stopped at its bound)"
-    )
-    named = ", ".join(f"{item.holder} {size(item.bytes)}" for item in kept.holders[:KEPT_NAMED])
-    return f"kept outside the piles at step {last.step} (its census): {total}" + (
-        f"; {named}" if named else ""
-    )
+    found = recording.kept.last()
+    return kept_words(found, binary, KEPT_NAMED) if found is not None else None
 
 
 def censuses(recording: Recording) -> CensusTally | None:

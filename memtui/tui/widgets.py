@@ -19,6 +19,7 @@ from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
+from memtui.model.kept_trail import kept_words
 from memtui.model.leaks import leak_holding
 from memtui.model.step_rows import NOT_KNOWN, AlertRow, describe_rate
 from memtui.model.view_state import (
@@ -129,7 +130,10 @@ class PilesPanel(FlowPanel[PilesView]):
             extra.append("SKIPPED by GradScaler")
         lines = [plain(line, style="dim") for line in view.distributed_lines]
         if not view.activations_measured:  # its own line: it must not wrap into the others
-            lines.insert(0, Text(_activations_label(view.activations_from), style="dim"))
+            label = _activations_label(view.activations_from, view.activations_why_at)
+            lines.insert(0, Text(label, style="dim"))
+        if view.kept is not None:  # holders are the job's names: recorded text
+            lines.append(plain(kept_words(view.kept, view.binary), style="dim"))
         return [plain(" · ".join(extra), style="dim"), *lines]  # the optimizer's recorded name
 
     def render(self) -> Text | Group:
@@ -183,13 +187,14 @@ class PilesPanel(FlowPanel[PilesView]):
         return Group(bar, table, *self.lines)
 
 
-def _activations_label(source: int | None) -> str:
+def _activations_label(source: int | None, why_at: int | None = None) -> str:
     """Why the activations row is not this step's own measurement: carried (marked ≈), or not
-    known (no figure shown)."""
+    known (no figure shown, and the step whose alert says why)."""
     if source is None:
+        why = f" (why: the alert of step {why_at})" if why_at is not None else ""
         return (
             f"activations {NOT_KNOWN}: this step was not measured, nor confirmed as a repeat "
-            "of a measured step"
+            f"of a measured step{why}"
         )
     return f"≈ activations from step {source} (a repeat, proven by its counters)"
 

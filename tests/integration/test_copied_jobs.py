@@ -74,6 +74,11 @@ for name, obj in [("model", model), ("optimizer", optimizer), ("scaler", scaler)
         print("bytes", name, hashlib.sha256(data).hexdigest())
 with torch.no_grad():
     print("reloaded", torch.equal(pickle.loads(pickle.dumps(model))(x), expected))
+scripted = torch.jit.script(model)  # compiles every hook of the tree: none of the agent's
+traced = torch.jit.trace(model, x)
+with torch.no_grad():
+    print("scripted", torch.equal(scripted(x), expected), torch.equal(traced(x), expected))
+print("script hooks", len(scripted._forward_hooks), len(scripted._forward_pre_hooks))
 with open("expected.json", "w") as file:
     json.dump({"x": x.tolist(), "y": expected.tolist(), "extra": extra.tolist()}, file)
 print("done")

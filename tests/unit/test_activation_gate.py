@@ -44,6 +44,10 @@ class Switch:
     def pack_missing(self) -> bool:
         return self.armed and self.job_hooks
 
+    @property
+    def installed(self) -> bool:
+        return self.armed
+
     def arm(self, root: torch.nn.Module | None) -> None:
         self.armed = True
         self.log.append("arm" if root is None else "arm-root")

@@ -187,3 +187,31 @@ def test_damaged_tail_exports_the_prefix(
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == 25  # the End frame was cut, every step survives
     assert "warning" in captured.err
+
+
+def test_csv_names_why_a_step_is_not_known_and_what_the_job_keeps(
+    tmp_path: Path, builder: ModuleType
+) -> None:
+    """`activations_why_at` on a step not known, `kept` on the steps whose census counted it
+    (empty where the census stopped at its bound, and on every other step)."""
+    changed: dict[int, dict[str, Any]] = {
+        3: {"kept": schema.Kept(bytes=548_864, tensors=7)},
+        5: {"activations_measured": False, "activations_from": None, "activations_why_at": 4},
+        7: {"kept": schema.Kept(bytes=None, tensors=9)},
+    }
+    written = [
+        msgspec.structs.replace(m, **changed[m.step])
+        if isinstance(m, schema.Step) and m.step in changed
+        else m
+        for m in messages(builder)
+    ]
+    path = tmp_path / "run.memtui"
+    path.write_bytes(builder.encode_recording(written))
+    assert main(["export", str(path), "--format", "csv"]) == 0
+    rows = {
+        int(row["step"]): row
+        for row in csv.DictReader(io.StringIO(path.with_name("run.csv").read_text()))
+    }
+    assert rows[3]["kept"] == "548864" and rows[7]["kept"] == "" and rows[4]["kept"] == ""
+    assert rows[5]["activations_why_at"] == "4" and rows[5]["end_activations"] == ""
+    assert rows[4]["activations_why_at"] == ""

@@ -244,6 +244,13 @@ class HookArming:
         self.push_pack()
         self.hook_grads(parameters)
 
+    @property
+    def installed(self) -> bool:
+        """Whether any hook of the set is installed, on this thread or one the agent left."""
+        return bool(self._module_handles or self.grad_hooked or self.left_on) or (
+            self.pushed_on is not None
+        )
+
     def disarm(self) -> None:
         """Remove module and gradient hooks and, if it is on top, the saved-tensor pair."""
         self.disarm_modules()
@@ -298,6 +305,11 @@ class GateSwitch:
     def pack_missing(self) -> bool:
         """Armed without the agent's saved-tensor pair where this thread's forwards pack."""
         return self._arming.pack_missing
+
+    @property
+    def installed(self) -> bool:
+        """Whether any hook of the set is still installed."""
+        return self._arming.installed
 
     def disarm(self) -> None:
         """Remove the set; the module stack restarts empty with the next forward."""

@@ -300,11 +300,67 @@ def state_without_ours(original: Wrapper) -> Wrapper:
             hooks = state.get(name)
             if hooks is None or not any(key in hooks for key in ours):
                 continue
-            kept = type(hooks)()
-            for key, value in hooks.items():
-                if key not in ours:
-                    kept[key] = value
-            state[name] = kept
+            state[name] = _without_ours(hooks, set(ours))
         return state
 
     return __getstate__
+
+
+def _without_ours(hooks: Any, ours: set[int]) -> Any:
+    """A copy of one hook dict (same type, same order) without the keys in `ours`."""
+    kept = type(hooks)()
+    for key, value in hooks.items():
+        if key not in ours:
+            kept[key] = value
+    return kept
+
+
+def script_without_ours(original: Wrapper) -> Wrapper:
+    """`torch.jit._recursive.create_script_module`, which `torch.jit.script(module)` calls,
+    seeing each module's hooks without memtui's per-root ones.
+
+    Scripting compiles every forward hook of every module in the tree (`get_hook_stubs`, and the
+    module's concrete type lists them): memtui's root hooks, which no compiler can script, made
+    `torch.jit.script` of any model already called fail under memtui (`'CopySafeHook' object
+    has no attribute '__name__'`) where the plain run works. For the call's duration each
+    module's hook dicts that hold one of ours are swapped for copies without them (same order,
+    the job's hooks all there), then the module's own dicts go back: the scripted module is the
+    one the job would get without memtui, and the job's module keeps its hooks. A module of the
+    tree that another thread calls during the scripting is not seen as a root call then.
+    """
+
+    def create_script_module(nn_module: Any, *args: Any, **kwargs: Any) -> Any:
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            tree: Any = nn_module
+            modules: Any = tree.modules() if isinstance(tree, _module_type()) else ()
+            for module in modules:
+                state = module.__dict__
+                ours = {
+                    key
+                    for name in ("_forward_pre_hooks", "_forward_hooks")
+                    for key, hook in (state.get(name) or {}).items()
+                    if _ours(hook)
+                }
+                if not ours:
+                    continue
+                for name in ROOT_HOOK_DICTS:
+                    hooks = state.get(name)
+                    if hooks is not None and any(key in hooks for key in ours):
+                        swapped.append((state, name, hooks))
+                        state[name] = _without_ours(hooks, ours)
+        except Exception:  # a tree memtui cannot walk: scripted as it is
+            pass
+        try:
+            return original(nn_module, *args, **kwargs)
+        finally:
+            for state, name, hooks in reversed(swapped):
+                state[name] = hooks
+
+    return create_script_module
+
+
+def _module_type() -> type[Any]:
+    import torch
+
+    return torch.nn.Module

@@ -43,6 +43,7 @@ from memtui_agent.hooks.library_wrappers import (
     GradScalerWrappers,
     Wrapper,
     global_hooks_but_ours,
+    script_without_ours,
     state_without_ours,
 )
 from memtui_agent.hooks.root_calls import RootHooks
@@ -124,6 +125,8 @@ class Tracker:
         # A copy or a pickle of a model (AveragedModel, an EMA, torch.save) is the job's own,
         # without the agent's per-root hooks.
         self._wrap(torch.nn.Module, "__getstate__", state_without_ours)
+        # `torch.jit.script(model)` compiles every hook of the tree: the job's, not the agent's.
+        self._wrap(torch.jit._recursive, "create_script_module", script_without_ours)
         if hasattr(module_hooks, "_has_any_global_hook"):
             self._wrap(module_hooks, "_has_any_global_hook", global_hooks_but_ours)
         if self.hooks.loaders is not None:

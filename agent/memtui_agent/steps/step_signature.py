@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -53,13 +52,53 @@ def _sequence_reader() -> Callable[[], int] | None:
         return None
 
 
-_MAIN_HEAP = re.compile(
-    rb'<heap nr="0">.*?<total type="fast" count="\d+" size="(\d+)"/>\s*'
-    rb'<total type="rest" count="\d+" size="(\d+)"/>.*?'
-    rb'<system type="current" size="(\d+)"/>',
-    re.DOTALL,
-)
-_MMAPPED = re.compile(rb'</heap>.*<total type="mmap" count="\d+" size="(\d+)"/>', re.DOTALL)
+_MAIN_HEAP = b'<heap nr="0">'
+_HEAP_END = b"</heap>"
+_FAST = b'<total type="fast" count="'
+_REST = b'<total type="rest" count="'
+_SYSTEM = b'<system type="current" size="'
+_MMAP = b'<total type="mmap" count="'
+_SIZE = b' size="'
+
+
+def _number_after(text: bytes, mark: bytes, start: int, end: int) -> int | None:
+    """The number in `size="N"` that follows the first `mark` in `text[start:end]` (`mark`
+    itself may end in an opening quote: `count="`, `size="`)."""
+    at = text.find(mark, start, end)
+    if at < 0:
+        return None
+    at += len(mark)
+    if not mark.endswith(_SIZE):
+        at = text.find(_SIZE, at, end)
+        if at < 0:
+            return None
+        at += len(_SIZE)
+    close = text.find(b'"', at, end)
+    digits = text[at:close] if close >= 0 else b""
+    return int(digits) if digits.isdigit() else None
+
+
+def main_arena_in_use(text: bytes) -> int | None:
+    """Bytes in use by the main arena plus those mapped on their own, from `malloc_info`'s XML:
+    the main heap's `system current` less its free `fast` and `rest` bytes, plus the process's
+    `mmap` total (after the last heap). None when the text has not that shape.
+
+    Read with `bytes.find`, not a regular expression: a `.*?` over the 6 KB the call prints
+    took as long as the call itself (61 us of 127 on benchmarks' `stack` model)."""
+    start = text.find(_MAIN_HEAP)
+    if start < 0:
+        return None
+    end = text.find(_HEAP_END, start)
+    if end < 0:
+        return None
+    fast = _number_after(text, _FAST, start, end)
+    rest = _number_after(text, _REST, start, end)
+    system = _number_after(text, _SYSTEM, start, end)
+    if fast is None or rest is None or system is None:
+        return None
+    tail = text.rfind(_HEAP_END)
+    mapped = _number_after(text, _MMAP, tail, len(text))
+    return system - fast - rest + (mapped or 0)
 
 
 def heap_reader() -> Callable[[], int | None] | None:
@@ -96,12 +135,7 @@ def heap_reader() -> Callable[[], int | None] | None:
             text = ctypes.string_at(buffer, size.value)
         finally:
             free(buffer)
-        heap = _MAIN_HEAP.search(text)
-        if heap is None:
-            return None
-        fast, rest, system = (int(group) for group in heap.groups())
-        mapped = _MMAPPED.search(text)
-        return system - fast - rest + (int(mapped.group(1)) if mapped else 0)
+        return main_arena_in_use(text)
 
     try:
         first = read()
