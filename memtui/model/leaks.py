@@ -183,4 +183,6 @@ def leak_holding(row: LeakRow) -> str:
         return f"{tensors} + graph{plural}{unknown}"
     if row.kind is LeakKind.TENSORS:
         return tensors
+    if row.kind is LeakKind.WORKERS:
+        return "workers' USS"
     return f"{tensors} ({row.kind})"

@@ -355,10 +355,26 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
                 GapRow(label, value, delta, GAP_MEANINGS[key], True, free=key in FREE_LEVELS)
             )
             previous = value if value is not None else previous
+    workers = step.workers if step is not None else None
+    if workers is not None:
+        rows.append(workers_row(workers))
+    if not gpu:
         rows.extend(
             GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels
         )
     return tuple(rows)
+
+
+def workers_row(workers: schema.Workers) -> GapRow:
+    """The DataLoader workers beside the levels: their summed private memory (USS), its growth
+    since they started as the gap. Processes of their own: in no pile, not in the RSS above."""
+    plural = "es" if workers.count != 1 else ""
+    return GapRow(
+        "DataLoader workers",
+        workers.uss,
+        workers.growth,
+        f"USS of {workers.count} worker process{plural} beside this one; + grown since start",
+    )
 
 
 def allocator_lines(step: schema.Step | None, binary: bool = True) -> tuple[str, ...]:

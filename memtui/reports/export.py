@@ -49,12 +49,16 @@ CSV_COLUMNS = (
     "activations_from",
     "activations_why_at",
     "kept",
+    "workers_uss",
+    "workers_growth",
 )
 """A step whose activations are not known (neither measured nor carried: `activations_measured`
 0 and `activations_from` empty) leaves its activation cells and `peak_total` empty: its frame's
 figures for them are partial, and `activations_why_at` is the step whose alert says why. `kept`:
 the bytes the job keeps outside every pile (part of `other`), on the steps whose close took a
-census only, empty elsewhere and where that census stopped at its bound."""
+census only, empty elsewhere and where that census stopped at its bound. `workers_uss` and
+`workers_growth`: the DataLoader workers' private memory and its growth since their baseline
+(empty for a job without workers)."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -166,6 +170,8 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "activations_from": step.activations_from,
             "activations_why_at": step.activations_why_at,
             "kept": step.kept.bytes if step.kept is not None else None,
+            "workers_uss": step.workers.uss if step.workers is not None else None,
+            "workers_growth": step.workers.growth if step.workers is not None else None,
         }
         for prefix, piles in (("end", step.end), ("max", step.max), ("peak", step.peak)):
             row.update({f"{prefix}_{pile}": pile_figure(step, piles, pile) for pile in Pile})

@@ -24,6 +24,7 @@ steps' time in all (or when one stopped at its bound)."""
 KIND_WORDS: dict[LeakKind, str] = {
     LeakKind.RETAINED_GRAPH: "autograd graphs kept alive",
     LeakKind.TENSORS: "tensors kept",
+    LeakKind.WORKERS: "copied into the DataLoader workers",
 }
 
 
@@ -111,9 +112,13 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
                 f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
                 "(built while memtui's hooks were off)"
             )
+        if row.kind is LeakKind.WORKERS:
+            held = "of the workers' private memory (USS), outside this process"
+        else:
+            held = f"in {row.tensors} tensor{plural}{unknown}"
         lines.append(
-            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
-            f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
+            f"  {row.holder} ({kind}): {size(row.bytes)} {held}, "
+            f"growing {size(row.per_step)} per step since step {row.first_step}"
         )
         if row.fix:
             lines.append(f"    fix: {row.fix}")

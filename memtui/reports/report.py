@@ -6,6 +6,7 @@ Pure functions over a `Recording`; no torch, no Textual, so it runs anywhere the
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -48,6 +49,7 @@ from memtui.reports.report_format import (
     Report,
     RunAlert,
     StepEntry,
+    WorkersEntry,
 )
 from memtui_protocol.schema import (
     AlertKind,
@@ -129,6 +131,34 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         leaks=step_leaks(step),
         census=step_census(step),
         kept=step_kept(step),
+        workers=step_workers(step),
+    )
+
+
+def step_workers(step: Step) -> WorkersEntry | msgspec.UnsetType:
+    """A step's own `workers`: its DataLoader workers as last sampled (absent without any)."""
+    workers = step.workers
+    if workers is None:
+        return msgspec.UNSET
+    return WorkersEntry(
+        count=workers.count, uss=workers.uss, pss=workers.pss, growth=workers.growth
+    )
+
+
+def workers_line(steps: Sequence[Step], binary: bool = True) -> str | None:
+    """The DataLoader workers at the last step that sampled them: processes of their own,
+    beside this process's RSS, never in its piles (None for a job without workers)."""
+    last = next((step for step in reversed(steps) if step.workers is not None), None)
+    if last is None or last.workers is None:
+        return None
+    workers = last.workers
+    size = partial(format_bytes, binary=binary)
+    pss = f", PSS {size(workers.pss)}" if workers.pss is not None else ""
+    plural = "es" if workers.count != 1 else ""
+    return (
+        f"DataLoader workers at step {last.step}: {workers.count} process{plural}, private "
+        f"memory (USS) {size(workers.uss)}{pss}, grown {size(workers.growth)} since they "
+        "started (not in the piles nor in the RSS above)"
     )
 
 
@@ -479,6 +509,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         last = steps[-1]
         lines.extend(distributed_notes(last, binary))
         lines.append(f"host RSS at last step: {size(last.host.rss)}")
+        workers = workers_line(steps, binary)
+        if workers is not None:
+            lines.append(workers)
         losses = [step.loss for step in steps if step.loss is not None]
         if losses:
             lines.append(f"loss: {losses[0]:.4g} at first step, {losses[-1]:.4g} at last")

@@ -57,6 +57,17 @@ class HostEntry(msgspec.Struct):
     rss: int
 
 
+class WorkersEntry(msgspec.Struct):
+    """The job's DataLoader worker processes as last sampled before the close: their count,
+    summed private memory (USS) and PSS (null where the system does not say it), and how much
+    the USS grew since each worker's first sample. Never part of the piles or of `host.rss`."""
+
+    count: int
+    uss: int
+    pss: int | None
+    growth: int
+
+
 class AlertEntry(msgspec.Struct, omit_defaults=True):
     """An alert inside its step's entry. `kind` is an `AlertKind` value (or a newer agent's
     kind, kept as written); `group` only when it follows an earlier alert."""
@@ -160,6 +171,8 @@ class StepEntry(msgspec.Struct):
     """Only on a step whose close took a census."""
     kept: KeptEntry | msgspec.UnsetType = msgspec.UNSET
     """Only on a step whose close took a census: nothing proves it unchanged between them."""
+    workers: WorkersEntry | msgspec.UnsetType = msgspec.UNSET
+    """Only on a step of a job with DataLoader worker processes (as last sampled)."""
 
 
 class JobEntry(msgspec.Struct):

@@ -20,6 +20,8 @@ close):
 
 - `piles/{end,max,peak}/<pile>` and `piles/peak_total`;
 - `allocator/<counter>` and `host/rss`, where the job has them (a CPU job has no allocator);
+- `workers/uss` and `workers/growth` (and `workers/pss` where known): the DataLoader workers, on
+  a job that has them;
 - `step/duration_seconds`, `step/loss` (when finite);
 - `alerts/<kind>`: how many alerts of that kind the step raised, and the text summary `alerts`
   with each alert's line.
@@ -85,6 +87,11 @@ def step_scalars(step: Step) -> dict[str, float]:
             scalars[f"allocator/{counter}"] = value
     if step.host.rss:
         scalars["host/rss"] = step.host.rss
+    if step.workers is not None:
+        scalars["workers/uss"] = step.workers.uss
+        scalars["workers/growth"] = step.workers.growth
+        if step.workers.pss is not None:
+            scalars["workers/pss"] = step.workers.pss
     scalars["step/duration_seconds"] = max(0.0, step.t_end - step.t_start)
     if step.loss is not None and math.isfinite(step.loss):
         scalars["step/loss"] = step.loss

@@ -29,6 +29,10 @@ DEVICE_BYTES = "memtui_device_bytes"
 has (a CPU job has none: an unknown is never served as 0)."""
 HOST_RSS = "memtui_host_rss_bytes"
 """Gauge: the process's resident set size at the close (every job, CPU and GPU)."""
+WORKERS_BYTES = "memtui_dataloader_workers_bytes"
+"""Gauge, `{kind}` (`uss`, `pss`, `growth`): the job's DataLoader worker processes as last
+sampled before the close (their private memory, its growth since they started); only on a job
+with workers. Never part of `memtui_pile_bytes` or `memtui_host_rss_bytes`."""
 ALERTS = "memtui_alerts"
 """Counter, `{kind}`: alerts raised so far (served as `memtui_alerts_total`)."""
 ALERTS_TOTAL = ALERTS + "_total"
@@ -48,6 +52,7 @@ SERVED = (
     STEP_END_TIME,
     DEVICE_BYTES,
     HOST_RSS,
+    WORKERS_BYTES,
     ALERTS_TOTAL,
     LEAK_BYTES,
     ACTIVATIONS_MEASURED,

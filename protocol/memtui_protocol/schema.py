@@ -106,6 +106,10 @@ class LeakKind(TextEnum):
     """Tensors whose autograd graph still holds its saved tensors (never backpropagated)."""
     TENSORS = "tensors"
     """Tensors alone: their graphs, if any, were freed by backward."""
+    WORKERS = "workers"
+    """Private memory of the job's DataLoader worker processes: pages of a dataset held as
+    Python objects, copied into each worker as it reads them (`holder`: the dataset's
+    attribute, `bytes`: the workers' growth, `tensors`: 0)."""
 
 
 class CensusStop(TextEnum):
@@ -385,6 +389,26 @@ class Distributed(msgspec.Struct, frozen=True, omit_defaults=True):
         return self.untracked_buckets() + (self.fsdp_gathered_max or 0)
 
 
+class Workers(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The job's DataLoader worker processes and their memory, as last sampled (off the
+    training thread, about once a second) before the step closed. Never part of the piles nor
+    of the process's RSS: each worker is a process of its own (docs/numbers.md#dataloader-workers).
+    """
+
+    count: int
+    """Worker processes alive at the sample."""
+    uss: int
+    """Their private memory (unique set size) summed: what the machine frees if they exit."""
+    growth: int
+    """How much `uss` grew since each worker's baseline (its first sample after the first step
+    close that followed its start), summed over the workers alive."""
+    pss: int | None = None
+    """Their proportional set size summed (shared pages split among the processes sharing
+    them); None where the system does not say it."""
+    sampled: float = 0.0
+    """When they were sampled (Unix time)."""
+
+
 class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """What one holder keeps alive and how fast it grows (docs/design.md#leaks).
 
@@ -539,6 +563,9 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     kept: Kept | None = None
     """Tensors the job keeps that no pile holds, as this close's census found them; None on
     the steps that took no census."""
+    workers: Workers | None = None
+    """The job's DataLoader worker processes as last sampled before the close; None when it
+    has none (or none the agent saw start)."""
 
 
 def apply_late(

@@ -12,6 +12,8 @@ decide what that means:
   their activations from the saved-tensor hooks.
 - `torch.nn.modules.module._has_any_global_hook`: memtui's own global module hooks left out, so
   a `torch.compile`d module warns about global hooks only where the job has some of its own.
+- `_MultiProcessingDataLoaderIter.__init__`: the DataLoader workers it started, and their
+  dataset, handed to `job.data_loaders` (their memory is sampled off the training thread).
 
 `Tracker._wrap` installs them and restores the originals.
 """
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.training_thread import TrainingThread
+from memtui_agent.job.data_loaders import DataLoaders
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
@@ -200,6 +203,28 @@ GLOBAL_MODULE_HOOKS = (
 """The dicts of global module hooks `torch.nn.modules.module._has_any_global_hook` reads (its
 two other dicts only flag entries of `_global_forward_hooks`)."""
 AGENT_PACKAGE = __name__.split(".", 1)[0] + "."
+
+
+class DataLoaderWrappers:
+    """Notes each DataLoader iterator that starts worker processes (`job.data_loaders`)."""
+
+    def __init__(self, loaders: DataLoaders, fail: Callable[[BaseException], None]) -> None:
+        self.loaders = loaders
+        self._fail = fail
+        self._on = True
+
+    def iterator_init(self, original: Wrapper) -> Wrapper:
+        def __init__(iterator: Any, *args: Any, **kwargs: Any) -> None:
+            original(iterator, *args, **kwargs)
+            if not self._on:
+                return
+            try:
+                self.loaders.started(iterator)
+            except Exception as exc:  # the workers go unfollowed; the DataLoader runs as ever
+                self._on = False
+                self._fail(exc)
+
+        return __init__
 
 
 def _ours(hook: object) -> bool:

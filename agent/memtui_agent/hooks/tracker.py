@@ -39,6 +39,7 @@ from memtui_agent.hooks.hook_arming import HookArming
 from memtui_agent.hooks.library_wrappers import (
     CheckpointNotes,
     ClipWarning,
+    DataLoaderWrappers,
     GradScalerWrappers,
     Wrapper,
     global_hooks_but_ours,
@@ -67,6 +68,7 @@ class HookSet:
     scaler: GradScalerWrappers
     clip: ClipWarning
     checkpoint: CheckpointNotes
+    loaders: DataLoaderWrappers | None = None
 
 
 class Tracker:
@@ -127,6 +129,9 @@ class Tracker:
         self._wrap(torch.jit._recursive, "create_script_module", script_without_ours)
         if hasattr(module_hooks, "_has_any_global_hook"):
             self._wrap(module_hooks, "_has_any_global_hook", global_hooks_but_ours)
+        if self.hooks.loaders is not None:
+            iterator_cls = torch.utils.data.dataloader._MultiProcessingDataLoaderIter
+            self._wrap(iterator_cls, "__init__", self.hooks.loaders.iterator_init)
 
     @contextmanager
     def without(self, kind: str) -> Iterator[None]:

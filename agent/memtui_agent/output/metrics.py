@@ -141,6 +141,20 @@ class MetricsExporter:
         )
         if step.host.rss:
             yield _gauge(metrics.HOST_RSS, "Process RSS at the close", names, values, step.host.rss)
+        if step.workers is not None:
+            workers = GaugeMetricFamily(
+                metrics.WORKERS_BYTES,
+                "DataLoader worker processes as last sampled (USS, PSS, USS growth since start)",
+                labels=[*names, "kind"],
+            )
+            for kind, figure in (
+                ("uss", step.workers.uss),
+                ("pss", step.workers.pss),
+                ("growth", step.workers.growth),
+            ):
+                if figure is not None:
+                    workers.add_metric([*values, kind], figure)
+            yield workers
         device = GaugeMetricFamily(
             metrics.DEVICE_BYTES,
             "Allocator and device memory at the close (only the kinds this job has)",

@@ -254,6 +254,10 @@ class Agent:
                 restore_ctrl_c()  # only if the agent's handler is still the one installed
         except Exception as exc:
             self.report_failure("remove-hooks", exc)
+        try:
+            self.parts.stop_sampling()
+        except Exception as exc:
+            self.report_failure("dataloader-workers", exc)
         if self.emitter is not None:
             self.emitter.close()
         if self.metrics is not None:

@@ -47,6 +47,10 @@ class Parts(Protocol):
         """Remove every hook and wrapper."""
         ...
 
+    def stop_sampling(self) -> None:
+        """Stop the DataLoader workers' sampler thread (the agent leaves)."""
+        ...
+
     def disable(self) -> None:
         """Every hook off, then removed (a forked child that never trains)."""
         ...
@@ -137,6 +141,9 @@ class NotStarted:
         raise RuntimeError("the agent's parts are not built (Agent.start)")
 
     def remove(self) -> None:
+        pass
+
+    def stop_sampling(self) -> None:
         pass
 
     def disable(self) -> None:

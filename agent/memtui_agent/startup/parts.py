@@ -25,7 +25,12 @@ from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.counting import CountingHooks
 from memtui_agent.hooks.data_parallel import DataParallelHooks
 from memtui_agent.hooks.hook_arming import GateSwitch, HookArming
-from memtui_agent.hooks.library_wrappers import CheckpointNotes, ClipWarning, GradScalerWrappers
+from memtui_agent.hooks.library_wrappers import (
+    CheckpointNotes,
+    ClipWarning,
+    DataLoaderWrappers,
+    GradScalerWrappers,
+)
 from memtui_agent.hooks.module_scout import ModuleScout
 from memtui_agent.hooks.objects import CloseSync, ObjectSync, Watermark
 from memtui_agent.hooks.phase import JobPhase
@@ -35,10 +40,12 @@ from memtui_agent.hooks.step_hooks import StepHooks, register_live_optimizers
 from memtui_agent.hooks.switches import Fail, HookSwitches
 from memtui_agent.hooks.tracker import HookSet, Tracker
 from memtui_agent.hooks.training_thread import TrainingThread
+from memtui_agent.job.data_loaders import DataLoaders
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.job.optimizer_book import OptimizerBook
 from memtui_agent.memory.allocator import AllocatorReader
 from memtui_agent.memory.ledger import NO_MODULE, Ledger
+from memtui_agent.memory.worker_memory import WorkerSampler
 from memtui_agent.startup.agent_state import Position
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.first_step import FirstSteps
@@ -50,6 +57,7 @@ from memtui_agent.steps.pile_count import PersistentPiles
 from memtui_agent.steps.step_closer import StepCloser
 from memtui_agent.steps.step_signature import heap_reader
 from memtui_agent.steps.window import StepWindow
+from memtui_agent.steps.worker_leaks import WorkerLeaks
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.schema import ActivationMode, StepTrigger
@@ -62,6 +70,8 @@ Emit = Callable[[schema.Message | ClosedStep], None]
 """Where frames go (the agent's emitter)."""
 
 CENSUS_EFFECT = "stopped that census (its step says so); later censuses run"
+WORKERS = "dataloader-workers"
+"""The component said in the one report of an error following the DataLoader workers."""
 
 
 def build_parts(
@@ -115,6 +125,9 @@ def build_parts(
         config,
     )
     closer.census_failed = partial(_census_failed, fail)
+    loaders = DataLoaders(WorkerSampler(partial(fail, WORKERS)))
+    closer.workers = WorkerLeaks(loaders)
+    closer.workers_failed = partial(fail, WORKERS)
     window = StepWindow(closer, gate, ledger, emit, partial(register_live_optimizers, registry))
     context = HookContext(
         phase=phase,
@@ -143,6 +156,7 @@ def build_parts(
         scaler=GradScalerWrappers(context, steps),
         clip=ClipWarning(window, thread),
         checkpoint=CheckpointNotes(window, emit, thread),
+        loaders=DataLoaderWrappers(loaders, partial(fail, WORKERS)),
     )
     return AgentParts(
         config=config,
@@ -201,6 +215,12 @@ class AgentParts:
     def remove(self) -> None:
         """Remove every hook and wrapper."""
         self.tracker.remove()
+
+    def stop_sampling(self) -> None:
+        """Stop the DataLoader workers' sampler thread (the agent leaves)."""
+        workers = self.closer.workers
+        if workers is not None:
+            workers.loaders.sampler.close()
 
     def disable(self) -> None:
         """Every hook off, then removed (a forked child that never trains)."""

@@ -100,6 +100,8 @@ class StepInputs(msgspec.Struct, frozen=True):
     keeps to count), if any."""
     kept: schema.Kept | None = None
     """The tensors the job keeps outside every pile, as this close's census found them."""
+    workers: schema.Workers | None = None
+    """The job's DataLoader workers as last sampled before the close (`worker_memory`)."""
 
     def alerts(self) -> list[schema.Alert]:
         """The step's alerts in the frame's order (without the skip's, which needs the scales)."""
@@ -206,6 +208,7 @@ def build_step(
         leaks=list(inputs.leaks),
         census=inputs.census,
         kept=inputs.kept,
+        workers=inputs.workers,
     )
 
 

@@ -41,6 +41,7 @@ from memtui_agent.steps.gate import ActivationGate
 from memtui_agent.steps.health import HealthMonitor
 from memtui_agent.steps.pile_count import PersistentPiles
 from memtui_agent.steps.window import OpenStep
+from memtui_agent.steps.worker_leaks import WorkerLeaks, WorkerReport
 from memtui_protocol import schema
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.schema import AlertKind, CensusStop, Phase, StepTrigger
@@ -96,6 +97,10 @@ class StepCloser:
         self.census_failed: Callable[[BaseException], None] = _ignore
         """Told once per error a census met (the agent says it on stderr and in the
         recording); the census itself ends there, the next one runs as usual."""
+        self.workers: WorkerLeaks | None = None
+        """The DataLoader workers' memory and growth (set by `parts.build_parts`)."""
+        self.workers_failed: Callable[[BaseException], None] = _ignore
+        """Told of an error in the workers' figures (said once; that close goes without)."""
 
     def close(
         self, opened: OpenStep, step: int, skipped: bool, record: OptimizerRecord | None
@@ -158,6 +163,7 @@ class StepCloser:
             self.census_failed(exc)
             leak = LeakReport()
         kept, census_cost = self._kept_tensors(step, leak.census)
+        workers = self._workers_at_close(step)
         distributed = self._hooks.distributed_at_close()
         return StepInputs(
             step=step,
@@ -180,11 +186,23 @@ class StepCloser:
             distributed=distributed,
             alloc_events=drained,
             activations_left=self.ledger.current().counted()[3],
-            leaks=tuple(leak.leaks),
-            leak_alerts=tuple(leak.alerts),
+            leaks=(*leak.leaks, *workers.leaks),
+            leak_alerts=(*leak.alerts, *workers.alerts),
             census=census_cost,
             kept=kept,
+            workers=workers.workers,
         )
+
+    def _workers_at_close(self, step: int) -> WorkerReport:
+        """The DataLoader workers' last sample and what their growth calls for; never raises
+        (an error leaves this close without them, said once)."""
+        if self.workers is None:
+            return WorkerReport()
+        try:
+            return self.workers.at_close(step)
+        except Exception as exc:
+            self.workers_failed(exc)
+            return WorkerReport()
 
     def _kept_tensors(
         self, step: int, cost: schema.CensusCost | None
@@ -220,10 +238,12 @@ class StepCloser:
     def final_leaks(
         self, step: int, namespace: dict[str, Any] | None, error: BaseException | None
     ) -> list[schema.Leak]:
-        """The leaks named during the run, counted again as the job ends."""
-        return self.leaks.final(
+        """The leaks named during the run, counted again as the job ends (the workers' as
+        last sampled)."""
+        found = self.leaks.final(
             step, lambda: self._take(lambda: final_roots(self.registry, namespace, error))
         )
+        return found + (self.workers.final() if self.workers is not None else [])
 
     def _take(self, roots: Callable[[], list[Root]]) -> Census:
         """One census from `roots()`, with what the pack hook recorded of retained graphs.
