@@ -11,7 +11,7 @@ from functools import partial
 
 import msgspec
 
-from memtui.model.leaks import CensusTally, LeakRow
+from memtui.model.leaks import CensusTally, LeakRow, leak_cadence
 from memtui.model.recording import Recording
 from memtui.reports.report_format import CensusEntry, KeptEntry, KeptHolderEntry, LeakEntry
 from memtui_protocol.schema import LeakKind, Step
@@ -37,6 +37,7 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         first_step=row.first_step,
         graphs_not_known=row.graphs_not_known,
         fix=row.fix,
+        every=row.every,
     )
 
 
@@ -122,9 +123,11 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
                 f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
                 "(built while memtui's hooks were off)"
             )
+        cadence = leak_cadence(row.every)
         lines.append(
             f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
             f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
+            + (f", {cadence}" if cadence else "")
         )
         if row.fix:
             lines.append(f"    fix: {row.fix}")
