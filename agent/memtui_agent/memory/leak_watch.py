@@ -78,6 +78,10 @@ HOLD = 3
 steps (`by_steps`)."""
 SPAN = 6
 """Closes that three growths or more at equal gaps must span to prove growth by steps."""
+LONG_WINDOW = 128
+LONG_EVERY = 8
+"""Windows of `LONG_WINDOW` closes or more are looked at every `LONG_EVERY`-th step only (a
+slow leak is named up to 7 steps later; the look costs tens of microseconds a close)."""
 KEPT_SAMPLES = 256
 """Closes kept for the trend (the longest window)."""
 WARM_STEP = 3
@@ -293,15 +297,21 @@ class LeakWatch:
         samples = list(self._samples)
         if nearly_every_close(samples, self._floor):
             return Growth(Shape.CLOSES, cadence(samples, self._floor, self._jump_floor()))
-        jumps = regular(staircase(samples, self._floor, self._jump_floor()))
-        if by_steps(jumps, samples[-1][0]):
-            return Growth(Shape.STEPS, cadence(samples, self._floor, self._jump_floor()))
+        # A staircase proves itself only at a growth or `HOLD` closes after one: the walk back
+        # through the samples is for those closes alone.
+        recent = [b[1] - a[1] for a, b in pairwise(samples[-(HOLD + 2) :])]
+        if recent and (recent[-1] > self._jump_floor() or recent[0] > self._jump_floor()):
+            jumps = regular(staircase(samples, self._floor, self._jump_floor()))
+            if by_steps(jumps, samples[-1][0]):
+                return Growth(Shape.STEPS, cadence(samples, self._floor, self._jump_floor()))
         windows = (
             tuple((size, EXACT_FLOOR) for size in TREND_WINDOWS_EXACT)
             if self._exact
             else TREND_WINDOWS_HEAP + TREND_WINDOWS_SLOW
         )
         for size, rate in windows:
+            if size >= LONG_WINDOW and samples[-1][0] % LONG_EVERY:
+                continue  # a long window's trend moves little in a close: looked at every 8th
             window = samples[-size:]
             if not self._exact and rate < HEAP_FLOOR:
                 window = healed(window)
