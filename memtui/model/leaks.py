@@ -56,6 +56,8 @@ class LeakRow:
     """Graphs it keeps whose saved tensors are not known: `bytes` is then a lower bound."""
     fix: str | None = None
     """The fix the agent proposed (`Leak.fix`); None from agents before it was a field."""
+    every: int | None = None
+    """Its cadence (`Leak.every`): it grew at every `every`-th close; None: not known."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -70,6 +72,7 @@ class LeakRow:
             counted_at,
             leak.graphs_not_known,
             leak.fix,
+            leak.every,
         )
 
 
@@ -158,7 +161,8 @@ class LeakBook:
 
     def as_of(self, step: int | None, final: bool) -> tuple[LeakRow, ...]:
         """Each holder's latest figures at or before `step` (every census when None); with
-        `final`, the job's own last count where it has one (the End's). Largest first."""
+        `final`, the job's own last count where it has one (the End's). Largest first, and
+        of equal size the oldest (the growth that began first)."""
         rows = []
         for holder, trail in self.trails.items():
             row = self.final.get(holder) if final else None
@@ -166,7 +170,7 @@ class LeakBook:
                 row = trail.at(step) if step is not None else trail.rows[-1] if trail.rows else None
             if row is not None:
                 rows.append(row)
-        return tuple(sorted(rows, key=lambda row: (-row.bytes, row.holder)))
+        return tuple(sorted(rows, key=lambda row: (-row.bytes, row.first_step, row.holder)))
 
     def latest(self) -> tuple[LeakRow, ...]:
         """One row per holder: the End's where it has one, else the latest census's."""
@@ -186,3 +190,11 @@ def leak_holding(row: LeakRow) -> str:
     if row.kind is LeakKind.WORKERS:
         return "workers' USS"
     return f"{tensors} ({row.kind})"
+
+
+def leak_cadence(every: int | None) -> str | None:
+    """How often a holder grew, in words (None when not known): `at every step`, `every 5
+    steps`."""
+    if every is None:
+        return None
+    return "at every step" if every == 1 else f"every {every} steps"

@@ -12,7 +12,7 @@ from functools import partial
 import msgspec
 
 from memtui.model.kept_trail import kept_words
-from memtui.model.leaks import CensusTally, LeakRow
+from memtui.model.leaks import CensusTally, LeakRow, leak_cadence
 from memtui.model.recording import Recording
 from memtui.reports.report_format import CensusEntry, KeptEntry, KeptHolderEntry, LeakEntry
 from memtui_protocol.schema import LeakKind, Step
@@ -39,6 +39,7 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         first_step=row.first_step,
         graphs_not_known=row.graphs_not_known,
         fix=row.fix,
+        every=row.every,
     )
 
 
@@ -116,9 +117,11 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
             held = "of the workers' private memory (USS), outside this process"
         else:
             held = f"in {row.tensors} tensor{plural}{unknown}"
+        cadence = leak_cadence(row.every)
         lines.append(
             f"  {row.holder} ({kind}): {size(row.bytes)} {held}, "
             f"growing {size(row.per_step)} per step since step {row.first_step}"
+            + (f", {cadence}" if cadence else "")
         )
         if row.fix:
             lines.append(f"    fix: {row.fix}")

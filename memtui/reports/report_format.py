@@ -109,6 +109,9 @@ class LeakEntry(msgspec.Struct):
     """Graphs it keeps whose saved tensors are not known (`bytes` is then a lower bound)."""
     fix: str | None = None
     """The fix the agent proposed (`Leak.fix`); null in recordings of agents before it."""
+    every: int | None = None
+    """Its cadence (`Leak.every`): it grew at every `every`-th step (1: each); null when not
+    known (a growth too slow to see step by step, irregular, or an older recording)."""
 
 
 class CensusEntry(msgspec.Struct):

@@ -43,8 +43,11 @@ COLUMN_LABELS: dict[Pile, str] = {
 }
 """A pile as a table column's heading, where room is short."""
 
-ALERT_STYLES: dict[AlertKind, str] = {AlertKind.OOM: "bold red"}
-"""Alert kinds drawn apart from the rest (bold); the one that ends a job in red."""
+ERROR_STYLE = "bold red"
+"""What is wrong with the job, not only worth knowing: an out-of-memory, a leak."""
+ALERT_STYLES: dict[AlertKind, str] = {AlertKind.OOM: ERROR_STYLE, AlertKind.LEAK: ERROR_STYLE}
+"""Alert kinds drawn apart from the rest (bold): the errors (the one that ends a job, memory
+that grows until it does) in red."""
 ALERT_STYLE = "bold"
 
 ALLOC_STYLES: dict[AllocKind, str] = {

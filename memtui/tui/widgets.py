@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
 from memtui.model.kept_trail import kept_words
-from memtui.model.leaks import leak_holding
+from memtui.model.leaks import leak_cadence, leak_holding
 from memtui.model.step_rows import NOT_KNOWN, AlertRow, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
@@ -32,7 +32,13 @@ from memtui.model.view_state import (
     PilesView,
 )
 from memtui.terminal_text import plain, terminal_safe
-from memtui.tui.palette import PART_COLOURS, PART_LABELS, PILE_COLOURS, alert_style
+from memtui.tui.palette import (
+    ERROR_STYLE,
+    PART_COLOURS,
+    PART_LABELS,
+    PILE_COLOURS,
+    alert_style,
+)
 from memtui_protocol.schema import Pile
 from memtui_protocol.units import format_bytes
 
@@ -212,7 +218,7 @@ class GapPanel(FlowPanel[GapView]):
             return []
         lines = [plain(line, style="dim") for line in view.allocator_lines]
         if view.leaks:
-            lines.append(Text(_leaks_heading(view), style="bold"))
+            lines.append(Text(_leaks_heading(view), style=ERROR_STYLE))
         return lines
 
     def render(self) -> Text | Table | Group:
@@ -261,22 +267,27 @@ def _leaks_heading(view: GapView) -> str:
 
 
 def _leaks_table(view: GapView) -> Table:
-    """One row per growing holder: what it keeps alive, its growth per step, since when."""
+    """One row per growing holder, as an error (red), largest and oldest first (the view's
+    order): what it keeps alive, its growth per step, since when, how often it grows."""
     table = Table.grid(padding=(0, 1), expand=True)
     table.add_column("holder", ratio=1, min_width=12, no_wrap=True, overflow="ellipsis")
     table.add_column("held", justify="right", width=11, no_wrap=True)
     table.add_column("per step", justify="right", width=12, no_wrap=True)
     table.add_column("since", justify="right", width=10, no_wrap=True)
+    cadence = any(row.every is not None for row in view.leaks)  # a column only when known
+    if cadence:
+        table.add_column("grows", width=13, no_wrap=True, overflow="ellipsis")
     table.add_column("holds", width=16, no_wrap=True, overflow="ellipsis")
-    table.add_row(
-        *(Text(cell, style="dim") for cell in ("holder", "held", "per step", "since", "holds"))
-    )
+    heading = ("holder", "held", "per step", "since", *(("grows",) if cadence else ()), "holds")
+    table.add_row(*(Text(cell, style="dim") for cell in heading))
     for row in view.leaks:
+        grows = (Text(leak_cadence(row.every) or "", style="dim"),) if cadence else ()
         table.add_row(
-            plain(row.holder, style="cyan"),
+            plain(row.holder, style=ERROR_STYLE),
             _size(row.bytes, view.binary),
             "+" + _size(row.per_step, view.binary),
             f"step {row.first_step}",
+            *grows,
             Text(leak_holding(row), style="dim"),
         )
     return table

@@ -435,6 +435,11 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """The one-line fix that usually applies to a leak of this shape, as the agent words it
     (the same words end the holder's `leak` alert); None in recordings of agents before it was
     a field (readers then show no fix)."""
+    every: int | None = None
+    """Its cadence: it grew at every `every`-th close of the span the agent watched (1: at each
+    close; 5: an evaluation every 5 steps), from the closes whose growth stood above the noise
+    (two of them at least, at equal gaps). None: not known (a growth too slow to see close by
+    close on a CPU's noisy heap, or irregular), or a recording from before this field."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):

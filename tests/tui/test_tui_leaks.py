@@ -11,10 +11,14 @@ from types import ModuleType
 from typing import Any
 
 import msgspec
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
 from textual.pilot import Pilot
 
 from memtui.reports.report import build_report
 from memtui.tui.app import MemtuiApp
+from memtui.tui.palette import ERROR_STYLE, alert_style
 from memtui.tui.widgets import (
     AlertDetail,
     AlertsTable,
@@ -24,6 +28,7 @@ from memtui.tui.widgets import (
     TopActivations,
 )
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind
 
 NOT_KNOWN_STEP = 10
 
@@ -199,5 +204,52 @@ def test_a_step_not_known_as_this_agent_writes_it_shows_what_it_knows(
         cells = [[str(cell) for cell in dtypes.get_row_at(i)] for i in range(dtypes.row_count)]
         gradients = [row for row in cells if row[0] == "■ gradients"]
         assert gradients and all(row[2] != "not known" for row in gradients)
+
+    tui.drive(app, body)
+
+
+def test_leaks_are_errors_largest_and_oldest_first_with_their_cadence(
+    tui: Any, builder: ModuleType
+) -> None:
+    """The End names three holders: two of the same size, the one that began growing first
+    above; one grows by steps (`every` 5). On the last step the gap panel's leak rows are in
+    that order, drawn as errors (red, as an out-of-memory), with the cadence; the leak alerts'
+    kind is drawn the same way."""
+    messages = _messages(builder)
+    end = messages[-1]
+    assert isinstance(end, schema.End)
+    size = 64 * 1024
+    leaks = [
+        schema.Leak("late", "tensors", size, 4, 512, first_step=9, every=5),
+        schema.Leak("early", "tensors", size, 4, 512, first_step=2, every=1),
+        schema.Leak("biggest", "tensors", 4 * size, 4, 512, first_step=12),
+    ]
+    messages[-1] = msgspec.structs.replace(end, leaks=leaks)
+    for index, message in enumerate(messages):  # a holder the End counts was named by a census
+        if isinstance(message, schema.Step) and message.step == 12:
+            messages[index] = msgspec.structs.replace(message, leaks=[*message.leaks, *leaks])
+    app = MemtuiApp(tui.source(messages, live=False))
+
+    async def body(pilot: Pilot[Any]) -> None:
+        await pilot.pause()
+        gap = app.query_one(GapPanel)
+        assert gap.view is not None
+        ours = ("biggest", "early", "late")
+        holders = [row.holder for row in gap.view.leaks if row.holder in ours]
+        assert holders == list(ours), holders
+        lines = [line for line in _lines(tui, gap) if line.split(" ")[0] in ours]
+        assert lines == [
+            "biggest 256.00 KiB +512 B step 12 4 tensors",
+            "early 64.00 KiB +512 B step 2 at every step 4 tensors",
+            "late 64.00 KiB +512 B step 9 every 5 steps 4 tensors",
+        ]
+        table = gap.render()
+        assert isinstance(table, Group)
+        heading, rows = table.renderables[-2], table.renderables[-1]
+        assert isinstance(heading, Text) and heading.style == ERROR_STYLE
+        assert isinstance(rows, Table)
+        holder_cells = list(rows.columns[0].cells)[1:]
+        assert all(isinstance(cell, Text) and cell.style == ERROR_STYLE for cell in holder_cells)
+        assert alert_style(AlertKind.LEAK) == ERROR_STYLE == alert_style(AlertKind.OOM)
 
     tui.drive(app, body)

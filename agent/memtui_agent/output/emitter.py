@@ -137,6 +137,13 @@ class Emitter:
                 self.export = None
                 self._on_error("metrics", exc)
 
+    def held_bytes(self) -> int:
+        """What the frames kept for viewers hold in the job's heap (the socket's log; 0
+        without a socket). Read on the training thread; the log changes on the emitter's, and
+        an integer read under the GIL is whole."""
+        server = self._server
+        return server.held_bytes() if server is not None else 0
+
     def close(self, timeout: float = 5.0) -> None:
         """Serve what is queued (bounded by `timeout`), then close the socket and the file."""
         self._stopping = True

@@ -26,6 +26,9 @@ SENDS_PER_POLL = 64
 """Buffers handed to one `sendmsg` call, and calls per viewer per poll."""
 BACKLOG_FRAMES = 2000
 BACKLOG_BYTES = 8 * 1024 * 1024
+FRAME_OVERHEAD = 128
+"""Heap bytes one logged frame takes beyond its own: a `bytes` header (33), the pair that
+holds it (56), the list's slot (8) and two malloc chunk headers."""
 """The shared log's bounds; also how far behind a viewer may fall before it is dropped."""
 
 
@@ -84,6 +87,12 @@ class SocketServer:
     def set_opening(self, data: bytes) -> None:
         """Preamble and hello: what every viewer receives first."""
         self._opening = bytes(data)
+
+    def held_bytes(self) -> int:
+        """What the shared log holds in the job's heap, near enough: each frame's bytes and
+        the objects that hold them (`FRAME_OVERHEAD`). It grows with every step until the
+        backlog's bounds, and the leak watch takes it out of the heap it reads."""
+        return self._log_bytes + len(self._log) * FRAME_OVERHEAD
 
     @property
     def _next_seq(self) -> int:

@@ -121,6 +121,7 @@ class Agent:
                 self._tick,
                 private_folder=self.config.record_in_folder,
             )
+            self.parts.own_heap(self.emitter.held_bytes)
             early, self._early = self._early, []
             for error in early:
                 self.emitter.put(error)

@@ -63,6 +63,11 @@ class Parts(Protocol):
         """Register a model tree and an optimizer ahead of their first use."""
         ...
 
+    def own_heap(self, held: Callable[[], int]) -> None:
+        """`held`: what the agent's own frame log holds in the job's heap, taken out of what
+        the leak watch reads on a CPU (`StepCloser.own_bytes`)."""
+        ...
+
     def arm_alloc_events(
         self, fail: Callable[[str, BaseException], None], note: Callable[[str, str], None]
     ) -> None:
@@ -153,6 +158,9 @@ class NotStarted:
         return None
 
     def watch(self, model: nn.Module | None, optimizer: Optimizer | None) -> None:
+        pass
+
+    def own_heap(self, held: Callable[[], int]) -> None:
         pass
 
     def arm_alloc_events(

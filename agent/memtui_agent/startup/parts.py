@@ -246,6 +246,11 @@ class AgentParts:
         """Register a model tree and an optimizer ahead of their first use."""
         self.objects.watch(model, optimizer)
 
+    def own_heap(self, held: Callable[[], int]) -> None:
+        """`held`: what the agent's own frame log holds in the job's heap, taken out of what
+        the leak watch reads on a CPU (`StepCloser.own_bytes`)."""
+        self.closer.own_bytes = held
+
     def arm_alloc_events(
         self, fail: Callable[[str, BaseException], None], note: Callable[[str, str], None]
     ) -> None:

@@ -53,6 +53,11 @@ def _ignore(exc: BaseException) -> None:
     """No one to tell (a closer built without an agent, as in tests)."""
 
 
+def _nothing() -> int:
+    """No frame log (a closer built without an agent, as in tests)."""
+    return 0
+
+
 class CloseHooks(Protocol):
     """What the hooks side does and knows at a close (`hooks.tracker.Tracker`)."""
 
@@ -94,6 +99,9 @@ class StepCloser:
         self.kept = KeptSchedule()
         self._taken: Census | None = None
         """The census this close took (the leak watch's or the kept schedule's), if any."""
+        self.own_bytes: Callable[[], int] = _nothing
+        """What the agent's own frame log holds in the job's heap now (the emitter's): taken
+        out of the CPU heap the leak watch reads, where it grows with every frame."""
         self.census_failed: Callable[[BaseException], None] = _ignore
         """Told once per error a census met (the agent says it on stderr and in the
         recording); the census itself ends there, the next one runs as usual."""
@@ -215,6 +223,7 @@ class StepCloser:
             if self._taken is None and self.kept.due(step, generation):
                 self._taken = self._census()
                 cost = census_cost(self._taken)
+                self.leaks.seen(step, self._taken)  # the leak watch compares its next with it
             taken = self._taken
             if taken is None:
                 return None, cost
@@ -267,12 +276,14 @@ class StepCloser:
 
     def _kept(self, reading: CloseReading, end: schema.Piles) -> int | None:
         """Memory held at the close beyond weights, gradients and optimizer state: the
-        allocator's `allocated` on a GPU, glibc's bytes in use on a CPU (None off glibc)."""
+        allocator's `allocated` on a GPU, glibc's bytes in use on a CPU less the agent's own
+        frame log (None off glibc)."""
         used = reading.allocator.allocated
         if used is None:
             used = self._gate.signatures.heap_at_close
-        if used is None:
-            return None
+            if used is None:
+                return None
+            used -= self.own_bytes()
         weights, gradients, state, _ = end.counted()
         if self.piles.gradients is not None:
             gradients = self.piles.gradients[0]
