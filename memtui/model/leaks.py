@@ -14,6 +14,7 @@ linear in the stream and the book bounded whatever a live stream sends.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memtui_protocol import schema
@@ -56,6 +57,10 @@ class LeakRow:
     """Graphs it keeps whose saved tensors are not known: `bytes` is then a lower bound."""
     fix: str | None = None
     """The fix the agent proposed (`Leak.fix`); None from agents before it was a field."""
+    nodes: int = 0
+    """Autograd nodes its graphs keep alive (0 from agents before it was a field)."""
+    nodes_per_step: int = 0
+    """Nodes they grew by per step: what a graph history grows by."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -70,6 +75,8 @@ class LeakRow:
             counted_at,
             leak.graphs_not_known,
             leak.fix,
+            leak.nodes,
+            leak.nodes_per_step,
         )
 
 
@@ -183,4 +190,14 @@ def leak_holding(row: LeakRow) -> str:
         return f"{tensors} + graph{plural}{unknown}"
     if row.kind is LeakKind.TENSORS:
         return tensors
+    if row.kind is LeakKind.GRAPH_HISTORY:
+        return f"{row.nodes:,} graph nodes"
     return f"{tensors} ({row.kind})"
+
+
+def leak_growth(row: LeakRow, size: Callable[[int], str]) -> str:
+    """What it grows by per step: bytes (`size` formats them), or nodes for a graph history
+    (whose host bytes are not known)."""
+    if row.kind is LeakKind.GRAPH_HISTORY:
+        return f"+{row.nodes_per_step:,} nodes"
+    return "+" + size(row.per_step)

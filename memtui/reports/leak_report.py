@@ -24,6 +24,7 @@ steps' time in all (or when one stopped at its bound)."""
 KIND_WORDS: dict[LeakKind, str] = {
     LeakKind.RETAINED_GRAPH: "autograd graphs kept alive",
     LeakKind.TENSORS: "tensors kept",
+    LeakKind.GRAPH_HISTORY: "autograd history growing",
 }
 
 
@@ -38,6 +39,8 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         first_step=row.first_step,
         graphs_not_known=row.graphs_not_known,
         fix=row.fix,
+        nodes=row.nodes,
+        nodes_per_step=row.nodes_per_step,
     )
 
 
@@ -111,10 +114,16 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
                 f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
                 "(built while memtui's hooks were off)"
             )
-        lines.append(
-            f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
-            f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
-        )
+        if row.kind is LeakKind.GRAPH_HISTORY:
+            lines.append(
+                f"  {row.holder} ({kind}): {row.nodes:,} autograd nodes alive (host bytes not "
+                f"known), growing {row.nodes_per_step:,} per step since step {row.first_step}"
+            )
+        else:
+            lines.append(
+                f"  {row.holder} ({kind}): {size(row.bytes)} in {row.tensors} tensor{plural}"
+                f"{unknown}, growing {size(row.per_step)} per step since step {row.first_step}"
+            )
         if row.fix:
             lines.append(f"    fix: {row.fix}")
     cost = census_line(recording)

@@ -98,6 +98,10 @@ class LeakEntry(msgspec.Struct):
     """Graphs it keeps whose saved tensors are not known (`bytes` is then a lower bound)."""
     fix: str | None = None
     """The fix the agent proposed (`Leak.fix`); null in recordings of agents before it."""
+    nodes: int = 0
+    """Autograd nodes its graphs keep alive (`Leak.nodes`)."""
+    nodes_per_step: int = 0
+    """Nodes they grew by per step (`Leak.nodes_per_step`): what a `graph_history` grows by."""
 
 
 class CensusEntry(msgspec.Struct):

@@ -106,6 +106,10 @@ class LeakKind(TextEnum):
     """Tensors whose autograd graph still holds its saved tensors (never backpropagated)."""
     TENSORS = "tensors"
     """Tensors alone: their graphs, if any, were freed by backward."""
+    GRAPH_HISTORY = "graph_history"
+    """A tensor whose autograd history grows step after step (`total_loss += loss` after
+    backward): every step's graph nodes stay chained and alive, their saved tensors freed by
+    backward. What grows is the count of nodes (`Leak.nodes`), in host memory."""
 
 
 class CensusStop(TextEnum):
@@ -396,7 +400,7 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """The shortest path from a name the user wrote: `history`, `model.encoder.cache`,
     `outputs (closure of make_hook.<locals>.store)`, `val_total (local of train)`."""
     kind: str
-    """`LeakKind`: a retained graph, or tensors."""
+    """`LeakKind`: a retained graph, tensors, or a graph history."""
     bytes: int
     tensors: int
     per_step: int
@@ -411,6 +415,12 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """The one-line fix that usually applies to a leak of this shape, as the agent words it
     (the same words end the holder's `leak` alert); None in recordings of agents before it was
     a field (readers then show no fix)."""
+    nodes: int = 0
+    """Autograd nodes its tensors' graphs keep alive, as the census walked them (0 in recordings
+    of agents before it was a field, and where none is reached)."""
+    nodes_per_step: int = 0
+    """Nodes its graphs grew by per step between the last two censuses: what a `graph_history`
+    leak grows by (the host bytes of a node are not known)."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -10,6 +10,13 @@ one `leak` alert each, and a `Leak` entry in the frames of the steps that took a
 with the fix that usually applies (`Leak.fix`, the same words that end the alert). A deque with
 a `maxlen` is bounded and never a leak; a holder that stops growing stops being reported.
 
+A holder can also grow in autograd nodes alone: `total_loss += loss` after backward chains every
+step's graph onto the last, whose saved tensors backward freed; the tensor's bytes do not move.
+It is a `graph_history` leak when its node count grew and its graph was extended, not replaced:
+one of its roots at the census before is still reached from it, beneath a newer root (a value
+derived from it and recomputed, `avg = total_loss / n`, replaces its own root each time, and a
+node shared by both counts in each: the growth shows on the holder that grows).
+
 Censuses cost time on the training thread (they walk the job's objects while nothing else
 mutates them; a walk from another thread could race autograd freeing a graph), so they are
 rare: only while growth lasts, and spaced further apart each time they find nothing.
@@ -66,6 +73,19 @@ class _Named:
     fix: str
     """The fix its alert proposed: every later `Leak` of the holder carries the same words."""
     graphs_not_known: int = 0
+    nodes: int = 0
+    nodes_per_step: int = 0
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A holder that grew between two censuses: by how many bytes and nodes a step, and what
+    kind of leak that makes it."""
+
+    holding: Holding
+    per_step: int
+    nodes_per_step: int
+    kind: LeakKind
 
 
 class LeakWatch:
@@ -123,20 +143,14 @@ class LeakWatch:
             self._backoff = min(self._backoff * 2, 1024)
             self._follow = FOLLOW_FIRST
             return report
-        for holding, per_step in leaks:
+        for growth in leaks:
+            holding = growth.holding
             named = self._named.get(holding.holder)
-            first = named.first_step if named else self._growth_start(step, holding, per_step)
-            fix = named.fix if named else usual_fix(holding)
-            leak = Leak(
-                holder=holding.holder,
-                kind=holding.kind.value,
-                bytes=holding.bytes,
-                tensors=holding.tensors,
-                per_step=per_step,
-                first_step=first,
-                graphs_not_known=holding.unknown_graphs,
-                fix=fix,
+            first = (
+                named.first_step if named else self._growth_start(step, holding, growth.per_step)
             )
+            fix = named.fix if named else usual_fix(holding, growth.kind)
+            leak = leak_of(growth, first, fix)
             report.leaks.append(leak)
             if named is None:
                 report.alerts.append(leak_alert(leak, headroom))
@@ -144,18 +158,21 @@ class LeakWatch:
                 first,
                 holding.bytes,
                 step,
-                per_step,
-                holding.kind,
+                growth.per_step,
+                growth.kind,
                 fix,
                 holding.unknown_graphs,
+                holding.nodes,
+                growth.nodes_per_step,
             )
         self._next_census = step + self._follow
         self._follow = min(self._follow * 2, FOLLOW_MAX)
         return report
 
     def final(self, step: int, take: Callable[[], Census]) -> list[Leak]:
-        """The named leaks as the job ends (`take`: a census from what is left of it); a holder
-        no longer reachable keeps its last census's figures."""
+        """The named leaks as the job ends (`take`: a census from what is left of it), with the
+        rates of their last two censuses; a holder no longer reachable (a local of a function
+        that returned) keeps its last census's figures."""
         if not self._named:
             return []
         census = take()
@@ -173,25 +190,31 @@ class LeakWatch:
                         first_step=named.first_step,
                         graphs_not_known=named.graphs_not_known,
                         fix=named.fix,
+                        nodes=named.nodes,
+                        nodes_per_step=named.nodes_per_step,
                     )
                 )
                 continue
-            per_step = named.per_step
-            if step > named.step and holding.bytes > named.bytes:
-                per_step = (holding.bytes - named.bytes) // (step - named.step)
-            found.append(
-                Leak(
-                    holder=holder,
-                    kind=holding.kind.value,
-                    bytes=holding.bytes,
-                    tensors=holding.tensors,
-                    per_step=per_step,
-                    first_step=named.first_step,
-                    graphs_not_known=holding.unknown_graphs,
-                    fix=named.fix,
-                )
-            )
+            # Its rates stay those between its last two censuses, both taken at a close: the
+            # job's end is no close (what the last step did after it is counted now), and a
+            # rate from it would count that part of a step as none (4 evaluations in 3 steps).
+            kind = holding.kind
+            if named.kind is LeakKind.GRAPH_HISTORY and kind is LeakKind.TENSORS:
+                kind = LeakKind.GRAPH_HISTORY
+            growth = Growth(holding, named.per_step, named.nodes_per_step, kind)
+            found.append(leak_of(growth, named.first_step, named.fix))
         return found
+
+    def following(self) -> dict[int, str]:
+        """The roots of the last census's holders (`Holding.roots`), for the next census to
+        say which are still alive beneath their holder's graph (`Census.alive`)."""
+        if self._previous is None:
+            return {}
+        return {
+            root: holding.holder
+            for holding in self._previous[1].holdings.values()
+            for root in holding.roots
+        }
 
     def _growing(self) -> bool:
         """Growth above the noise at nearly every close of the last window, and by the floor a
@@ -205,18 +228,24 @@ class LeakWatch:
 
     def _growing_holders(
         self, previous: tuple[int, Census], step: int, census: Census
-    ) -> list[tuple[Holding, int]]:
-        """Holders that grew since the previous census (bounded deques never count)."""
+    ) -> list[Growth]:
+        """Holders that grew since the previous census, in bytes or in graph history (bounded
+        deques never count)."""
         then_step, then = previous
         found = []
         for holding in census.holdings.values():
             if holding.bounded is not None:
                 continue
             before = then.holdings.get(holding.holder)
+            if before is None and holding.container is None:
+                continue  # a name bound since (`avg = total_loss / n`): nothing of it grew yet
             grown = holding.bytes - (before.bytes if before else 0)
-            if grown > 0:
-                found.append((holding, grown // (step - then_step)))
-        return sorted(found, key=lambda item: item[0].bytes, reverse=True)
+            nodes = history_growth(before, holding, census.alive)
+            if grown > 0 or nodes > 0:
+                kind = holding.kind if grown > 0 else LeakKind.GRAPH_HISTORY
+                steps = step - then_step
+                found.append(Growth(holding, max(grown, 0) // steps, nodes // steps, kind))
+        return sorted(found, key=lambda item: item.holding.bytes, reverse=True)
 
     def _growth_start(self, step: int, holding: Holding, per_step: int) -> int:
         """The step growth began at: the first close of the run of growing closes, or, when
@@ -235,9 +264,40 @@ class LeakWatch:
         return start
 
 
+def history_growth(before: Holding | None, now: Holding, alive: frozenset[int]) -> int:
+    """Nodes the holder's graphs grew by since `before`, when they were extended rather than
+    replaced: one of its roots then is still reached from it now, and is no longer a root (a
+    newer node was chained on top of it). 0 otherwise (a name rebound to a new graph, however
+    large, replaced its old one)."""
+    if before is None or now.nodes <= before.nodes:
+        return 0
+    if any(root in alive and root not in now.roots for root in before.roots):
+        return now.nodes - before.nodes
+    return 0
+
+
+def leak_of(growth: Growth, first_step: int, fix: str) -> Leak:
+    """The `Leak` a growing holder makes."""
+    holding = growth.holding
+    return Leak(
+        holder=holding.holder,
+        kind=growth.kind.value,
+        bytes=holding.bytes,
+        tensors=holding.tensors,
+        per_step=growth.per_step,
+        first_step=first_step,
+        graphs_not_known=holding.unknown_graphs,
+        fix=fix,
+        nodes=holding.nodes,
+        nodes_per_step=growth.nodes_per_step,
+    )
+
+
 def leak_alert(leak: Leak, headroom: int | None) -> schema.Alert:
     """The alert for a newly named leak: who, how much, how fast, since when, and the fix (the
     leak's own `fix`, which the report reads from the `Leak`, never from this message)."""
+    if leak.kind == LeakKind.GRAPH_HISTORY:
+        return _history_alert(leak)
     message = (
         f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
         f"tensor{'s' if leak.tensors != 1 else ''}"
@@ -256,13 +316,32 @@ def leak_alert(leak: Leak, headroom: int | None) -> schema.Alert:
     return schema.Alert(kind=AlertKind.LEAK, message=message, where=leak.holder)
 
 
-def usual_fix(holding: Holding) -> str:
-    """The one-line fix that applies to most leaks of this shape."""
-    if holding.kind is LeakKind.RETAINED_GRAPH:
-        return (
-            "it keeps autograd graphs alive: accumulate `loss.item()` (or `.detach()`), and run "
-            "evaluation under `torch.no_grad()`"
-        )
+def _history_alert(leak: Leak) -> schema.Alert:
+    """A growing graph history: what grows is nodes, whose host bytes are not known."""
+    message = (
+        f"{leak.holder} keeps {leak.nodes:,} autograd nodes alive (every step's graph chained "
+        f"onto the last; backward freed their saved tensors; the host memory they take is not "
+        f"known) and grows {leak.nodes_per_step:,} node"
+        f"{'s' if leak.nodes_per_step != 1 else ''} per step since step {leak.first_step}"
+    )
+    if leak.fix:
+        message += f": {leak.fix}"
+    return schema.Alert(kind=AlertKind.LEAK, message=message, where=leak.holder)
+
+
+def usual_fix(holding: Holding, kind: LeakKind | None = None) -> str:
+    """The one-line fix that applies to most leaks of this shape (`kind`: the leak's, when it
+    is not the holding's own, a graph history)."""
+    kind = kind or holding.kind
+    if kind is LeakKind.GRAPH_HISTORY:
+        return "accumulate `loss.item()` (or `loss.detach()`), not the loss tensor itself"
+    if kind is LeakKind.RETAINED_GRAPH:
+        if holding.container is not None:
+            return (
+                "run evaluation under `torch.no_grad()`, or store `.detach()` (or `.item()`) "
+                "of each output"
+            )
+        return "run evaluation under `torch.no_grad()`, or accumulate `loss.item()`"
     if holding.attached:
         return "store `.detach()` (or `.item()`) instead of tensors still attached to a graph"
     if holding.container == "dict":
