@@ -13,9 +13,10 @@ a `maxlen` is bounded and never a leak; a holder that stops growing stops being 
 A holder can also grow in autograd nodes alone: `total_loss += loss` after backward chains every
 step's graph onto the last, whose saved tensors backward freed; the tensor's bytes do not move.
 It is a `graph_history` leak when its node count grew and its graph was extended, not replaced:
-one of its roots at the census before is still reached from it, beneath a newer root (a value
-derived from it and recomputed, `avg = total_loss / n`, replaces its own root each time, and a
-node shared by both counts in each: the growth shows on the holder that grows).
+one of its roots at the census before is still reached from it, beneath a newer root. A value
+derived from it and recomputed (`avg = total_loss / n`) replaces its own root each time, and
+the census files the chain under the total (`census.py`): the growth shows on the holder that
+grows. A single tensor bound to a name since the census before has not grown: it appeared.
 
 Censuses cost time on the training thread (they walk the job's objects while nothing else
 mutates them; a walk from another thread could race autograd freeing a graph), so they are
@@ -172,7 +173,7 @@ class LeakWatch:
     def final(self, step: int, take: Callable[[], Census]) -> list[Leak]:
         """The named leaks as the job ends (`take`: a census from what is left of it), with the
         rates of their last two censuses; a holder no longer reachable (a local of a function
-        that returned) keeps its last census's figures."""
+        that returned) keeps its last census's figures. `step`: the last close."""
         if not self._named:
             return []
         census = take()
