@@ -35,6 +35,9 @@ from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, CensusCost, Leak, LeakKind
 from memtui_protocol.units import format_bytes
 
+MAX_FOLLOWED = 4096
+"""Root nodes followed from one census to the next at most (the holders with the most nodes
+first): a job with thousands of attached tensors in its names keeps this bounded."""
 WINDOW = 8
 """Closes over which growth must be sustained before a census."""
 GROWING = 7
@@ -211,11 +214,13 @@ class LeakWatch:
         say which are still alive beneath their holder's graph (`Census.alive`)."""
         if self._previous is None:
             return {}
-        return {
-            root: holding.holder
-            for holding in self._previous[1].holdings.values()
-            for root in holding.roots
-        }
+        followed: dict[int, str] = {}
+        holdings = sorted(self._previous[1].holdings.values(), key=lambda h: -h.nodes)
+        for holding in holdings:
+            if len(followed) + len(holding.roots) > MAX_FOLLOWED:
+                break
+            followed.update((root, holding.holder) for root in holding.roots)
+        return followed
 
     def _growing(self) -> bool:
         """Growth above the noise at nearly every close of the last window, and by the floor a
