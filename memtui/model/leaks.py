@@ -14,6 +14,7 @@ linear in the stream and the book bounded whatever a live stream sends.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memtui_protocol import schema
@@ -58,6 +59,10 @@ class LeakRow:
     """The fix the agent proposed (`Leak.fix`); None from agents before it was a field."""
     every: int | None = None
     """Its cadence (`Leak.every`): it grew at every `every`-th close; None: not known."""
+    nodes: int = 0
+    """Autograd nodes its graphs keep alive (0 from agents before it was a field)."""
+    nodes_per_step: int = 0
+    """Nodes they grew by per step: what a graph history grows by."""
 
     @classmethod
     def of(cls, leak: schema.Leak, counted_at: int | None) -> LeakRow:
@@ -73,6 +78,8 @@ class LeakRow:
             leak.graphs_not_known,
             leak.fix,
             leak.every,
+            leak.nodes,
+            leak.nodes_per_step,
         )
 
 
@@ -189,6 +196,8 @@ def leak_holding(row: LeakRow) -> str:
         return tensors
     if row.kind is LeakKind.WORKERS:
         return "workers' USS"
+    if row.kind is LeakKind.GRAPH_HISTORY:
+        return f"{row.nodes:,} graph nodes"
     return f"{tensors} ({row.kind})"
 
 
@@ -198,3 +207,11 @@ def leak_cadence(every: int | None) -> str | None:
     if every is None:
         return None
     return "at every step" if every == 1 else f"every {every} steps"
+
+
+def leak_growth(row: LeakRow, size: Callable[[int], str]) -> str:
+    """What it grows by per step: bytes (`size` formats them), or nodes for a graph history
+    (whose host bytes are not known)."""
+    if row.kind is LeakKind.GRAPH_HISTORY:
+        return f"+{row.nodes_per_step:,} nodes"
+    return "+" + size(row.per_step)

@@ -25,6 +25,7 @@ KIND_WORDS: dict[LeakKind, str] = {
     LeakKind.RETAINED_GRAPH: "autograd graphs kept alive",
     LeakKind.TENSORS: "tensors kept",
     LeakKind.WORKERS: "copied into the DataLoader workers",
+    LeakKind.GRAPH_HISTORY: "autograd history growing",
 }
 
 
@@ -40,6 +41,8 @@ def leak_entry(row: LeakRow) -> LeakEntry:
         graphs_not_known=row.graphs_not_known,
         fix=row.fix,
         every=row.every,
+        nodes=row.nodes,
+        nodes_per_step=row.nodes_per_step,
     )
 
 
@@ -113,14 +116,24 @@ def leak_lines(recording: Recording, binary: bool = True) -> list[str]:
                 f" and {row.graphs_not_known} {graphs} whose saved tensors are not known "
                 "(built while memtui's hooks were off)"
             )
-        if row.kind is LeakKind.WORKERS:
-            held = "of the workers' private memory (USS), outside this process"
-        else:
-            held = f"in {row.tensors} tensor{plural}{unknown}"
         cadence = leak_cadence(row.every)
+        if row.kind is LeakKind.GRAPH_HISTORY:
+            growing = (
+                f"{row.nodes:,} autograd nodes alive (host bytes not known), "
+                f"growing {row.nodes_per_step:,} per step"
+            )
+        elif row.kind is LeakKind.WORKERS:
+            growing = (
+                f"{size(row.bytes)} of the workers' private memory (USS), outside this process, "
+                f"growing {size(row.per_step)} per step"
+            )
+        else:
+            growing = (
+                f"{size(row.bytes)} in {row.tensors} tensor{plural}{unknown}, "
+                f"growing {size(row.per_step)} per step"
+            )
         lines.append(
-            f"  {row.holder} ({kind}): {size(row.bytes)} {held}, "
-            f"growing {size(row.per_step)} per step since step {row.first_step}"
+            f"  {row.holder} ({kind}): {growing} since step {row.first_step}"
             + (f", {cadence}" if cadence else "")
         )
         if row.fix:

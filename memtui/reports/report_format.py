@@ -112,6 +112,10 @@ class LeakEntry(msgspec.Struct):
     every: int | None = None
     """Its cadence (`Leak.every`): it grew at every `every`-th step (1: each); null when not
     known (a growth too slow to see step by step, irregular, or an older recording)."""
+    nodes: int = 0
+    """Autograd nodes its graphs keep alive (`Leak.nodes`)."""
+    nodes_per_step: int = 0
+    """Nodes they grew by per step (`Leak.nodes_per_step`): what a `graph_history` grows by."""
 
 
 class CensusEntry(msgspec.Struct):

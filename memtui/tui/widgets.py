@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Static
 
 from memtui.model.job_state import JobState
 from memtui.model.kept_trail import kept_words
-from memtui.model.leaks import leak_cadence, leak_holding
+from memtui.model.leaks import leak_cadence, leak_growth, leak_holding
 from memtui.model.step_rows import NOT_KNOWN, AlertRow, describe_rate
 from memtui.model.view_state import (
     ActivationsView,
@@ -285,7 +285,7 @@ def _leaks_table(view: GapView) -> Table:
         table.add_row(
             plain(row.holder, style=ERROR_STYLE),
             _size(row.bytes, view.binary),
-            "+" + _size(row.per_step, view.binary),
+            leak_growth(row, lambda size: _size(size, view.binary)),
             f"step {row.first_step}",
             *grows,
             Text(leak_holding(row), style="dim"),

@@ -110,6 +110,10 @@ class LeakKind(TextEnum):
     """Private memory of the job's DataLoader worker processes: pages of a dataset held as
     Python objects, copied into each worker as it reads them (`holder`: the dataset's
     attribute, `bytes`: the workers' growth, `tensors`: 0)."""
+    GRAPH_HISTORY = "graph_history"
+    """A tensor whose autograd history grows step after step (`total_loss += loss` after
+    backward): every step's graph nodes stay chained and alive, their saved tensors freed by
+    backward. What grows is the count of nodes (`Leak.nodes`), in host memory."""
 
 
 class CensusStop(TextEnum):
@@ -420,7 +424,7 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     """The shortest path from a name the user wrote: `history`, `model.encoder.cache`,
     `outputs (closure of make_hook.<locals>.store)`, `val_total (local of train)`."""
     kind: str
-    """`LeakKind`: a retained graph, or tensors."""
+    """`LeakKind`: a retained graph, tensors, or a graph history."""
     bytes: int
     tensors: int
     per_step: int
@@ -440,6 +444,12 @@ class Leak(msgspec.Struct, frozen=True, omit_defaults=True):
     close; 5: an evaluation every 5 steps), from the closes whose growth stood above the noise
     (two of them at least, at equal gaps). None: not known (a growth too slow to see close by
     close on a CPU's noisy heap, or irregular), or a recording from before this field."""
+    nodes: int = 0
+    """Autograd nodes its tensors' graphs keep alive, as the census walked them (0 in recordings
+    of agents before it was a field, and where none is reached)."""
+    nodes_per_step: int = 0
+    """Nodes its graphs grew by per step between the last two censuses: what a `graph_history`
+    leak grows by (the host bytes of a node are not known)."""
 
 
 class CensusCost(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -149,6 +149,71 @@ def test_a_validation_total_without_no_grad_is_a_retained_graph(
     assert abs(leak.bytes - (held + per_graph)) <= (held + per_graph) // 10
 
 
+def _leak_alerts(run: Run) -> list[tuple[int, str, str]]:
+    return [
+        (step.step, str(alert.where), alert.message)
+        for step in run.recording.steps
+        for alert in step.alerts
+        if alert.kind == AlertKind.LEAK
+    ]
+
+
+@pytest.mark.parametrize("job", ["val_batches", "val_outputs"])
+def test_graphs_kept_by_an_evaluation_are_named_with_their_bytes_and_nodes(
+    runs: dict[tuple[str, str], Run], job: str
+) -> None:
+    """Several validation batches a step without `torch.no_grad()`, kept by a total or a list
+    of outputs: the holder, its saved bytes within 10% of the job's own count and its nodes
+    (the job walks `next_functions` itself) at every census, growing from the first close that
+    held them, with the fix."""
+    run = runs[(job, "default")]
+    holder, first = run.counts["holder"], run.counts["first_step"]
+    ((named_at, where, message),) = _leak_alerts(run)
+    assert where == holder and "torch.no_grad()" in message
+    assert 0 <= named_at - first < 20
+    kept = run.counts["kept"]  # after each step's evaluation: what the graphs saved, nodes
+    censuses = [(step.step, leak) for step in run.recording.steps for leak in step.leaks]
+    assert len(censuses) >= 2
+    for step, leak in censuses:
+        # Counted at the close of `step` (its optimizer.step): the evaluations before it.
+        saved, nodes = kept[step - 2]
+        assert leak.holder == holder and leak.kind == LeakKind.RETAINED_GRAPH
+        assert abs(leak.bytes - saved) <= saved // 10, (step, leak.bytes, saved)
+        assert abs(leak.nodes - nodes) <= nodes // 10, (step, leak.nodes, nodes)
+        assert leak.first_step == first
+    (step, leak), (later, last) = censuses[-2:]
+    truth = (kept[later - 2][1] - kept[step - 2][1]) // (later - step)
+    assert abs(last.nodes_per_step - truth) <= truth // 10
+
+
+@pytest.mark.parametrize(
+    "job", ["total_loss", "total_loss_module"], ids=["in a function", "at module level"]
+)
+def test_a_loss_total_after_backward_is_a_graph_history_named_by_the_total(
+    runs: dict[tuple[str, str], Run], job: str
+) -> None:
+    """`total_loss += loss`: the holder is the total (never `avg`, derived from it and
+    recomputed), what grows is its autograd nodes, counted as the job counts them, and their
+    host bytes are said not known."""
+    run = runs[(job, "default")]
+    holder, nodes = run.counts["holder"], run.counts["nodes"]
+    assert run.counts["saved"] == 0  # backward freed every saved tensor
+    ((named_at, where, message),) = _leak_alerts(run)
+    assert where == holder and "not known" in message and "`loss.item()`" in message
+    assert 0 <= named_at - run.counts["first_step"] < 20
+    censuses = [(step.step, leak) for step in run.recording.steps for leak in step.leaks]
+    assert {leak.holder for _, leak in censuses} == {holder}
+    per_step = nodes[1] - nodes[0]
+    for step, leak in censuses:
+        assert leak.kind == LeakKind.GRAPH_HISTORY and leak.per_step == 0
+        assert leak.nodes == nodes[step - 2], step  # after the steps before its close
+        assert leak.nodes_per_step == per_step
+    end = run.recording.end
+    assert end is not None
+    (final,) = end.leaks
+    assert final.kind == LeakKind.GRAPH_HISTORY and final.nodes_per_step == per_step
+
+
 def test_a_kept_graph_is_counted_to_the_byte(runs: dict[tuple[str, str], Run]) -> None:
     """At each close the validation graphs kept since the last reset are in the activations
     pile exactly as the job counts what they saved, the Python numbers autograd saves without

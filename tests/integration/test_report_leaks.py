@@ -72,7 +72,7 @@ def test_the_report_lists_each_holder_once_with_the_jobs_last_count(builder: Mod
     assert steps[20]["leaks"] == [
         {"holder": "history", "kind": "tensors", "bytes": 18 * 4096, "tensors": 18,
          "per_step": 4096, "first_step": 3, "graphs_not_known": 0, "fix": builder.LIST_FIX,
-         "every": None},
+         "every": None, "nodes": 0, "nodes_per_step": 0},
     ]  # fmt: skip
     assert [leak["fix"] for leak in document["leaks"]] == [builder.GRAPH_FIX, builder.LIST_FIX]
     assert not any("leaks" in steps[n] or "census" in steps[n] for n in (1, 11, 13, 24))

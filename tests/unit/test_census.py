@@ -198,3 +198,66 @@ def test_the_walk_is_bounded_and_says_so() -> None:
     assert sum(h.tensors for h in census.holdings.values()) < 1000
     whole = take_census([("big", big)])
     assert whole.holdings["big"].tensors == 1000 and whole.stopped is None and whole.complete
+
+
+def _reachable(*tensors: torch.Tensor) -> list[Any]:
+    """The test's own walk of the autograd nodes reachable from `tensors` (`next_functions`),
+    the parameters' `AccumulateGrad` nodes aside."""
+    seen: dict[int, Any] = {}
+    pending = [t.grad_fn for t in tensors]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        pending.extend(edge[0] for edge in node.next_functions)
+    return [node for node in seen.values() if type(node).__name__ != "AccumulateGrad"]
+
+
+def _accumulate(model: nn.Module, total: Any, steps: int) -> Any:
+    """`total_loss += loss` after backward, `steps` times."""
+    for _ in range(steps):
+        loss = model(torch.randn(8, 16)).square().mean()
+        loss.backward()
+        total += loss
+    return total
+
+
+def test_a_loss_total_after_backward_counts_every_steps_nodes_and_a_value_derived_its_own() -> None:
+    """Backward freed what the graphs saved; what `total_loss` keeps is its chain of nodes, all
+    of them filed under it even when a value derived from it (`avg`) is found first; a value
+    derived from its current root stops there (`latest`)."""
+    model = _model()
+    count = SavedCount(_weights(model))
+    with count.hooks():
+        total_loss = _accumulate(model, 0.0, 3)
+        avg = total_loss / 3
+        total_loss = _accumulate(model, total_loss, 2)
+        latest = total_loss * 2
+    census = take_census(
+        [("avg", avg), ("latest", latest), ("total_loss", total_loss), ("model", model)],
+        excluded=_weights(model),
+        saved=count.ledger.saved_by_node(),
+    )
+    holding = census.holdings["total_loss"]
+    assert holding.kind is LeakKind.TENSORS and holding.graph_storages == {}
+    assert holding.nodes == len(_reachable(total_loss)) > 5 * 7
+    assert census.holdings["avg"].nodes == 1  # its own node: what lies beneath is the total's
+    assert census.holdings["latest"].nodes == 1
+    assert holding.roots == (total_loss.grad_fn._sequence_nr(),)
+
+
+def test_a_census_following_an_earlier_one_says_which_roots_live_on_beneath_their_holder() -> None:
+    """An accumulating total's old root is still reached from it; a value recomputed since
+    (`avg`) lost its old root, though the total's chain reaches what that root reached."""
+    model = _model()
+    total_loss = _accumulate(model, 0.0, 2)
+    avg = total_loss / 2
+    before = take_census([("total_loss", total_loss), ("avg", avg)])
+    follow = {root: h.holder for h in before.holdings.values() for root in h.roots}
+    old_total, old_avg = before.holdings["total_loss"].roots, before.holdings["avg"].roots
+    total_loss = _accumulate(model, total_loss, 2)
+    avg = total_loss / 4
+    after = take_census([("total_loss", total_loss), ("avg", avg)], follow=follow)
+    assert set(old_total) <= after.alive and not set(old_avg) & after.alive
+    assert after.holdings["total_loss"].nodes > before.holdings["total_loss"].nodes

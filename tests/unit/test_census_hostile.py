@@ -276,7 +276,7 @@ def test_an_error_inside_the_walk_ends_that_census_only(
     first, second = Module(torch.randn(64)), Module(torch.randn(64))
     real = census_module._visit_node
 
-    def failing(walk: Any, node: Any, holder: str) -> None:
+    def failing(*_args: Any) -> None:
         raise error("planted")
 
     monkeypatch.setattr(census_module, "_visit_node", failing)

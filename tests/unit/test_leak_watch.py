@@ -12,9 +12,10 @@ from memtui_agent.memory.leak_watch import (
     HEAP_FLOOR,
     LeakReport,
     LeakWatch,
+    history_growth,
     usual_fix,
 )
-from memtui_protocol.schema import AlertKind
+from memtui_protocol.schema import AlertKind, LeakKind
 
 
 class FakeJob:
@@ -43,7 +44,11 @@ class FakeJob:
 
 
 def _run(
-    job: FakeJob, watch: LeakWatch, steps: int, kept: Callable[[int], int], exact: bool = True
+    job: FakeJob | HistoryJob,
+    watch: LeakWatch,
+    steps: int,
+    kept: Callable[[int], int],
+    exact: bool = True,
 ) -> list[LeakReport]:
     reports = []
     for step in range(1, steps + 1):
@@ -312,3 +317,56 @@ def test_rebound_names_are_never_leaks() -> None:
         assert _named(reports) == [(expected, "history")], censuses
         assert {leak.holder for _s, r in reports for leak in r.leaks} == {"history"}
         assert [leak.holder for leak in watch.final(80, series.census)] == ["history"]
+
+
+class HistoryJob:
+    """`total_loss += loss` after backward from step 1 on: the tensor's 4 bytes never move, its
+    graph grows 14 nodes a step, each step's new root chained on the ones before (all still
+    alive); `avg`, recomputed from it every 10 steps, replaces its own root each time."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.watch: LeakWatch | None = None
+
+    def census(self) -> Census:
+        step = self.step
+        total = Holding("total_loss", storages={1: 4}, tensors=1, attached=1)
+        total.nodes, total.roots = 8 + 14 * step, (1000 + step,)
+        holdings = {"total_loss": total}
+        if step >= 10:
+            avg = Holding("avg", storages={2: 4}, tensors=1, attached=1)
+            avg.nodes, avg.roots = 9 + 14 * (step // 10 * 10), (5000 + step // 10,)
+            holdings["avg"] = avg
+        assert self.watch is not None
+        follow = self.watch.following()
+        alive = {root for root, holder in follow.items() if holder == "total_loss"}
+        return Census(holdings, 10, 0.01, True, alive=frozenset(alive))
+
+
+def test_a_growing_graph_history_is_named_by_its_accumulator_in_nodes_not_bytes() -> None:
+    job = HistoryJob()
+    watch = job.watch = LeakWatch(job.census)
+    reports = _run(job, watch, 40, lambda step: 90_000 + step * 2 * HEAP_FLOOR, False)
+    leaks = [leak for report in reports for leak in report.leaks]
+    assert leaks and {leak.holder for leak in leaks} == {"total_loss"}
+    assert all(leak.kind == LeakKind.GRAPH_HISTORY for leak in leaks)
+    assert all(leak.nodes_per_step == 14 and leak.per_step == 0 for leak in leaks)
+    assert leaks[-1].nodes == 8 + 14 * max(i + 1 for i, r in enumerate(reports) if r.leaks)
+    (alert,) = [alert for report in reports for alert in report.alerts]
+    assert alert.where == "total_loss" and "grows 14 nodes per step" in alert.message
+    assert "not known" in alert.message and "`loss.item()`" in alert.message
+    job.step = 41
+    (final,) = watch.final(41, job.census)
+    assert final.kind == LeakKind.GRAPH_HISTORY and final.nodes == 8 + 14 * 41
+    assert final.nodes_per_step == 14
+
+
+def test_a_graph_grows_in_history_only_when_an_old_root_lives_on_beneath_a_new_one() -> None:
+    before = Holding("total_loss", nodes=100, roots=(5,))
+    extended = Holding("total_loss", nodes=114, roots=(9,))
+    assert history_growth(before, extended, frozenset({5})) == 14
+    # Rebound to a new, larger graph: the old root is gone.
+    assert history_growth(before, extended, frozenset()) == 0
+    # The same root: nothing was chained on it (a node count that moved is not growth).
+    assert history_growth(before, Holding("x", nodes=114, roots=(5,)), frozenset({5})) == 0
+    assert history_growth(None, extended, frozenset({5})) == 0

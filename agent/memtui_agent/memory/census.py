@@ -11,6 +11,18 @@ autograd graph still holds saved tensors (never backpropagated, as `val_total +=
 `torch.no_grad()` keeps it) is a retained graph: its graph's nodes are walked and the storages
 the agent's pack hook saved for those nodes are filed under the same holder.
 
+Graphs are walked once the objects are, holder by holder, each holder's whole graph before the
+next, the holder with the newest root first, and never through another holder's root: a node
+(and what it saved) goes to one holder (`Holding.nodes`), the one that built on it last, unless
+it lies beneath another holder's root. So the holder that keeps a growing history
+(`total_loss += loss` after backward: every step's nodes stay chained, their saved tensors
+freed) has the whole chain, whether a value derived from it (`avg = total_loss / n`) was
+computed from its current root (its walk stops there) or from an older one (the total's root is
+newer, walked first). Each holder's newest root nodes are noted by sequence number
+(`Holding.roots`), and a census told the roots of the one before it (`follow`) says which of
+them the same holder still reaches (`Census.alive`): a holder whose old root now lies beneath a
+new one is extending its graph, not replacing it.
+
 Walking from names rather than from `gc.get_objects()` is what makes the holder nameable, and
 breadth first makes it the shortest path. Storages already in a pile (weights, gradients,
 optimizer state) are left out by key.
@@ -38,6 +50,7 @@ Known limitations:
       thread: they are the followed thread's. Storages an in-place operation on a view saved
       (hidden inside autograd's `CopySlices`) are matched through the root call whose forward
       saved them; saved outside any root call, they stay unattributed (`Census.unattributed`).
+    - A census stopped by a bound while it walked objects walks no graph.
 """
 
 from __future__ import annotations
@@ -87,6 +100,12 @@ CHUNK = 1024
 CHECK_EVERY = 256
 """Queue entries between two reads of the clock."""
 MAX_QUALNAME = 200
+LEAF_NODE = 2**64 - 1
+"""The sequence number autograd gives a leaf tensor's `AccumulateGrad` node (a parameter's): it
+belongs to the leaf, which every graph through it shares, and is counted in no holder's nodes."""
+MAX_ROOTS = 8
+"""Root nodes noted per holder (its newest): enough to tell whether the holder's graph is
+extended or replaced between two censuses."""
 
 _LEAF_IDS = frozenset(
     id(kind)
@@ -179,6 +198,11 @@ class Holding:
     kept_tensors: int = 0
     """Its tensors with a storage in `storages` that the activations pile does not hold
     either (`kept_storages`): what it keeps outside every pile."""
+    nodes: int = 0
+    """Autograd nodes of its tensors' graphs filed under it (leaves' `AccumulateGrad` nodes
+    left out), saved tensors freed or not; each node is filed under one holder only."""
+    roots: tuple[int, ...] = ()
+    """Sequence numbers of its tensors' own `grad_fn` nodes, the newest `MAX_ROOTS`."""
 
     def kept_storages(self, activations: frozenset[int] | set[int]) -> int:
         """Bytes of its own tensors' storages that no pile holds: `storages` less those saved
@@ -215,6 +239,9 @@ class Census:
     """The error that ended it (`stopped` is then `ERROR`), its traceback dropped."""
     unattributed: int = 0
     """Bytes of saved tensors that live graphs hold and no holder's graph was matched to."""
+    alive: frozenset[int] = frozenset()
+    """Those of the root sequence numbers it was told to follow (`follow`) that the graph of
+    the same holder still reaches."""
 
     def largest(self, limit: int = 10) -> list[Holding]:
         """The holders keeping the most bytes alive."""
@@ -235,7 +262,7 @@ class Namespace:
 Root = tuple[str, Any] | Namespace
 
 # Queue entries: (what, object, path, holder, depth, cursor).
-_VALUE, _ITEMS, _NODE = 0, 1, 2
+_VALUE, _ITEMS = 0, 1
 # How a container's items are read and named: by index (lists, tuples, an object's referents),
 # by iteration (sets, deques), a dict's values, a root namespace's names, or (path, item) pairs
 # (attributes, closures, submodules and hooks).
@@ -269,6 +296,10 @@ class _Walk:
     reached_calls: list[tuple[int, int, str]] = field(default_factory=list)
     facts: dict[int, tuple[int, TypeFacts]] = field(default_factory=dict)
     node_types: dict[int, NodeType] = field(default_factory=dict)
+    graphs: dict[str, list[Any]] = field(default_factory=dict)
+    """Root nodes by holder, in the order the holders were found: walked after the objects."""
+    follow: dict[int, str] = field(default_factory=dict)
+    alive: set[int] = field(default_factory=set)
     complete: bool = True
     stopped: CensusStop | None = None
 
@@ -307,6 +338,7 @@ def take_census(
     saved: dict[int, list[tuple[Key, int]]] | None = None,
     calls: dict[int, HeldCall] | None = None,
     activations: frozenset[int] | set[int] = frozenset(),
+    follow: dict[int, str] | None = None,
 ) -> Census:
     """Walk from `roots`, breadth first, and file every tensor by holder. Never raises.
 
@@ -321,6 +353,8 @@ def take_census(
         activations: storage keys the activations pile holds now: filed like any other, but
             a tensor held only through them is not one the holder keeps outside every pile
             (`Holding.kept_tensors`).
+        follow: root sequence numbers of an earlier census (`Holding.roots`) and their
+            holders: which of them the same holder's graph still reaches is `Census.alive`.
     """
     started = time.perf_counter()
     walk = _Walk(
@@ -330,6 +364,7 @@ def take_census(
         max_objects,
         dict(saved) if saved else {},
         calls or {},
+        follow=follow or {},
     )
     error: BaseException | None = None
     try:
@@ -343,6 +378,8 @@ def take_census(
                     label, value = root
                     walk.queue.append((_VALUE, value, label, None, 0, None))
             _run(walk)
+            if walk.stopped is None:
+                _walk_graphs(walk)
             unattributed = _attribute_by_call(walk)
     except Exception as exc:  # MemoryError and RecursionError included: this census only
         walk.stopped = CensusStop.ERROR
@@ -355,6 +392,7 @@ def take_census(
         walk.kept.clear()
         walk.facts.clear()
         walk.node_types.clear()
+        walk.graphs.clear()
     for path, (container, maxlen) in walk.containers.items():
         holding = walk.holdings.get(path)
         if holding is not None:
@@ -367,6 +405,7 @@ def take_census(
         stopped=walk.stopped,
         error=error,
         unattributed=unattributed,
+        alive=frozenset(walk.alive),
     )
 
 
@@ -382,10 +421,8 @@ def _run(walk: _Walk) -> None:
         what, value, path, holder, depth, cursor = queue.popleft()
         if what == _VALUE:
             _visit(walk, value, path, holder, depth)
-        elif what == _ITEMS:
-            _read_items(walk, value, path, holder, depth, cursor)
         else:
-            _visit_node(walk, value, holder)
+            _read_items(walk, value, path, holder, depth, cursor)
 
 
 def _classify(cls: type, facts: TypeFacts) -> int:
@@ -616,34 +653,69 @@ def _file_tensor(walk: _Walk, tensor: Any, facts: TypeFacts, holder: str, depth:
             _count(walk, grad_storages, holding.storages)
     if node is not None:
         walk.examined += 1
-        walk.queue.append((_NODE, node, None, holder, 0, None))
+        walk.graphs.setdefault(holder, []).append(node)
 
 
-def _visit_node(walk: _Walk, node: Any, holder: str) -> None:
-    """One autograd node: the storages the agent saw saved for it, a root call's mark on it,
-    then the nodes upstream (never anything it saved)."""
-    identity = id(node)
-    if identity in walk.visited:
-        return
-    walk.visited.add(identity)
+def _walk_graphs(walk: _Walk) -> None:
+    """The holders' graphs, bounded like the rest of the walk: holder by holder, the one with
+    the newest root first, each node to the first holder that reaches it, and never through
+    another holder's root (what lies beneath it is that holder's)."""
+    order: list[tuple[int, int, str]] = []
+    owners: dict[int, str] = {}
+    for holder, nodes in walk.graphs.items():
+        numbers = sorted(
+            {n for node in nodes if (n := walk.node_type(type(node)).sequence(node)) is not None}
+        )
+        walk.holding(holder).roots = tuple(numbers[-MAX_ROOTS:])
+        order.append((numbers[-1] if numbers else -1, len(order), holder))
+        for node in nodes:
+            owners.setdefault(id(node), holder)
+    for _newest, _found, holder in sorted(order, key=lambda item: (-item[0], item[1])):
+        holding = walk.holding(holder)
+        pending = deque(walk.graphs[holder])
+        since_check = 0
+        while pending:
+            since_check += 1
+            if since_check >= CHECK_EVERY:
+                since_check = 0
+                if walk.out_of_budget():
+                    return
+            node = pending.popleft()
+            if id(node) in walk.visited:
+                continue
+            _visit_node(walk, node, holding, pending, owners)
+
+
+def _visit_node(
+    walk: _Walk, node: Any, holding: Holding, pending: deque[Any], owners: dict[int, str]
+) -> None:
+    """One autograd node: counted, the storages the agent saw saved for it and a root call's
+    mark on it, then the nodes upstream (never anything it saved)."""
+    walk.visited.add(id(node))
     walk.kept.append(node)
     reader = walk.node_type(type(node))
     number = reader.sequence(node)
+    if number != LEAF_NODE:
+        holding.nodes += 1
     if number is not None:
+        if walk.follow.get(number) == holding.holder:
+            walk.alive.add(number)
         saved = walk.saved.pop(number, None)
         if saved:
-            _count(walk, saved, walk.holding(holder).graph_storages)
+            _count(walk, saved, holding.graph_storages)
         call = walk.calls.get(number)
         if call is not None:
             if call.armed:
-                walk.reached_calls.append((call.first, call.last, holder))
+                walk.reached_calls.append((call.first, call.last, holding.holder))
             else:
-                walk.holding(holder).unknown_graphs += 1
+                holding.unknown_graphs += 1
     for edge in reader.upstream(node):
         upstream = edge[0] if type(edge) is tuple and edge else None
         walk.examined += 1
-        if upstream is not None and id(upstream) not in walk.visited:
-            walk.queue.append((_NODE, upstream, None, holder, 0, None))
+        if upstream is None or id(upstream) in walk.visited:
+            continue
+        if owners.get(id(upstream), holding.holder) == holding.holder:
+            pending.append(upstream)
 
 
 def _attribute_by_call(walk: _Walk) -> int:

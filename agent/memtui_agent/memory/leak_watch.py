@@ -23,6 +23,14 @@ never a leak, whatever its size; a holder the previous census did not see is not
 second census after the next growth decides). A deque with a `maxlen` is bounded and never a
 leak; a holder that stops growing stops being reported.
 
+A holder can also grow in autograd nodes alone: `total_loss += loss` after backward chains every
+step's graph onto the last, whose saved tensors backward freed; the tensor's bytes do not move.
+It is a `graph_history` leak when its node count grew and its graph was extended, not replaced:
+one of its roots at the census before is still reached from it, beneath a newer root. A value
+derived from it and recomputed (`avg = total_loss / n`) replaces its own root each time, and
+the census files the chain under the total (`census.py`): the growth shows on the holder that
+grows. A single tensor bound to a name since the census before has not grown: it appeared.
+
 Censuses cost time on the training thread (they walk the job's objects while nothing else
 mutates them; a walk from another thread could race autograd freeing a graph), so they are
 rare: only while growth lasts, and spaced further apart each time they find nothing.
@@ -41,6 +49,9 @@ from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, CensusCost, Leak, LeakKind
 from memtui_protocol.units import format_bytes
 
+MAX_FOLLOWED = 4096
+"""Root nodes followed from one census to the next at most (the holders with the most nodes
+first): a job with thousands of attached tensors in its names keeps this bounded."""
 WINDOW = 8
 """Closes over which growth must be sustained before a census."""
 GROWING = 7
@@ -114,6 +125,8 @@ class _Named:
     """The fix its alert proposed: every later `Leak` of the holder carries the same words."""
     graphs_not_known: int = 0
     every: int | None = None
+    nodes: int = 0
+    nodes_per_step: int = 0
 
 
 class Shape(Enum):
@@ -138,6 +151,19 @@ class Growth:
 
 Sample = tuple[int, int]
 """A close: its step and the memory held beyond the persistent piles."""
+
+
+@dataclass(frozen=True)
+class HolderGrowth:
+    """A holder that grew between two censuses: the bytes and the nodes it grew by, and what
+    kind of leak that makes it."""
+
+    holding: Holding
+    grown: int
+    """Bytes (0 for a graph history, whose bytes do not move)."""
+    nodes: int
+    """Autograd nodes its graphs grew by (`history_growth`)."""
+    kind: LeakKind
 
 
 class LeakWatch:
@@ -188,7 +214,7 @@ class LeakWatch:
         census = self._take()
         report.census = census_cost(census)
         previous, self._previous = self._previous, (step, census)
-        leaks: list[tuple[Holding, int]] = []
+        leaks: list[HolderGrowth] = []
         candidates = True
         if previous is not None and previous[0] < step:
             leaks, candidates = self._growing_holders(previous, step, census)
@@ -204,23 +230,16 @@ class LeakWatch:
             self._follow = FOLLOW_FIRST
             return report
         every = cadence(list(self._samples), self._floor, self._jump_floor())
-        for holding, grown in leaks:
+        then = previous[0] if previous else step
+        for growth in leaks:
+            holding = growth.holding
             named = self._named.get(holding.holder)
-            per_step = self._per_step(grown, previous[0] if previous else step, step, every)
+            per_step = self._per_step(growth.grown, then, step, every)
+            nodes_per_step = self._per_step(growth.nodes, then, step, every)
             first = named.first_step if named else self._growth_start(step, holding, per_step)
-            fix = named.fix if named else usual_fix(holding)
+            fix = named.fix if named else usual_fix(holding, growth.kind)
             seen_every = every if every is not None else named.every if named else None
-            leak = Leak(
-                holder=holding.holder,
-                kind=holding.kind.value,
-                bytes=holding.bytes,
-                tensors=holding.tensors,
-                per_step=per_step,
-                first_step=first,
-                graphs_not_known=holding.unknown_graphs,
-                fix=fix,
-                every=seen_every,
-            )
+            leak = leak_of(holding, growth.kind, per_step, nodes_per_step, first, fix, seen_every)
             report.leaks.append(leak)
             if named is None:
                 report.alerts.append(leak_alert(leak, headroom))
@@ -229,10 +248,12 @@ class LeakWatch:
                 holding.bytes,
                 step,
                 per_step,
-                holding.kind,
+                growth.kind,
                 fix,
                 holding.unknown_graphs,
                 seen_every,
+                holding.nodes,
+                nodes_per_step,
             )
         self._next_census = step + max(self._follow, every or 1)
         self._follow = min(self._follow * 2, FOLLOW_MAX)
@@ -250,7 +271,7 @@ class LeakWatch:
     def final(self, step: int, take: Callable[[], Census]) -> list[Leak]:
         """The named leaks as the job ends (`take`: a census from what is left of it), with the
         growth per step their last census measured; a holder no longer reachable keeps its
-        last census's figures."""
+        last census's figures (a local of a function that returned). `step`: the last close."""
         if not self._named:
             return []
         census = take()
@@ -269,6 +290,8 @@ class LeakWatch:
                         graphs_not_known=named.graphs_not_known,
                         fix=named.fix,
                         every=named.every,
+                        nodes=named.nodes,
+                        nodes_per_step=named.nodes_per_step,
                     )
                 )
                 continue
@@ -276,21 +299,34 @@ class LeakWatch:
             # after its last close (an append that follows `optimizer.step()`) is part of no
             # step, and counting its growth over whole steps overstated it (8,495 B a step for
             # 8,192 on `rebound_names.py`).
-            per_step = named.per_step
+            kind = holding.kind
+            if named.kind is LeakKind.GRAPH_HISTORY and kind is LeakKind.TENSORS:
+                kind = LeakKind.GRAPH_HISTORY  # its bytes never moved: its nodes did
             found.append(
-                Leak(
-                    holder=holder,
-                    kind=holding.kind.value,
-                    bytes=holding.bytes,
-                    tensors=holding.tensors,
-                    per_step=per_step,
-                    first_step=named.first_step,
-                    graphs_not_known=holding.unknown_graphs,
-                    fix=named.fix,
-                    every=named.every,
+                leak_of(
+                    holding,
+                    kind,
+                    named.per_step,
+                    named.nodes_per_step,
+                    named.first_step,
+                    named.fix,
+                    named.every,
                 )
             )
         return found
+
+    def following(self) -> dict[int, str]:
+        """The roots of the last census's holders (`Holding.roots`), for the next census to
+        say which are still alive beneath their holder's graph (`Census.alive`)."""
+        if self._previous is None:
+            return {}
+        followed: dict[int, str] = {}
+        holdings = sorted(self._previous[1].holdings.values(), key=lambda h: -h.nodes)
+        for holding in holdings:
+            if len(followed) + len(holding.roots) > MAX_FOLLOWED:
+                break
+            followed.update((root, holding.holder) for root in holding.roots)
+        return followed
 
     def growth(self) -> Growth | None:
         """Whether the closes kept show memory growing, and how (None: they do not)."""
@@ -337,9 +373,9 @@ class LeakWatch:
 
     def _growing_holders(
         self, previous: tuple[int, Census], step: int, census: Census
-    ) -> tuple[list[tuple[Holding, int]], bool]:
-        """Holders that grew since the previous census while keeping what they held, with the
-        bytes they grew by (bounded deques never count); and whether any other holder
+    ) -> tuple[list[HolderGrowth], bool]:
+        """Holders that grew since the previous census while keeping what they held, in bytes
+        or in graph history (bounded deques never count); and whether any other holder
         appeared or grew (rebound), so that one more census may tell."""
         _then_step, then = previous
         found = []
@@ -353,12 +389,16 @@ class LeakWatch:
                 continue
             grown = holding.bytes - before.bytes
             if grown <= 0:
+                nodes = history_growth(before, holding, census.alive)
+                if nodes > 0:  # its bytes never move: its chained graph does
+                    found.append(HolderGrowth(holding, 0, nodes, LeakKind.GRAPH_HISTORY))
                 continue
             if kept_since(before, holding) < RETAINED * before.bytes:
                 candidates = True  # rebound to a new object: never a leak by itself
                 continue
-            found.append((holding, grown))
-        return sorted(found, key=lambda item: item[0].bytes, reverse=True), candidates
+            nodes = max(0, holding.nodes - before.nodes)
+            found.append(HolderGrowth(holding, grown, nodes, holding.kind))
+        return sorted(found, key=lambda item: item.holding.bytes, reverse=True), candidates
 
     def _per_step(self, grown: int, then: int, step: int, every: int | None) -> int:
         """Bytes a step: over a cadence of k steps, what one growth added divided by k (the
@@ -496,9 +536,48 @@ def kept_since(before: Holding, now: Holding) -> int:
     )
 
 
+def history_growth(before: Holding | None, now: Holding, alive: frozenset[int]) -> int:
+    """Nodes the holder's graphs grew by since `before`, when they were extended rather than
+    replaced: one of its roots then is still reached from it now, and is no longer a root (a
+    newer node was chained on top of it). 0 otherwise (a name rebound to a new graph, however
+    large, replaced its old one)."""
+    if before is None or now.nodes <= before.nodes:
+        return 0
+    if any(root in alive and root not in now.roots for root in before.roots):
+        return now.nodes - before.nodes
+    return 0
+
+
+def leak_of(
+    holding: Holding,
+    kind: LeakKind,
+    per_step: int,
+    nodes_per_step: int,
+    first_step: int,
+    fix: str,
+    every: int | None,
+) -> Leak:
+    """The `Leak` a growing holder makes."""
+    return Leak(
+        holder=holding.holder,
+        kind=kind.value,
+        bytes=holding.bytes,
+        tensors=holding.tensors,
+        per_step=per_step,
+        first_step=first_step,
+        graphs_not_known=holding.unknown_graphs,
+        fix=fix,
+        every=every,
+        nodes=holding.nodes,
+        nodes_per_step=nodes_per_step,
+    )
+
+
 def leak_alert(leak: Leak, headroom: int | None) -> schema.Alert:
     """The alert for a newly named leak: who, how much, how fast, since when, and the fix (the
     leak's own `fix`, which the report reads from the `Leak`, never from this message)."""
+    if leak.kind == LeakKind.GRAPH_HISTORY:
+        return _history_alert(leak)
     message = (
         f"{leak.holder} keeps {format_bytes(leak.bytes)} alive in {leak.tensors} "
         f"tensor{'s' if leak.tensors != 1 else ''}"
@@ -520,13 +599,34 @@ def leak_alert(leak: Leak, headroom: int | None) -> schema.Alert:
     return schema.Alert(kind=AlertKind.LEAK, message=message, where=leak.holder)
 
 
-def usual_fix(holding: Holding) -> str:
-    """The one-line fix that applies to most leaks of this shape."""
-    if holding.kind is LeakKind.RETAINED_GRAPH:
-        return (
-            "it keeps autograd graphs alive: accumulate `loss.item()` (or `.detach()`), and run "
-            "evaluation under `torch.no_grad()`"
-        )
+def _history_alert(leak: Leak) -> schema.Alert:
+    """A growing graph history: what grows is nodes, whose host bytes are not known."""
+    message = (
+        f"{leak.holder} keeps {leak.nodes:,} autograd nodes alive (every step's graph chained "
+        f"onto the last; backward freed their saved tensors; the host memory they take is not "
+        f"known) and grows {leak.nodes_per_step:,} node"
+        f"{'s' if leak.nodes_per_step != 1 else ''} per step since step {leak.first_step}"
+    )
+    if leak.every is not None and leak.every > 1:
+        message += f", every {leak.every} steps"
+    if leak.fix:
+        message += f": {leak.fix}"
+    return schema.Alert(kind=AlertKind.LEAK, message=message, where=leak.holder)
+
+
+def usual_fix(holding: Holding, kind: LeakKind | None = None) -> str:
+    """The one-line fix that applies to most leaks of this shape (`kind`: the leak's, when it
+    is not the holding's own, a graph history)."""
+    kind = kind or holding.kind
+    if kind is LeakKind.GRAPH_HISTORY:
+        return "accumulate `loss.item()` (or `loss.detach()`), not the loss tensor itself"
+    if kind is LeakKind.RETAINED_GRAPH:
+        if holding.container is not None:
+            return (
+                "run evaluation under `torch.no_grad()`, or store `.detach()` (or `.item()`) "
+                "of each output"
+            )
+        return "run evaluation under `torch.no_grad()`, or accumulate `loss.item()`"
     if holding.attached:
         return "store `.detach()` (or `.item()`) instead of tensors still attached to a graph"
     if holding.container == "dict":

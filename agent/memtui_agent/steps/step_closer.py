@@ -265,6 +265,7 @@ class StepCloser:
                 saved=self.ledger.saved_by_node(),
                 calls=self._gate.held.calls(),
                 activations=self.ledger.activation_keys(),
+                follow=self.leaks.following(),
             )
         except Exception as exc:  # finding the roots failed: this census only
             exc.__traceback__ = None  # its frames would hold the roots
