@@ -404,10 +404,17 @@ class LeakWatch:
         """Bytes a step: over a cadence of k steps, what one growth added divided by k (the
         interval between two censuses may hold fewer steps than one cadence)."""
         if every is not None and every > 1:
-            run = regular(staircase(list(self._samples), self._floor, self._jump_floor()))
-            jumps = [at for at, _delta in run if at > then]
-            if jumps:
-                return grown // (len(jumps) * every)
+            # Every close of the interval that grew by a jump, not only the newest regular run
+            # (a close between two growths whose heap fell cut that run short: one growth in
+            # three counted, 811,040 B a step stated for 148 KiB on an evaluation every 2 steps).
+            jump = self._jump_floor()
+            growths = sum(
+                1
+                for earlier, later in pairwise(self._samples)
+                if then < later[0] <= step and later[1] - earlier[1] > jump
+            )
+            if growths:
+                return grown // (growths * every)
         return grown // max(1, step - then)
 
     def _growth_start(self, step: int, holding: Holding, per_step: int) -> int:
