@@ -138,8 +138,19 @@ for _ in range(40):
 # Whichever thread the agent follows trains on for several steps after the attach: the
 # worker may be starved meanwhile (it once did 1 step in the main thread's 40, and the
 # recording had 1 step). A count, with a generous net against a hang.
+# And until the agent has closed 3 steps of the thread it follows: its start (a heap
+# calibration of a few tenths of a second) can outlast the worker's 10 steps on a loaded
+# machine (CI recorded 2 steps once).
+def closes_seen(seen):
+    current = memtui_agent.startup.api.current()
+    try:
+        seen.add(current.parts.context.window.closed)
+    except Exception:
+        pass
+    return len(seen) - 1
+seen = set()
 deadline = time.monotonic() + 120
-while other_steps[0] < attached_at + 10 and time.monotonic() < deadline:
+while (other_steps[0] < attached_at + 10 or closes_seen(seen) < 3) and time.monotonic() < deadline:
     step()
 agent = memtui_agent.startup.api.current()
 owner = agent.parts.owner_thread() if agent is not None else None

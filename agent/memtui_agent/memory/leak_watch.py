@@ -430,6 +430,14 @@ class LeakWatch:
         start = jumps[0][0]
         if start <= samples[1][0]:  # the run reaches the oldest sample
             start = min(start, by_rate)
+        # The staircase leaves out the closes before `WARM_STEP` (first-time allocations): a run
+        # it cut there goes back as far as those closes grew at the same cadence.
+        gap = jumps[1][0] - jumps[0][0]
+        growth = dict((later[0], later[1] - earlier[1]) for earlier, later in pairwise(samples))
+        while start == jumps[0][0] and start - gap >= 2 and start - gap < WARM_STEP:
+            if growth.get(start - gap, 0) <= self._jump_floor():
+                break
+            start -= gap
         return start
 
 
