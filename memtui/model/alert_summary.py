@@ -6,9 +6,10 @@ only in the report. All three build that line here, from the `Recording` the rep
 kinds and steps it names are the report's.
 
 Kinds are compared as `AlertKind` members (converted at the fold), never by their text. The
-alerts that say how a run went normally (an optimizer's first-step forecast and what it then
-allocated, the attach itself, memtui's own note that it measures every step) are counted but
-not named: a healthy run's line would otherwise always name them.
+line leads with the errors, then the warnings (`Severity`), each kind in order of its first
+step. The notes (an optimizer's first-step forecast and what it then allocated, the attach
+itself, memtui's own note that it measures every step) are counted but not named: a healthy
+run's line would otherwise always name them.
 """
 
 from __future__ import annotations
@@ -20,19 +21,7 @@ from pathlib import Path
 from memtui.model.alert_kinds import AlertKindShown
 from memtui.model.recording import Recording, StepAlert
 from memtui.terminal_text import terminal_safe
-from memtui_protocol.schema import AlertKind
-
-UNNAMED_KINDS = frozenset(
-    {
-        AlertKind.FIRST_STEP_FORECAST,
-        AlertKind.FIRST_STEP_GROWTH,
-        AlertKind.ATTACHED,
-        AlertKind.SNAPSHOT,
-        AlertKind.ACTIVATIONS_VARY,
-        AlertKind.STEP_RULE,
-    }
-)
-"""Kinds a run raises in the ordinary course (notes, not problems): counted, never named."""
+from memtui_protocol.schema import AlertKind, Severity, alert_severity
 
 KIND_WORDS: dict[AlertKind, str] = {
     AlertKind.NONFINITE_LOSS: "NaN/Inf loss",
@@ -52,6 +41,7 @@ KIND_WORDS: dict[AlertKind, str] = {
     AlertKind.ATTACHED: "attached",
     AlertKind.SNAPSHOT: "snapshot",
     AlertKind.GROUPED: "follow-on alerts",
+    AlertKind.DIVERGENCE: "divergence",
 }
 """A kind as the end-of-run line names it (a kind a newer agent sent: its own string)."""
 
@@ -70,6 +60,11 @@ class KindSeen:
     """The first alert's `where` (a leak's holder)."""
     loss: float | None = None
     """A non-finite loss: the first such step's loss as recorded (NaN or Inf), if it was."""
+
+    @property
+    def severity(self) -> Severity:
+        """The kind's one severity."""
+        return alert_severity(self.kind)
 
     def words(self) -> str:
         """`NaN loss from step 60`, `over budget at step 80`, `leak in losses from step 40`."""
@@ -90,10 +85,16 @@ class KindSeen:
 
 @dataclass(frozen=True)
 class AlertTally:
-    """The run's alerts: each named kind in order of its first step, and how many in all."""
+    """The run's alerts: each named kind, errors first, then warnings, each in order of its
+    first step, and how many in all."""
 
     kinds: tuple[KindSeen, ...]
     total: int
+
+    @property
+    def worst(self) -> KindSeen | None:
+        """The first kind of the highest severity (None: the run raised only notes)."""
+        return self.kinds[0] if self.kinds else None
 
     def line(self, path: Path | str | None) -> str | None:
         """`NaN loss from step 60; over budget at step 80; 127 alerts: memtui report PATH`
@@ -109,13 +110,18 @@ class AlertTally:
 
 
 def alert_tally(recording: Recording) -> AlertTally:
-    """Every alert the recording holds, counted; the kinds worth naming, first step first."""
+    """Every alert the recording holds, counted; the kinds worth naming (errors and
+    warnings), the errors first, each severity's kinds first step first."""
     seen: dict[AlertKindShown, list[StepAlert]] = {}
     for item in recording.alerts:
-        if item.kind in UNNAMED_KINDS:
+        if alert_severity(item.kind) is Severity.NOTE:
             continue
         seen.setdefault(item.kind, []).append(item)
-    losses = {step.step: step.loss for step in recording.steps}
+    losses = (
+        {step.step: step.loss for step in recording.steps}
+        if AlertKind.NONFINITE_LOSS in seen
+        else {}
+    )
     kinds = []
     for kind, items in seen.items():
         steps = [item.step for item in items if item.step is not None]
@@ -130,5 +136,5 @@ def alert_tally(recording: Recording) -> AlertTally:
                 loss=loss if loss is not None and not math.isfinite(loss) else None,
             )
         )
-    kinds.sort(key=lambda seen_kind: seen_kind.first_step or 0)
+    kinds.sort(key=lambda seen_kind: (seen_kind.severity.rank, seen_kind.first_step or 0))
     return AlertTally(kinds=tuple(kinds), total=len(recording.alerts))

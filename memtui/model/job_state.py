@@ -79,11 +79,14 @@ def ending_text(
     exit_code: int | None,
     disconnected: str | None,
     unrecorded: str | None = None,
+    worst: str | None = None,
 ) -> str:
     """How the job ended, in one line for the header and the ranks table.
 
     `ending` is `how_it_ended`'s answer (None: no agent ever spoke, nothing to call killed);
-    `end` gives the details the agent wrote with it.
+    `end` gives the details the agent wrote with it. `worst`: the worst error the run raised
+    (`KindSeen.words`, "NaN loss from step 31"): a job that exited cleanly after it did is not
+    "ok", and the line says so in its place.
     """
     if end is None:
         code = f" (exit {exit_code})" if exit_code is not None else ""
@@ -99,6 +102,9 @@ def ending_text(
     if ending is ExitStatus.DETACHED:  # `memtui detach`: the agent left, the job goes on
         return f"detached after step {end.step}; the job carries on"
     if ending is ExitStatus.OK:
+        if worst is not None:
+            exited = f"exit {end.code}, " if end.code is not None else ""
+            return f"ended: {exited}{worst}"
         return f"ended: ok{code}"
     if ending is ExitStatus.STOPPED:
         at = f" at step {end.step}" if end.step is not None else ""

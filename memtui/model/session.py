@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memtui.model.alert_summary import AlertTally, alert_tally
 from memtui.model.alloc_rows import AllocRow, alloc_rows, unfinished_step_number
 from memtui.model.job_state import Ending, JobState, ending_text, how_it_ended
 from memtui.model.kept_trail import KeptAt
@@ -19,19 +20,19 @@ from memtui.model.leaks import LeakRow
 from memtui.model.recording import Recording, alert_rows, apply
 from memtui.model.step_rows import AlertRow, folded_alerts
 from memtui.model.view_state import (
-    AlertsView,
     AllocationsView,
     HeaderView,
     NotesView,
     ViewState,
     activations_view,
+    alerts_view,
     dtypes_view,
     gap_view,
     piles_view,
     timeline_view,
 )
 from memtui_protocol import schema
-from memtui_protocol.schema import AlertKind, ExitStatus
+from memtui_protocol.schema import AlertKind, ExitStatus, Severity
 
 MAX_STEPS = 200_000
 MAX_ALERTS = 10_000
@@ -75,6 +76,8 @@ class Session:
     follow: bool = True
     paused: bool = False
     binary: bool = True
+    notes_shown: bool = False
+    """The alerts table lists the notes too (`o`); by default it counts them."""
     disconnected: str | None = None
     exit_code: int | None = None
     stopped: bool = False
@@ -95,6 +98,7 @@ class Session:
     _alert_rows: tuple[tuple[int, int], list[AlertRow]] = field(
         default_factory=lambda: ((0, 0), [])
     )
+    _tally: tuple[tuple[int, int, int], AlertTally | None] = ((0, 0, 0), None)
 
     # ----- the recording, read through ----------------------------------------------------
 
@@ -250,6 +254,26 @@ class Session:
             group=that_way[0].group,
         )
 
+    def toggle_notes(self) -> None:
+        """List the notes in the alerts table, or count them only (the default)."""
+        self.notes_shown = not self.notes_shown
+        self.version += 1
+
+    def tally(self) -> AlertTally | None:
+        """The run's alerts by kind, errors first (`alert_tally`, the end-of-run line's), kept
+        until an alert or a step arrives (None: no hello yet)."""
+        if self.recording is None:
+            return None
+        shape = (self.alerts_trimmed, len(self.recording.alerts), len(self.recording.steps))
+        if self._tally[0] != shape or self._tally[1] is None:
+            self._tally = (shape, alert_tally(self.recording))
+        return self._tally[1]
+
+    def worst(self) -> Severity | None:
+        """The highest severity of the run's alerts; None for none or only notes."""
+        tally = self.tally()
+        return tally.worst.severity if tally is not None and tally.worst is not None else None
+
     def toggle_units(self) -> None:
         """Binary (KiB/MiB/GiB) <-> decimal (kB/MB/GB)."""
         self.binary = not self.binary
@@ -280,12 +304,15 @@ class Session:
             return str(ExitStatus.RUNNING)  # `memtui report` on the same file: "job running"
         if state is not JobState.ENDED:
             return str(state)
+        tally = self.tally()
+        worst = tally.worst if tally is not None else None
         return ending_text(
             self.ending(),
             self.end,
             exit_code=self.exit_code,
             disconnected=self.disconnected,
             unrecorded=self.recording.recording_stopped if self.recording is not None else None,
+            worst=worst.words() if worst is not None and worst.severity is Severity.ERROR else None,
         )
 
     def state_text(self) -> str:
@@ -325,7 +352,7 @@ class Session:
                 cursor_step,
                 self.binary,
             ),
-            alerts=AlertsView(folded_alerts(self.alerts[-2000:])[:500]),
+            alerts=alerts_view(folded_alerts(self.alerts[-2000:])[:500], self.notes_shown),
             dtypes=dtypes_view(step, self.binary),
             activations=activations_view(step, self.module_names, self.binary),
             allocations=AllocationsView(self.alloc_recorded, self._alloc_rows(step), self.binary),
@@ -347,15 +374,23 @@ class Session:
             steps_total=self.steps[-1].step if self.steps else 0,
             steps_per_second=self.steps_per_second(),
             first_step=self.first_step if self.first_step != 1 else None,
+            worst=self.worst(),
         )
 
     def _source_words(self) -> str:
         """Where the frames come from; a recording its job is still writing says so until the
-        job's End (or its death) ends it; a socket names the recording the agent writes."""
+        job's End (or its death) ends it; a socket names the recording the agent writes (a
+        recording read back is its own source: never "recording to")."""
         hello = self.hello
         if self.following and hello is not None and self.job_state() is not JobState.ENDED:
             return f"{self.source_label} (pid {hello.pid} is still writing it)"
-        if hello is not None and hello.recording and hello.recording not in self.source_label:
+        if (
+            self.live
+            and not self.following
+            and hello is not None
+            and hello.recording
+            and hello.recording not in self.source_label
+        ):
             return f"recording to {hello.recording} · {self.source_label}"  # the file first
         return self.source_label
 

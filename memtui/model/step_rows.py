@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from memtui.model.alert_kinds import AlertKindShown
 from memtui_protocol import schema
-from memtui_protocol.schema import AlertKind, Pile, TextEnum
+from memtui_protocol.schema import AlertKind, Pile, Severity, TextEnum, alert_severity
 from memtui_protocol.units import format_bytes
 
 GAP_MEANINGS = {
@@ -25,6 +25,9 @@ GAP_MEANINGS = {
     "system_used": "other processes on the machine",
     "system_total": "free on the machine",
 }
+
+NO_GPU = "no GPU: a CPU job"
+"""The meaning of each GPU level on a job without a GPU (shown where the figure would be)."""
 
 FREE_LEVELS = frozenset({"device_total", "system_total"})
 """The levels whose difference to the one below is free memory, not memory some use holds."""
@@ -92,6 +95,11 @@ class AlertRow:
     key: str = ""
     """The alert's identity (its place in the stream, or its group's first step): unique and
     stable while the alert is on screen, so the table keeps its cursor on it as alerts come."""
+
+    @property
+    def severity(self) -> Severity:
+        """Its kind's one severity (a kind this version does not know: a warning)."""
+        return alert_severity(self.kind)
 
 
 @dataclass(frozen=True)
@@ -215,6 +223,12 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
             )
         )
     return tuple(reversed(folded))
+
+
+def by_severity(rows: tuple[AlertRow, ...]) -> tuple[AlertRow, ...]:
+    """Folded rows (newest first) with the errors first, then the warnings, then the notes,
+    each newest first: the first row is the newest alert of the highest severity."""
+    return tuple(sorted(rows, key=lambda row: row.severity.rank))
 
 
 def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:
@@ -359,9 +373,7 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
     if workers is not None:
         rows.append(workers_row(workers))
     if not gpu:
-        rows.extend(
-            GapRow(label, None, None, "not applicable: no GPU", False) for label, _, _ in levels
-        )
+        rows.extend(GapRow(label, None, None, NO_GPU, False) for label, _, _ in levels)
     return tuple(rows)
 
 

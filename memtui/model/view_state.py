@@ -13,6 +13,7 @@ directly.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from memtui.model.alloc_rows import AllocRow
@@ -28,6 +29,7 @@ from memtui.model.step_rows import (
     PileRow,
     activations_known,
     allocator_lines,
+    by_severity,
     distributed_notes,
     dtype_rows,
     gap_rows,
@@ -36,6 +38,7 @@ from memtui.model.step_rows import (
     pile_rows,
 )
 from memtui_protocol import schema
+from memtui_protocol.schema import Severity
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class HeaderView:
     first_step: int | None = None
     """The first recorded step's number when it is not 1 (an agent attached to a running job):
     the header says the steps before it were not recorded."""
+    worst: Severity | None = None
+    """The highest severity among the run's alerts (None: none, or only notes): the header
+    is styled by it and `state` names the worst alert once the run ended."""
 
 
 @dataclass(frozen=True)
@@ -135,9 +141,31 @@ class TimelineView:
 
 @dataclass(frozen=True)
 class AlertsView:
-    """Every alert on screen, newest first, follow-on ones folded under the first."""
+    """The alerts table: errors first, then warnings, each newest first, follow-on ones folded
+    under the first; the notes (what a healthy run raises) counted, and listed after the
+    warnings only when the user asked for them (`notes_shown`)."""
 
     rows: tuple[AlertRow, ...] = ()
+    """What the table lists, worst first (`by_severity`): its first row is the newest alert of
+    the highest severity."""
+    errors: int = 0
+    warnings: int = 0
+    notes: int = 0
+    """Rows of each severity (folded), listed or not."""
+    notes_shown: bool = False
+    """The notes are among `rows` (`o` toggles them)."""
+
+    def title(self) -> str:
+        """The alerts panel's title: how many of each severity, and the notes' key."""
+        counts = [
+            f"{count} {word}{'s' if count != 1 else ''}"
+            for count, word in ((self.errors, "error"), (self.warnings, "warning"))
+            if count
+        ]
+        if self.notes:
+            action = "o: hide" if self.notes_shown else "o: list"
+            counts.append(f"notes: {self.notes} ({action})")
+        return "Alerts" + (": " + " · ".join(counts) if counts else " (none)")
 
     def step_of(self, key: str) -> int | None:
         """The step of the alert with this row key (a table's selection), from the data."""
@@ -197,6 +225,21 @@ class ViewState:
     activations: ActivationsView
     allocations: AllocationsView
     ranks: RanksView = RanksView()
+
+
+def alerts_view(folded: tuple[AlertRow, ...], notes_shown: bool) -> AlertsView:
+    """The alerts table's slice from the folded rows (newest first): worst first, the notes
+    left out unless shown, and how many of each severity there are."""
+    ordered = by_severity(folded)
+    counts = Counter(row.severity for row in ordered)
+    rows = ordered if notes_shown else tuple(r for r in ordered if r.severity is not Severity.NOTE)
+    return AlertsView(
+        rows,
+        errors=counts[Severity.ERROR],
+        warnings=counts[Severity.WARNING],
+        notes=counts[Severity.NOTE],
+        notes_shown=notes_shown,
+    )
 
 
 def piles_view(

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from memtui.model.alert_summary import alert_tally
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.job_state import unrecorded_words
 from memtui.model.recording import Recording, StepAlert, alert_rows
@@ -56,8 +57,10 @@ from memtui_protocol.schema import (
     ExitStatus,
     Pile,
     Piles,
+    Severity,
     Step,
     StepTrigger,
+    alert_severity,
 )
 from memtui_protocol.units import format_bytes
 
@@ -119,6 +122,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         alerts=[
             AlertEntry(
                 kind=item.kind,
+                severity=alert_severity(item.kind),
                 message=item.alert.message,
                 where=item.alert.where,
                 group=item.alert.group,
@@ -211,7 +215,12 @@ def alert_entry(item: StepAlert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
     alert = item.alert
     return RunAlert(
-        step=item.step, kind=item.kind, message=alert.message, where=alert.where, group=alert.group
+        step=item.step,
+        kind=item.kind,
+        severity=alert_severity(item.kind),
+        message=alert.message,
+        where=alert.where,
+        group=alert.group,
     )
 
 
@@ -391,7 +400,9 @@ MAX_ALERT_LINES = 20
 def alert_lines(recording: Recording) -> list[str]:
     """The alerts other than an OOM (which leads the report), folded as the screen folds them:
     alerts that follow from an earlier one (every step after the weights went non-finite) are
-    one line under it. At most `MAX_ALERT_LINES` lines, then how many alerts were left out."""
+    one line under it. The errors first, then the warnings, then the notes, each by step, each
+    line led by its severity. At most `MAX_ALERT_LINES` lines (the notes are the first left
+    out), then how many alerts were left out."""
     stepped = [item for item in recording.alerts if not item.final and item.kind != AlertKind.OOM]
     final = [item for item in recording.alerts if item.final and item.kind != AlertKind.OOM]
     total = len(stepped) + len(final)
@@ -401,11 +412,18 @@ def alert_lines(recording: Recording) -> list[str]:
     # The fold lists newest first, as the screen does; the report reads oldest first.
     rows = sorted(reversed(folded_alerts(alert_rows(stepped))), key=lambda row: row.step)
     rows += alert_rows(final)
-    lines = [f"alerts: {total}"]
+    rows.sort(key=lambda row: row.severity.rank)  # errors, warnings, notes; each by step
+    counts = Counter(row.severity for row in rows)
+    severities = ", ".join(
+        f"{counts[severity]} {severity}{'s' if counts[severity] != 1 else ''}"
+        for severity in Severity
+        if counts[severity]
+    )
+    lines = [f"alerts: {total} ({severities})"]
     shown = 0
     for row in rows[:MAX_ALERT_LINES]:
         where = f" [{row.where}]" if row.where else ""
-        lines.append(f"  step {row.step}: {row.kind}{where}: {row.message}")
+        lines.append(f"  {row.severity:<7} step {row.step}: {row.kind}{where}: {row.message}")
         grouped = row.group if row.kind == AlertKind.GROUPED else None
         shown += members[grouped] if grouped is not None else 1
     if shown < total:
@@ -439,6 +457,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         headline += f" at step {ending.step}{where}"
         if ending.error:
             headline += f": {ending.error}"
+    worst = alert_tally(recording).worst
+    if ending.status == ExitStatus.OK and worst is not None and worst.severity is Severity.ERROR:
+        headline += f", after an error: {worst.words()}"  # exit 0 is not all that happened
     fatal = [alert for alert in report.alerts if alert.kind == AlertKind.OOM]
     for alert in fatal:
         lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")

@@ -70,9 +70,11 @@ class WorkersEntry(msgspec.Struct):
 
 class AlertEntry(msgspec.Struct, omit_defaults=True):
     """An alert inside its step's entry. `kind` is an `AlertKind` value (or a newer agent's
-    kind, kept as written); `group` only when it follows an earlier alert."""
+    kind, kept as written); `severity` its `Severity` (`error`, `warning`, `note`; a kind this
+    version does not know: `warning`); `group` only when it follows an earlier alert."""
 
     kind: str
+    severity: str
     message: str
     where: str | None
     group: int | None = None
@@ -83,6 +85,7 @@ class RunAlert(msgspec.Struct, omit_defaults=True):
 
     step: int | None
     kind: str
+    severity: str
     message: str
     where: str | None
     group: int | None = None

@@ -46,7 +46,16 @@ TICK_SECONDS = 0.5
 """How often a live view drains new frames and redraws (keys redraw at once). Each redraw of a
 160x48 screen costs about 35 ms of the viewer's CPU, which a job sharing a small machine feels:
 2 Hz keeps the viewer under a tenth of a core."""
-STEP_ACTIONS = {"move", "home", "end", "next_alert", "toggle_units", "next_rank", "show_alert"}
+STEP_ACTIONS = {
+    "move",
+    "home",
+    "end",
+    "next_alert",
+    "toggle_units",
+    "next_rank",
+    "show_alert",
+    "toggle_notes",
+}
 NARROW_WIDTH = 140
 
 
@@ -80,8 +89,10 @@ class MemtuiApp(App[int]):
         Binding("home", "home", "First", show=False, priority=True),
         Binding("end", "end", "Last", show=False, priority=True),
         Binding("n", "next_alert(1)", "Next alert", priority=True),
-        Binding("N", "next_alert(-1)", "Prev alert", priority=True),
+        # Off the footer (in the help): at 80 columns every shown key must fit.
+        Binding("N", "next_alert(-1)", "Prev alert", show=False, priority=True),
         Binding("a", "show_alert", "Alert", priority=True),
+        Binding("o", "toggle_notes", "Notes", priority=True),
         Binding("u", "toggle_units", "GiB/GB", priority=True),
         Binding("r", "next_rank", "Rank", priority=True),
         Binding("tab", "focus_next", "Focus", show=False),
@@ -171,14 +182,15 @@ class MemtuiApp(App[int]):
             if self.job is not None:
                 with Vertical(id="output-box", classes="box"):
                     yield RichLog(id="output", max_lines=2000, wrap=False, markup=False)
-        yield Footer()
+        # Ctrl+P still opens Textual's command palette; its footer key would be the one cut
+        # at 80 columns (memtui's keys are all in the help).
+        yield Footer(show_command_palette=False)
 
     def on_mount(self) -> None:
         titles = {
             "piles-box": "Piles at the step's peak",
             "gap-box": "Where the bytes are",
             "timeline-box": "Piles over steps",
-            "alerts-box": "Alerts (newest first)",
             "dtypes-box": "Dtypes",
             "activations-box": "Top activations by module",
             "allocations-box": "Allocations in the step (--alloc-events)",
@@ -274,6 +286,7 @@ class MemtuiApp(App[int]):
         self.query_one(GapPanel).view = view.gap
         self.query_one(PileTimeline).view = view.timeline
         self.query_one(AlertsTable).view = view.alerts
+        self.query_one("#alerts-box").border_title = view.alerts.title()
         self._show_alert_detail()
         self.query_one(DtypeTable).view = view.dtypes
         self.query_one(TopActivations).view = view.activations
@@ -316,6 +329,10 @@ class MemtuiApp(App[int]):
         miss = self.session.next_alert(direction)
         if miss is not None:
             self.notify(alert_miss_text(miss), timeout=6)
+        self._changed()
+
+    def action_toggle_notes(self) -> None:
+        self.session.toggle_notes()
         self._changed()
 
     def action_toggle_units(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from memtui.model.alert_kinds import AlertKindShown
 from memtui.model.alloc_rows import AllocKind
 from memtui.model.step_rows import BarPart, Untracked
-from memtui_protocol.schema import AlertKind, Pile
+from memtui_protocol.schema import Pile, Severity, alert_severity
 
 PILE_COLOURS: dict[Pile, str] = {
     Pile.WEIGHTS: "#4c8bf5",
@@ -44,11 +44,19 @@ COLUMN_LABELS: dict[Pile, str] = {
 """A pile as a table column's heading, where room is short."""
 
 ERROR_STYLE = "bold red"
-"""What is wrong with the job, not only worth knowing: an out-of-memory, a leak."""
-ALERT_STYLES: dict[AlertKind, str] = {AlertKind.OOM: ERROR_STYLE, AlertKind.LEAK: ERROR_STYLE}
-"""Alert kinds drawn apart from the rest (bold): the errors (the one that ends a job, memory
-that grows until it does) in red."""
-ALERT_STYLE = "bold"
+"""What is wrong with the job, not only worth knowing: an out-of-memory, a leak, a NaN."""
+SEVERITY_STYLES: dict[Severity, str] = {
+    Severity.ERROR: ERROR_STYLE,
+    Severity.WARNING: "bold yellow",
+    Severity.NOTE: "dim",
+}
+"""Each severity's style; never alone: `SEVERITY_WORDS` says it in the row too."""
+SEVERITY_WORDS: dict[Severity, str] = {
+    Severity.ERROR: "error",
+    Severity.WARNING: "warn",
+    Severity.NOTE: "note",
+}
+"""Each severity as the alerts table's first column says it (a word, not a colour alone)."""
 
 ALLOC_STYLES: dict[AllocKind, str] = {
     AllocKind.HEADING: "bold",
@@ -60,5 +68,6 @@ ALLOC_STYLES: dict[AllocKind, str] = {
 
 
 def alert_style(kind: AlertKindShown) -> str:
-    """The kind column's style: a kind this version does not know gets the usual one."""
-    return ALERT_STYLES.get(kind, ALERT_STYLE) if isinstance(kind, AlertKind) else ALERT_STYLE
+    """The kind column's style, its severity's (a kind this version does not know: a
+    warning's)."""
+    return SEVERITY_STYLES[alert_severity(kind)]

@@ -17,7 +17,7 @@ from textual.widgets import Button, DataTable, Static
 from memtui.model.job_state import QuitChoice
 from memtui.model.step_rows import AlertRow, format_age
 from memtui.terminal_text import plain
-from memtui.tui.palette import alert_style
+from memtui.tui.palette import SEVERITY_STYLES, alert_style
 
 HELP_KEYS = (
     ("q / Ctrl+C", "quit (asks first if the job or an attached agent runs)"),
@@ -26,6 +26,7 @@ HELP_KEYS = (
     ("Home / End", "first / newest step (End follows live frames again)"),
     ("n / N", "next / previous step with an alert"),
     ("Enter / a", "the chosen alert whole; the cursor goes to its step"),
+    ("o", "alerts: list the notes too (error, warn first; notes: what healthy runs raise)"),
     ("u", "binary units (GiB) / decimal units (GB)"),
     ("r", "next rank (a job with several ranks)"),
     ("Tab", "focus the next panel (alerts table: ↑/↓ pick an alert)"),
@@ -86,7 +87,7 @@ class AlertScreen(ModalScreen[None]):
 
 def alert_renderable(alert: AlertRow) -> Group:
     """The alert as the dialog shows it: a title line, the message, then `where`."""
-    title = Text(f"Alert at step {alert.step}: ", style="bold")
+    title = Text(f"{alert.severity} at step {alert.step}: ", style=SEVERITY_STYLES[alert.severity])
     title.append_text(plain(alert.kind, style=alert_style(alert.kind)))
     parts: list[Text] = [title, Text(""), plain(alert.message)]
     if alert.where:

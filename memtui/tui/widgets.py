@@ -37,9 +37,11 @@ from memtui.tui.palette import (
     PART_COLOURS,
     PART_LABELS,
     PILE_COLOURS,
+    SEVERITY_STYLES,
+    SEVERITY_WORDS,
     alert_style,
 )
-from memtui_protocol.schema import Pile
+from memtui_protocol.schema import Pile, Severity
 from memtui_protocol.units import format_bytes
 
 ViewT = TypeVar("ViewT")
@@ -103,7 +105,10 @@ class JobHeader(Static):
         width = max(self.size.width - 2, 10)
         ended = view.status is JobState.ENDED
         state = f" {terminal_safe(view.state)} "  # the End's status and phase are recorded text
-        first = Text(state, style="bold reverse" if ended else "bold reverse green")
+        style = "bold reverse" if ended else "bold reverse green"
+        if view.worst is Severity.ERROR:  # an ended run's words say which error, too
+            style = "bold reverse red"
+        first = Text(state, style=style)
         step = "no steps yet"
         if view.step is not None:
             step = f"step {view.step} of {view.steps_total}"
@@ -231,8 +236,13 @@ class GapPanel(FlowPanel[GapView]):
         table.add_column("gap", justify="right", width=12, no_wrap=True)
         table.add_column("meaning", ratio=1, overflow="ellipsis", no_wrap=True)
         for row in view.rows:
-            if not row.applicable:
-                table.add_row(Text(row.label, style="dim"), Text("n/a", style="dim"), "", "")
+            if not row.applicable:  # n/a, and why (no GPU)
+                table.add_row(
+                    Text(row.label, style="dim"),
+                    Text("n/a", style="dim"),
+                    "",
+                    Text(row.meaning, style="dim"),
+                )
                 continue
             if not row.known:
                 table.add_row(
@@ -396,35 +406,50 @@ MIN_MESSAGE_WIDTH = 12
 
 
 class AlertsTable(PanelTable[AlertsView]):
-    """Alerts newest first: step, kind and as much of the message as the table's width holds,
-    cut with an ellipsis. The rest of it, and `where` (module or parameter names, often a long
-    list), are in the AlertDetail line under the table and, whole, in the dialog Enter opens
-    (handled by the app, which also moves the step cursor to the alert's step)."""
+    """Alerts worst first (errors, then warnings, each newest first): step, severity as a
+    word, kind and as much of the message as the table's width holds, cut with an ellipsis.
+    The rest of it, and `where` (module or parameter names, often a long list), are in the
+    AlertDetail line under the table and, whole, in the dialog Enter opens (handled by the app,
+    which also moves the step cursor to the alert's step).
 
-    COLUMNS = ("step", "kind", "message")
+    Unfocused, the cursor stays on the first row, so the detail under the table is the newest
+    alert of the highest severity; once the user focuses the table the cursor is theirs and
+    keeps its alert as others arrive."""
+
+    COLUMNS = ("step", "level", "kind", "message")
 
     def rows_of(self, view: AlertsView) -> Iterable[Row]:
         steps = max((len(str(alert.step)) for alert in view.rows), default=0)
         kinds = max((len(str(alert.kind)) for alert in view.rows), default=0)
-        room = self.message_width(max(steps, len("step")), max(kinds, len("kind")))
+        levels = max(len(word) for word in SEVERITY_WORDS.values())
+        room = self.message_width(max(steps, len("step")), max(kinds, len("kind")) + levels + 2)
         for alert in view.rows:
             message = plain(alert.message)
             message.truncate(room, overflow="ellipsis")
+            severity = alert.severity
             yield (
                 alert.key,
                 (
                     Text(str(alert.step), justify="right"),
+                    Text(SEVERITY_WORDS[severity], style=SEVERITY_STYLES[severity]),
                     plain(alert.kind, style=alert_style(alert.kind)),
                     message,
                 ),
             )
 
+    def watch_view(self, view: AlertsView | None) -> None:
+        super().watch_view(view)
+        if view is not None and not self.has_focus and self.row_count and self.cursor_row != 0:
+            self.move_cursor(row=0, scroll=False)
+            self.scroll_to(y=0, animate=False)
+
     def message_width(self, step_width: int, kind_width: int) -> int:
-        """Columns left for the message beside the step and the kind: each cell is padded by
-        one column on either side, and the vertical scrollbar takes its own."""
+        """Columns left for the message beside the step and the kind (with the level): each
+        cell is padded by one column on either side, and the vertical scrollbar takes its
+        own."""
         width = self.scrollable_content_region.width or self.size.width
         padding = 2 * self.cell_padding
-        return max(MIN_MESSAGE_WIDTH, width - step_width - kind_width - 3 * padding)
+        return max(MIN_MESSAGE_WIDTH, width - step_width - kind_width - 4 * padding)
 
     def on_resize(self) -> None:
         """The message column follows the table's width: cut the messages again."""
@@ -447,7 +472,9 @@ class AlertsTable(PanelTable[AlertsView]):
 def alert_text(alert: AlertRow) -> Text:
     """One alert whole, on one line that wraps: step, kind, `where` (unless the message
     already starts with it, as a leak's does with its holder), message."""
-    line = Text(f"step {alert.step} ", style="bold")
+    severity = alert.severity
+    line = Text(f"{SEVERITY_WORDS[severity]} ", style=SEVERITY_STYLES[severity])
+    line.append(f"step {alert.step} ", style="bold")
     line.append_text(plain(alert.kind, style=alert_style(alert.kind)))
     if alert.where and not alert.message.startswith(alert.where):
         line.append_text(plain(f" [{alert.where}]", style="cyan"))

@@ -88,6 +88,9 @@ class AlertKind(TextEnum):
     """A PyTorch memory snapshot opened as a recording: what its device held."""
     GROUPED = "grouped"
     """Viewer-side: alerts that follow from an earlier one, folded into one row."""
+    DIVERGENCE = "divergence"
+    """The loss or the gradients' norm blew up (grew far past its recent level) while still
+    finite: training is diverging before any NaN."""
 
     @classmethod
     def parse(cls, text: str) -> AlertKind | None:
@@ -97,6 +100,65 @@ class AlertKind(TextEnum):
             return cls(text)
         except ValueError:
             return None
+
+
+class Severity(TextEnum):
+    """How much an alert asks of the user, one per `AlertKind` (`ALERT_SEVERITY`).
+
+    Members are listed worst first; `rank` orders them so (0 is the worst).
+    """
+
+    ERROR = "error"
+    """The run is wrong: a number went NaN/Inf, memory ran out or will, memory leaks."""
+    WARNING = "warning"
+    """Worth acting on, or a figure to read with care: the run may still be right."""
+    NOTE = "note"
+    """How the run went in the ordinary course (a healthy run raises these): counted by the
+    viewers, listed only when asked for."""
+
+    @property
+    def rank(self) -> int:
+        """0 for an error, 1 for a warning, 2 for a note: sort by it, worst first."""
+        return _SEVERITY_RANK[self]
+
+
+_SEVERITY_RANK: dict[Severity, int] = {severity: rank for rank, severity in enumerate(Severity)}
+
+ALERT_SEVERITY: dict[AlertKind, Severity] = {
+    AlertKind.NONFINITE_LOSS: Severity.ERROR,
+    AlertKind.NONFINITE_ACTIVATION: Severity.ERROR,
+    AlertKind.NONFINITE_GRADIENT: Severity.ERROR,
+    AlertKind.OOM: Severity.ERROR,
+    AlertKind.OVER_BUDGET: Severity.ERROR,
+    AlertKind.LEAK: Severity.ERROR,
+    AlertKind.FRAGMENTATION: Severity.WARNING,
+    AlertKind.SKIPPED_STEP: Severity.WARNING,
+    AlertKind.CLIP_BEFORE_UNSCALE: Severity.WARNING,
+    AlertKind.DIVERGENCE: Severity.WARNING,
+    # The activations pile of a checkpointing job is under what the job holds (the checkpoint's
+    # own hooks replace memtui's): a figure on screen to read with care, raised only by jobs that
+    # checkpoint (once per variant), so not a note every healthy run carries.
+    AlertKind.CHECKPOINT_LIMIT: Severity.WARNING,
+    AlertKind.FIRST_STEP_FORECAST: Severity.NOTE,
+    AlertKind.FIRST_STEP_GROWTH: Severity.NOTE,
+    AlertKind.ACTIVATIONS_VARY: Severity.NOTE,
+    AlertKind.ATTACHED: Severity.NOTE,
+    AlertKind.STEP_RULE: Severity.NOTE,
+    AlertKind.SNAPSHOT: Severity.NOTE,
+    AlertKind.GROUPED: Severity.NOTE,
+}
+"""Each alert kind's one severity (docs/report-format.md#alert-kinds)."""
+
+UNKNOWN_KIND_SEVERITY = Severity.WARNING
+"""The severity of a kind this version does not know (a newer agent's): shown, never hidden
+among the notes, and never called an error it may not be."""
+
+
+def alert_severity(kind: str) -> Severity:
+    """The severity of an alert kind as read from the wire (a member or its string); a kind
+    this version does not know is `UNKNOWN_KIND_SEVERITY`."""
+    member = AlertKind.parse(str(kind))
+    return ALERT_SEVERITY[member] if member is not None else UNKNOWN_KIND_SEVERITY
 
 
 class LeakKind(TextEnum):

@@ -114,7 +114,7 @@ def test_replay_of_a_growing_recording_is_live(tmp_path: Path, builder: ModuleTy
             await until(pilot, lambda: header().status is JobState.ENDED)
             assert header().step == 24
             assert header().ending is ExitStatus.OK
-            assert header().state == "ended: ok (exit 0)"
+            assert header().state == "ended: exit 0, NaN loss at step 17"  # the demo's NaN
             assert header().source == str(path)
 
     asyncio.run(scenario())

@@ -59,27 +59,31 @@ def test_the_table_shows_step_kind_and_message_at_both_sizes(tui: Any, builder: 
     app = MemtuiApp(tui.source(nan_messages(builder), live=False))
 
     async def body(pilot: Pilot[Any]) -> None:
-        for size, least in (((160, 48), 60), ((80, 24), 40)):
+        await pilot.press("o")  # the notes too (the folded row, the forecast)
+        # At 80 columns the severity word (a column of 5, padded) leaves 33 for the message.
+        for size, least in (((160, 48), 60), ((80, 24), 32)):
             await pilot.resize_terminal(*size)
             await pilot.pause()
             table = app.query_one(AlertsTable)
             assert [str(column.label) for column in table.columns.values()] == [
                 "step",
+                "level",
                 "kind",
                 "message",
             ]
             widths = [column.get_render_width(table) for column in table.columns.values()]
             assert sum(widths) <= table.scrollable_content_region.width, (size, widths)
             rows = table_rows(table)
-            assert rows[0][:2] == ["20", "grouped"]
-            assert rows[0][2].startswith("4 more alerts on steps 21-24")
-            assert rows[1][:2] == ["20", "nonfinite_gradient"]
-            forecast = next(row for row in rows if row[1] == "first_step_forecast")
+            assert rows[0][:3] == ["20", "error", "nonfinite_gradient"]
+            grouped = next(row for row in rows if row[2] == "grouped")
+            assert grouped[:2] == ["20", "note"]
+            assert grouped[3].startswith("4 more alerts on steps 21-24")
+            forecast = next(row for row in rows if row[2] == "first_step_forecast")
             for row in rows:
-                shown = row[2]
+                shown = row[3]
                 whole = shown.removesuffix("…")
                 assert len(whole) >= least or not shown.endswith("…"), (size, row)
-            assert forecast[2].endswith("…") and FORECAST.startswith(forecast[2][:-1])
+            assert forecast[3].endswith("…") and FORECAST.startswith(forecast[3][:-1])
 
     tui.drive(app, body)
 
@@ -92,20 +96,19 @@ def test_the_detail_line_is_the_alert_whole_or_says_where_the_rest_is(
     app = MemtuiApp(tui.source(nan_messages(builder), live=False))
 
     async def body(pilot: Pilot[Any]) -> None:
-        table = app.query_one(AlertsTable)
-        table.focus()
-        await pilot.press("down")  # the step 20 alert itself, with its names
-        await pilot.pause()
+        await pilot.pause()  # the newest error, on top: the step 20 alert, with its names
         detail = app.query_one(AlertDetail)
         text = " ".join(tui.plain(detail).split())
-        assert text == f"step 20 nonfinite_gradient [{NAMES}]: {GRADIENTS}"
+        assert text == f"error step 20 nonfinite_gradient [{NAMES}]: {GRADIENTS}"
 
         await pilot.resize_terminal(60, 24)
         await pilot.pause()
         lines = tui.plain(detail).rstrip("\n").splitlines()
         assert len(lines) == detail.size.height  # nothing cut off silently
         assert lines[-1].strip() == CUT_HINT
-        assert " ".join(" ".join(lines[:-1]).split()).startswith("step 20 nonfinite_gradient [")
+        assert " ".join(" ".join(lines[:-1]).split()).startswith(
+            "error step 20 nonfinite_gradient ["
+        )
 
     tui.drive(app, body)
 
@@ -140,21 +143,21 @@ def test_enter_jumps_to_the_alert_and_shows_all_of_it(tui: Any, builder: ModuleT
         return " ".join(out.getvalue().split())
 
     async def body(pilot: Pilot[Any]) -> None:
-        await pilot.press("home")
+        await pilot.press("home", "o")  # o: the notes (the forecast) listed too
         table = app.query_one(AlertsTable)
         table.focus()
-        await pilot.press("down", "enter")
+        await pilot.press("enter")  # the first row: the newest error
         await pilot.pause()
         assert app.session.steps[app.session.cursor or 0].step == NAN_FROM
         text = dialog_text()
-        assert text.startswith(f"Alert at step {NAN_FROM}: nonfinite_gradient")
+        assert text.startswith(f"error at step {NAN_FROM}: nonfinite_gradient")
         assert GRADIENTS in text and f"where: {NAMES}" in text
         await pilot.press("escape")
         assert not isinstance(app.screen, AlertScreen)
         assert table.has_focus
 
         # `a` does the same from anywhere, for the alert under the table's cursor.
-        forecast = [row[1] for row in table_rows(table)].index("first_step_forecast")
+        forecast = [row[2] for row in table_rows(table)].index("first_step_forecast")
         table.move_cursor(row=forecast)  # the forecast, at step 1
         app.query_one("#body").focus()
         await pilot.press("end", "a")

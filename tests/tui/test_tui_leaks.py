@@ -113,21 +113,27 @@ def test_the_leak_alert_reads_at_both_sizes(tui: Any, builder: ModuleType) -> No
             table = app.query_one(AlertsTable)
             widths = [column.get_render_width(table) for column in table.columns.values()]
             assert sum(widths) <= table.size.width, (size, widths, table.size.width)
-            rows = [[str(cell).strip() for cell in table.get_row_at(i)] for i in range(5)]
-            # A leak's message starts with its holder: step, kind and holder are in the table.
+            rows = [
+                [str(cell).strip() for cell in table.get_row_at(i)]
+                for i in range(min(5, table.row_count))
+            ]
+            # A leak's message starts with its holder: step, kind and holder are in the table,
+            # led by its severity (a leak is an error).
             at = next(
                 i
                 for i, row in enumerate(rows)
-                if row[:2] == ["12", "leak"] and row[2].startswith(builder.GRAPH_HOLDER + " ")
+                if row[:3] == ["12", "error", "leak"]
+                and row[3].startswith(builder.GRAPH_HOLDER + " ")
             )
-            assert rows[at + 1][:2] == ["12", "leak"] and rows[at + 1][2].startswith("history ")
+            assert rows[at + 1][:3] == ["12", "error", "leak"]
+            assert rows[at + 1][3].startswith("history ")
             table.move_cursor(row=at)
             await pilot.pause()
             detail = app.query_one(AlertDetail)
             text = " ".join(tui.plain(detail).split())
             assert text == (
-                f"step 12 leak: {builder.GRAPH_HOLDER} keeps 256.00 KiB alive in 1 tensor and "
-                f"grows 32.00 KiB per step since step 5: {builder.GRAPH_FIX}"
+                f"error step 12 leak: {builder.GRAPH_HOLDER} keeps 256.00 KiB alive in 1 tensor "
+                f"and grows 32.00 KiB per step since step 5: {builder.GRAPH_FIX}"
             )
             assert detail.size.height == len(tui.plain(detail).splitlines())  # none cut off
         table.focus()

@@ -71,7 +71,8 @@ def test_replay_opens_on_the_last_step(tui: Any, demo_messages: Messages) -> Non
         assert app.session.cursor == 23
         assert shown_step(app) == 24
         header = tui.plain(app.query_one(JobHeader))
-        assert "replay · ended: ok (exit 0)   step 24 of 24 · 4.0 steps/s" in header
+        # The demo's loss went NaN at step 17: exit 0, not "ok".
+        assert "replay · ended: exit 0, NaN loss at step 17   step 24 of 24 · 4.0 steps/s" in header
         assert "4.0 steps/s · pid 4242 · cpu · torch 2.13.0+cpu" in header
         assert "python train.py" in header
 
@@ -147,25 +148,29 @@ def test_enter_on_an_alert_row_jumps_to_its_step(tui: Any, demo_messages: Messag
     async def body(pilot: Pilot[Any]) -> None:
         table = app.query_one(AlertsTable)
         steps = [str(table.get_row_at(row)[0]) for row in range(table.row_count)]
-        assert steps == ["17", "17", "9", "1"]
+        assert steps == ["17", "17", "9"]  # step 1's first-step growth is a note: counted
         table.focus()
         await pilot.pause()
         await pilot.press("down", "down", "enter")
         await pilot.pause()
         assert shown_step(app) == 9
-        await pilot.press("escape", "down", "enter")  # the dialog Enter opened, closed
+        await pilot.press("escape", "o", "down", "enter")  # o lists the notes, after the rest
         await pilot.pause()
         assert shown_step(app) == 1
 
     tui.drive(app, body)
 
 
-def test_end_message_shows_ended_ok(tui: Any, demo_messages: Messages) -> None:
+def test_end_message_shows_the_worst_error_of_a_run_that_exited_0(
+    tui: Any, demo_messages: Messages
+) -> None:
+    """The demo exits 0 after a NaN loss at step 17: the header says the NaN, not "ok"."""
     app = MemtuiApp(tui.source(demo_messages, live=True))
 
     async def body(pilot: Pilot[Any]) -> None:
-        assert app.session.state_text() == "ended: ok (exit 0)"
-        assert "ended: ok" in tui.plain(app.query_one(JobHeader))
+        assert app.session.state_text() == "ended: exit 0, NaN loss at step 17"
+        header = tui.plain(app.query_one(JobHeader))
+        assert "ended: exit 0, NaN loss at step 17" in header and "ended: ok" not in header
 
     tui.drive(app, body)
 
@@ -514,13 +519,13 @@ def test_the_alerts_table_keeps_its_cursor_while_alerts_arrive(
         held = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
         row, scroll = table.cursor_row, table.scroll_y
         assert row == 32 and scroll > 0, (row, scroll)
-        assert table.step_of_row(held or "") == 9  # the fixture's skipped step, second oldest
+        assert table.step_of_row(held or "") == 9  # the fixture's skipped step: the warning, last
         assert source.feed(alerts(200, 5)).wait(5)
         for _ in range(3):
             await pilot.pause(0.05)
             app.refresh_view()
         await pilot.pause()
-        assert table.row_count == 34 + 5
+        assert table.row_count == 33 + 5  # the fixture's first-step growth: a note, not listed
         assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == held
         assert table.cursor_row == row + 5
         assert table.scroll_y == scroll + 5  # the same rows stay in view
@@ -543,7 +548,7 @@ def test_the_alerts_where_is_on_screen_at_normal_widths(tui: Any, demo_messages:
             table.move_cursor(row=0)  # the newest alert: step 17's, in blocks.1.attn
             await pilot.pause()
             detail = " ".join(tui.plain(app.query_one(AlertDetail)).split())
-            assert detail.startswith("step 17 nonfinite_activation [blocks.1.attn]: "), size
+            assert detail.startswith("error step 17 nonfinite_activation [blocks.1.attn]: "), size
 
     tui.drive(app, body)
 

@@ -16,6 +16,7 @@ from memtui.model.recording import read_recording
 from memtui.model.session import Session
 from memtui.reports.report import MAX_ALERT_LINES, build_report, render_text
 from memtui_protocol import schema
+from memtui_protocol.schema import Severity
 
 NAN_FROM = 20
 
@@ -52,17 +53,18 @@ def test_follow_on_alerts_are_one_line_as_on_screen(tmp_path: Path, builder: Mod
     recording = read_recording(path)
     section = alert_section(render_text(recording))
     # 4 fixture alerts, 2 at step 20, 8 grouped on steps 21-24, 1 over budget at step 24.
-    assert section[0] == "alerts: 15"
-    assert "  step 20: nonfinite_loss: the loss is NaN" in section
-    assert "  step 20: nonfinite_gradient: 2 NaN" in section
+    assert section[0] == "alerts: 15 (5 errors, 1 warning, 2 notes)"
+    assert "  error   step 20: nonfinite_loss: the loss is NaN" in section
+    assert "  error   step 20: nonfinite_gradient: 2 NaN" in section
     folded = [line for line in section if ": grouped: " in line]
     assert folded == [
-        "  step 20: grouped: 8 more alerts on steps 21-24: they follow from step 20 "
+        "  note    step 20: grouped: 8 more alerts on steps 21-24: they follow from step 20 "
         "(weights non-finite since then)"
     ]
     # The screen folds the same alerts into the same row.
     session = Session(live=False)
     session.ingest(messages(builder, budget_from=24))
+    session.toggle_notes()  # the folded row is a note: listed with `o`
     rows = session.view_state().alerts.rows
     assert [row.message for row in rows if row.kind == "grouped"] == [folded[0].split(": ", 2)[2]]
     assert not any("and " in line and " more (" in line for line in section)  # none left out
@@ -74,12 +76,40 @@ def test_the_text_says_how_many_alerts_it_left_out(tmp_path: Path, builder: Modu
     path.write_bytes(builder.encode_recording(messages(builder, budget_from=2)))
     section = alert_section(render_text(read_recording(path)))
     # 4 fixture alerts + 23 over budget + 2 at step 20 + 8 grouped = 37 alerts in 30 lines.
-    assert section[0] == "alerts: 37"
+    assert section[0] == "alerts: 37 (27 errors, 1 warning, 2 notes)"
     listed = section[1:-1]
     assert len(listed) == MAX_ALERT_LINES
-    assert listed[0].startswith("  step 1: ")
+    assert listed[0].startswith("  error   step 2: over_budget")  # errors lead, by step
     left_out = 37 - len(listed)  # no group among the 20 lines shown: one alert each
     assert section[-1] == (
         f"  and {left_out} more (memtui report --json lists every alert; "
         "memtui replay shows them by step)"
+    )
+
+
+def test_errors_lead_the_text_and_the_json_says_each_severity(
+    tmp_path: Path, builder: ModuleType
+) -> None:
+    """The text lists errors, then warnings, then notes (so `MAX_ALERT_LINES` drops notes
+    first); each JSON alert carries its kind's severity, a newer agent's kind a warning."""
+    path = tmp_path / "job.memtui"
+    extra = schema.AlertNow(time=0.0, step=3, alert=schema.Alert(kind="hbm_ecc", message="z"))
+    path.write_bytes(builder.encode_recording([*messages(builder, budget_from=24), extra]))
+    recording = read_recording(path)
+    listed = alert_section(render_text(recording))[1:]
+    severities = [line.split()[0] for line in listed]
+    assert severities == sorted(severities, key=lambda word: Severity(word).rank)
+    assert severities[0] == "error" and severities[-1] == "note"
+    alerts = build_report(recording)["alerts"]
+    assert {(alert["kind"], alert["severity"]) for alert in alerts} >= {
+        ("nonfinite_loss", "error"),
+        ("over_budget", "error"),
+        ("hbm_ecc", "warning"),
+        ("first_step_growth", "note"),
+    }
+    assert all(
+        alert["severity"] == "error"
+        for step in build_report(recording)["steps"]
+        for alert in step["alerts"]
+        if alert["kind"] == "nonfinite_loss"
     )

@@ -18,9 +18,9 @@ import pytest
 import memtui.model.session as session_module
 from memtui.input.sources import ReplaySource
 from memtui.model.session import Session
-from memtui.model.step_rows import GAP_MEANINGS, gap_rows, pile_rows
+from memtui.model.step_rows import GAP_MEANINGS, NO_GPU, gap_rows, pile_rows
 from memtui_protocol import schema, wire
-from memtui_protocol.schema import AlertKind, ExitStatus, Pile
+from memtui_protocol.schema import AlertKind, ExitStatus, Pile, Severity
 
 StepFactory = Callable[[int], schema.Step]
 
@@ -190,10 +190,11 @@ def test_state_text_replay(demo_messages: list[schema.Message]) -> None:
     """Which step is the header's `step`/`steps_total` (the job's numbers, as live shows them),
     not a position in the state's words."""
     session = ingested(demo_messages)
-    assert session.state_text() == "replay · ended: ok (exit 0)"
+    # The demo's loss goes NaN at step 17: exit 0, yet not "ok".
+    assert session.state_text() == "replay · ended: exit 0, NaN loss at step 17"
     assert session.view_state().header.step == 24
     session.home()
-    assert session.state_text() == "replay · ended: ok (exit 0)"
+    assert session.state_text() == "replay · ended: exit 0, NaN loss at step 17"
     assert session.view_state().header.step == 1
 
 
@@ -204,8 +205,19 @@ def test_state_text_replay_of_a_recording_without_end(live_messages: list[schema
 
 
 def test_state_text_ended_ok(demo_messages: list[schema.Message]) -> None:
+    """A run that exited 0 after a NaN loss says the NaN where it would say "ok"; one without
+    an error says ok."""
     session = ingested(demo_messages, live=True)
-    assert session.state_text() == "ended: ok (exit 0)"
+    assert session.state_text() == "ended: exit 0, NaN loss at step 17"
+    assert session.view_state().header.worst is Severity.ERROR
+    healthy: list[schema.Message] = [
+        msgspec.structs.replace(message, alerts=[], loss=1.0)
+        if isinstance(message, schema.Step)
+        else message
+        for message in demo_messages
+        if not isinstance(message, schema.AlertNow)
+    ]
+    assert ingested(healthy, live=True).state_text() == "ended: ok (exit 0)"
 
 
 def test_state_text_ended_with_error(live_messages: list[schema.Message]) -> None:
@@ -294,7 +306,7 @@ def test_gap_rows_on_cpu_mark_gpu_levels_not_applicable(
     gpu_rows = rows[4:]
     assert all(not row.applicable for row in gpu_rows)
     assert all(row.value is None and row.delta is None for row in gpu_rows)
-    assert all("not applicable" in row.meaning for row in gpu_rows)
+    assert all(row.meaning == NO_GPU for row in gpu_rows)  # why: said, never blank
     assert not any(row.value == 0 or row.delta == 0 for row in rows)
 
 

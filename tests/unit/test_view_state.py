@@ -12,7 +12,7 @@ from memtui.model.session import Session
 from memtui.model.step_rows import module_rows
 from memtui.model.view_state import ViewState, activations_view
 from memtui_protocol import schema
-from memtui_protocol.schema import AlertKind
+from memtui_protocol.schema import AlertKind, Severity
 
 SLICES = [field.name for field in dataclasses.fields(ViewState)]
 
@@ -105,7 +105,11 @@ def test_alert_rows_carry_the_kind_converted_once(live_messages: list[schema.Mes
         ]
     )
     rows = session.view_state().alerts.rows
-    assert rows[0].kind == "hbm_ecc" and not isinstance(rows[0].kind, AlertKind)
-    assert rows[1].kind is AlertKind.OOM
+    kinds = [row.kind for row in rows]
+    # The OOM (an error) leads the newer kind (a warning by default), though it came first.
+    assert kinds.index(AlertKind.OOM) < kinds.index("hbm_ecc")
+    oom, newer = rows[kinds.index(AlertKind.OOM)], rows[kinds.index("hbm_ecc")]
+    assert oom.kind is AlertKind.OOM and oom.severity is Severity.ERROR
+    assert not isinstance(newer.kind, AlertKind) and newer.severity is Severity.WARNING
     assert len({row.key for row in rows}) == len(rows)
-    assert session.view_state().alerts.step_of(rows[1].key) == 3
+    assert session.view_state().alerts.step_of(oom.key) == 3
