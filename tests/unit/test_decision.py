@@ -15,7 +15,14 @@ import pytest
 
 from memtui_agent.steps.activation_cause import Cause
 from memtui_agent.steps.activation_policy import FIRST_STEPS, ActivationPolicy, Figures, Match
-from memtui_agent.steps.activation_wording import CLAUSES, TEMPLATES, SaidOnce, clause, message
+from memtui_agent.steps.activation_wording import (
+    CLAUSES,
+    LEADS,
+    TEMPLATES,
+    SaidOnce,
+    clause,
+    message,
+)
 from memtui_agent.steps.decision import (
     MEASURE_WHILE_HELD,
     RECENT_CARRIES,
@@ -487,7 +494,7 @@ def test_every_step_that_is_not_known_says_why() -> None:
 
 
 def test_every_cause_worth_saying_has_its_words_and_the_rest_none() -> None:
-    assert set(TEMPLATES) == set(Cause) - QUIET
+    assert set(TEMPLATES) == set(Cause) - QUIET == set(LEADS)
     assert set(CLAUSES) == set(Difference)
     for case in CASES:
         decision = _decide(case)
@@ -519,9 +526,17 @@ def test_the_words_quote_the_numbers_that_differ() -> None:
         "made 12 allocations of 8,192 B in all where step 2 made 12 of 4,096 B"
         in (words["other allocations"])
     )
+    # The heap's own figures are memtui's evidence, not the user's: words, no bytes.
     assert (
-        "moved by +66,385 B from its start, +50,000 B in step 2 (more than 16 KiB"
-        in (words["heap moved"])
+        "the heap in use at its first backward had grown from its start by an amount more "
+        "than 16 KiB away from step 2's" in words["heap moved"]
+    )
+    assert " B " not in words["heap moved"] and "66,385" not in words["heap moved"]
+    for name, said in words.items():  # each starts with what varies, in the user's words
+        assert said.startswith(LEADS[by_name[name].cause]), name
+    assert words["heap moved"].startswith(
+        "activations differ between steps (variable sequence lengths or batch sizes?): memtui "
+        "measures every step where it cannot prove a repeat; step 7"
     )
     assert (
         "started with 64 B of activations held and closed with 64 B, step 2 with 0 B"

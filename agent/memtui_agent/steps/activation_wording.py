@@ -33,6 +33,34 @@ _HELD = (
     "are measured, so graphs built from now on are counted"
 )
 
+_VARY = (
+    "activations differ between steps ({hint}): memtui measures every step where it cannot "
+    "prove a repeat; "
+)
+_SIZES_HINT = "variable sequence lengths or batch sizes?"
+_BRANCH_HINT = "dropout, a skipped layer or a branch on the data?"
+LEADS: dict[Cause, str] = {
+    Cause.DATA_DEPENDENT: _VARY.format(hint="routing or masks that depend on the data?"),
+    Cause.JOB_HOOKS: "activations not counted under the job's own saved-tensor hooks: ",
+    Cause.THREAD_MOVED: "memtui now follows the thread that steps the optimizer: ",
+    Cause.PARTIAL: _VARY.format(hint=_SIZES_HINT),
+    Cause.HELD_UNARMED: "activations not known while graphs from earlier steps are held: ",
+    Cause.HELD_CROSSING: "activations not known while graphs from earlier steps are held: ",
+    Cause.NODES: _VARY.format(hint=_BRANCH_HINT),
+    Cause.BACKWARDS: _VARY.format(hint=_BRANCH_HINT),
+    Cause.DEVICE: _VARY.format(hint=_SIZES_HINT),
+    Cause.READERS: _VARY.format(hint="memory read from another counter"),
+    Cause.HEAP: _VARY.format(hint=_SIZES_HINT),
+    Cause.HELD: _VARY.format(hint="graphs kept from earlier steps changed"),
+    Cause.PILES: _VARY.format(hint="a model or an optimizer's state made or freed in the step"),
+    Cause.NO_COUNTER: _VARY.format(hint="this torch cannot confirm a repeat"),
+    Cause.KEEPS_VARYING: _VARY.format(hint=_BRANCH_HINT),
+    Cause.HEAP_KEEPS_MOVING: _VARY.format(hint=_SIZES_HINT),
+}
+"""Cause -> the alert's first words: what varies and what memtui does about it, in the user's
+terms, so a row cut to the width of a table still reads (the template after it says which step,
+and the counters that differed)."""
+
 TEMPLATES: dict[Cause, str] = {
     Cause.DATA_DEPENDENT: (
         "step {step} repeats step {twin} (the same calls, shapes, piles and autograd ops) but its "
@@ -97,8 +125,8 @@ CLAUSES: dict[Difference, str] = {
     Difference.BACKWARDS: "it ran {now_backwards} backward passes where step {twin} ran "
     "{then_backwards}",
     Difference.HEAP: (
-        "the heap in use at its first backward moved by {now0:+,} B from its start, {then0:+,} B "
-        "in step {twin} (more than {tolerance_kib} KiB apart)"
+        "the heap in use at its first backward had grown from its start by an amount more "
+        "than {tolerance_kib} KiB away from step {twin}'s"
     ),
     Difference.DEVICE: (
         "the allocator made {now1:,} allocations of {now0:,} B in all where step {twin} made "
@@ -150,8 +178,10 @@ def differences(figures: Figures, other: Figures) -> list[str]:
 
 
 def message(cause: Cause, decision: Decision) -> str:
-    """The alert's words for `cause` at this decision."""
-    return TEMPLATES[cause].format(**_fields(decision))
+    """The alert's words for `cause` at this decision: its lead (what varies), then which step
+    and what differed. The heap's own figures stay in the decision's `Mismatch` (memtui's
+    evidence, not a number the user can act on)."""
+    return LEADS[cause] + TEMPLATES[cause].format(**_fields(decision))
 
 
 def _fields(decision: Decision) -> dict[str, object]:
