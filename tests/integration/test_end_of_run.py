@@ -67,9 +67,11 @@ def test_the_alerts_line_names_each_kind_from_its_first_step(
     recording = read_recording(path)
     total = len(recording.alerts)
     assert total == 8  # first-step growth, skipped, NaN loss x3, activations, budget, leak
+    # The errors first (each by its first step), then the warnings: the skipped step of step 9
+    # is the fifth kind, counted among the "more kinds".
     assert alert_tally(recording).line(path) == (
-        "skipped step at step 9; NaN loss from step 17; NaN/Inf activations at step 17; "
-        f"over budget at step 21; 1 more kinds; {total} alerts: memtui report {path}"
+        "NaN loss from step 17; NaN/Inf activations at step 17; over budget at step 21; "
+        f"leak in history at step 23; 1 more kinds; {total} alerts: memtui report {path}"
     )
 
 
@@ -122,7 +124,7 @@ def test_each_process_of_a_session_folder_names_its_alerts(
     assert lines[1].startswith("memtui:   rank 0: ok after 24 steps; highest piles: ")
     assert lines[1].endswith(f"; {troubled}")
     assert lines[2].endswith(
-        "; skipped step at step 9; NaN loss at step 17; NaN/Inf activations at step 17; 4 alerts"
+        "; NaN loss at step 17; NaN/Inf activations at step 17; skipped step at step 9; 4 alerts"
     )
 
 
