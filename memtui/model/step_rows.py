@@ -29,6 +29,10 @@ GAP_MEANINGS = {
 NO_GPU = "no GPU: a CPU job"
 """The meaning of each GPU level on a job without a GPU (shown where the figure would be)."""
 
+NO_NVML = "NVML gave no figure"
+"""The meaning of a GPU level only NVML reads (the process's and the device's memory) when it
+gave none: the row says "not known" and why; the allocator's lines carry NVML's own note."""
+
 FREE_LEVELS = frozenset({"device_total", "system_total"})
 """The levels whose difference to the one below is free memory, not memory some use holds."""
 
@@ -351,11 +355,15 @@ def gap_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tupl
     if gpu:
         previous = tracked
         for label, key, value in levels:
-            delta = value - previous if value is not None and previous is not None else None
+            if value is None:  # not read (no NVML): "not known" and why, never a blank "n/a"
+                why = f"{NO_NVML}: {allocator.nvml_note}" if allocator.nvml_note else NO_NVML
+                rows.append(GapRow(label, None, None, why, known=False))
+                continue
+            delta = value - previous if previous is not None else None
             rows.append(
                 GapRow(label, value, delta, GAP_MEANINGS[key], True, free=key in FREE_LEVELS)
             )
-            previous = value if value is not None else previous
+            previous = value
     else:
         host = step.host if step is not None else schema.Host()
         previous = tracked

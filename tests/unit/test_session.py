@@ -18,7 +18,7 @@ import pytest
 import memtui.model.session as session_module
 from memtui.input.sources import ReplaySource
 from memtui.model.session import Session
-from memtui.model.step_rows import GAP_MEANINGS, NO_GPU, gap_rows, pile_rows
+from memtui.model.step_rows import GAP_MEANINGS, NO_GPU, NO_NVML, gap_rows, pile_rows
 from memtui_protocol import schema, wire
 from memtui_protocol.schema import AlertKind, ExitStatus, Pile, Severity
 
@@ -349,6 +349,14 @@ def test_gap_rows_on_gpu_skip_a_missing_level(make_step: StepFactory) -> None:
     assert by_label["process GPU (NVML)"].value is None
     assert by_label["process GPU (NVML)"].delta is None
     assert by_label["device total"].delta == 20
+    # Not read: "not known", and why (it read "n/a" beside the meaning of a figure it lacked).
+    assert not by_label["process GPU (NVML)"].known
+    assert by_label["process GPU (NVML)"].meaning == NO_NVML
+    noted = msgspec.structs.replace(allocator, nvml_note="NVML unavailable (NVMLError)")
+    rows = gap_rows(msgspec.structs.replace(step, allocator=noted))
+    assert {row.label: row for row in rows}["device used"].meaning == (
+        f"{NO_NVML}: NVML unavailable (NVMLError)"
+    )
 
 
 def test_pile_rows_shares_sum_to_one(demo_messages: list[schema.Message]) -> None:
