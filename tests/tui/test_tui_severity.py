@@ -90,18 +90,26 @@ def test_an_ended_run_that_went_nan_says_so_in_the_header(
 
 
 def test_the_footer_is_whole_at_80x24_on_a_live_job(tui: Any, live_messages: Messages) -> None:
-    """Every key the footer offers ends inside 80 columns (it read `u▏^p palette`)."""
-    app = MemtuiApp(tui.source(live_messages, live=True))
+    """Every key the footer offers ends inside 80 columns (it read `u▏^p palette`), with the
+    rank key of a job of several ranks too."""
+    one = MemtuiApp(tui.source(live_messages, live=True))
+    first, second = tui.source(live_messages, live=True), tui.source(live_messages, live=True)
+    two = MemtuiApp(first, ranks={"0": first, "1": second})
+    for app, extra in ((one, set()), (two, {"Rank"})):
 
-    async def body(pilot: Pilot[Any]) -> None:
-        await pilot.pause()
-        keys = list(app.query(FooterKey))
-        described = {key.description for key in keys}
-        assert {"Quit", "Help", "Pause", "Next alert", "Alert", "Notes", "GiB/GB"} <= described
-        for key in keys:
-            assert key.region.width > 0 and key.region.right <= 80, (key.description, key.region)
+        async def body(pilot: Pilot[Any], app: MemtuiApp = app, extra: set[str] = extra) -> None:
+            await pilot.pause()
+            keys = list(app.query(FooterKey))
+            described = {key.description for key in keys}
+            shown = {"Quit", "Help", "Pause", "Next alert", "Alert", "Notes", "GiB/GB", *extra}
+            assert shown <= described
+            for key in keys:
+                assert key.region.width > 0 and key.region.right <= 80, (
+                    key.description,
+                    key.region,
+                )
 
-    tui.drive(app, body, size=(80, 24))
+        tui.drive(app, body, size=(80, 24))
 
 
 def test_the_focused_panel_is_marked_by_its_border(tui: Any, demo_messages: Messages) -> None:
