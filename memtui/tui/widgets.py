@@ -106,7 +106,7 @@ class JobHeader(Static):
         ended = view.status is JobState.ENDED
         state = f" {terminal_safe(view.state)} "  # the End's status and phase are recorded text
         style = "bold reverse" if ended else "bold reverse green"
-        if view.worst is Severity.ERROR:  # an ended run's words say which error, too
+        if ended and view.worst is Severity.ERROR:  # its words say which error, too
             style = "bold reverse red"
         first = Text(state, style=style)
         step = "no steps yet"
