@@ -261,10 +261,12 @@ class Session:
 
     def tally(self) -> AlertTally | None:
         """The run's alerts by kind, errors first (`alert_tally`, the end-of-run line's), kept
-        until an alert or a step arrives (None: no hello yet)."""
+        until an alert arrives (None: no hello yet). A step without alerts leaves it alone: a
+        NaN loss's alert comes with its step's loss (or with the late value that carries it),
+        so the tally is not redone at every step of a long run."""
         if self.recording is None:
             return None
-        shape = (self.alerts_trimmed, len(self.recording.alerts), len(self.recording.steps))
+        shape = (self.alerts_trimmed, len(self.recording.alerts), self.dropped_steps)
         if self._tally[0] != shape or self._tally[1] is None:
             self._tally = (shape, alert_tally(self.recording))
         return self._tally[1]
