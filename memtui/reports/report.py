@@ -122,6 +122,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
                 message=item.alert.message,
                 where=item.alert.where,
                 group=item.alert.group,
+                origin=item.alert.origin,
             )
             for item in alerts
         ],
@@ -211,7 +212,12 @@ def alert_entry(item: StepAlert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
     alert = item.alert
     return RunAlert(
-        step=item.step, kind=item.kind, message=alert.message, where=alert.where, group=alert.group
+        step=item.step,
+        kind=item.kind,
+        message=alert.message,
+        where=alert.where,
+        group=alert.group,
+        origin=alert.origin,
     )
 
 
