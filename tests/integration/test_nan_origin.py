@@ -1,0 +1,125 @@
+"""Which call made the first NaN/Inf, as a user sees it: `memtui run --headless` on the jobs of
+tests/fixtures/nan/, then `memtui report --json`.
+
+The expected line is found in each job's source (the line marked `# ORIGIN`), never written
+here; the step is the job's own constant.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_harness import run_memtui
+
+pytestmark = pytest.mark.slow  # torch jobs under the CLI
+
+JOBS = Path(__file__).parent.parent / "fixtures" / "nan"
+
+
+def _marked(job: str) -> tuple[int, dict[str, Any]]:
+    """The job's `# ORIGIN` line number and its upper-case constants."""
+    source = (JOBS / job).read_text()
+    lines = source.splitlines()
+    line = next(number for number, text in enumerate(lines, 1) if text.endswith("# ORIGIN"))
+    constants = {
+        name: eval(value)  # the fixture's literals: ints and tuples of ints
+        for name, value in re.findall(r"^([A-Z_]+) = (.+)$", source, re.MULTILINE)
+    }
+    return line, constants
+
+
+def _alerts(tmp_path: Path, job: str, *options: str) -> list[dict[str, Any]]:
+    """The run's alerts, from `memtui report --json` of `memtui run --headless OPTIONS job`."""
+    recording = tmp_path / "x.memtui"
+    run = run_memtui(
+        "run", "--headless", *options, "-o", str(recording), str(JOBS / job), cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr
+    report = run_memtui("report", "--json", str(recording), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    alerts: list[dict[str, Any]] = json.loads(report.stdout)["alerts"]
+    return alerts
+
+
+def _nonfinite(alerts: list[dict[str, Any]], step: int) -> dict[str, dict[str, Any]]:
+    return {a["kind"]: a for a in alerts if a["step"] == step and a["kind"].startswith("nonfinite")}
+
+
+def test_full_mode_names_the_log_in_the_loss_and_groups_the_poisoned_steps(
+    tmp_path: Path,
+) -> None:
+    line, constants = _marked("log_loss.py")
+    bad, steps = constants["BAD_STEP"], constants["STEPS"]
+    alerts = _alerts(tmp_path, "log_loss.py", "--nan-check", "full")
+    assert not any(a["kind"].startswith("nonfinite") for a in alerts if a["step"] < bad)
+    first = _nonfinite(alerts, bad)
+    loss = first["nonfinite_loss"]
+    assert loss["origin"] == {
+        "op": "torch.log",
+        "file": str(JOBS / "log_loss.py"),
+        "line": line,
+    }  # no module: computed outside any (the loss); made there, not read from the batch
+    assert f"torch.log at log_loss.py:{line}" in loss["message"]
+    assert "outside any module" in loss["message"]
+    assert "nonfinite_activation" not in first  # no module's output made it
+    _assert_poisoned_after(alerts, bad, steps)
+
+
+def test_default_mode_groups_the_poisoned_steps_under_the_first_alarm(tmp_path: Path) -> None:
+    """The steps after the update that poisoned the weights are armed, but name no module (the
+    embedding's output is the first non-finite one there, a consequence)."""
+    _, constants = _marked("log_loss.py")
+    bad, steps = constants["BAD_STEP"], constants["STEPS"]
+    alerts = _alerts(tmp_path, "log_loss.py")
+    assert "nonfinite_loss" in _nonfinite(alerts, bad)
+    _assert_poisoned_after(alerts, bad, steps)
+
+
+def _assert_poisoned_after(alerts: list[dict[str, Any]], bad: int, steps: int) -> None:
+    later = [a for a in alerts if a["step"] > bad and a["kind"].startswith("nonfinite")]
+    assert {a["step"] for a in later} == set(range(bad + 1, steps + 1))
+    assert all(a.get("group") == bad for a in later)
+    assert all(f"poisoned by step {bad}'s update" in a["message"] for a in later)
+    assert not [a for a in later if a["kind"] == "nonfinite_activation" or "origin" in a]
+
+
+@pytest.mark.parametrize("mode", ["full", "default"])
+def test_a_nan_made_inside_a_module_names_the_call_and_the_module(
+    tmp_path: Path, mode: str
+) -> None:
+    """`torch.sqrt` of a negative in a custom layer; the job zeroes its non-finite gradients, so
+    the weights stay finite: full mode names it the first time, the default mode when it
+    recurs while armed."""
+    line, constants = _marked("sqrt_layer.py")
+    first, again = constants["BAD_STEPS"]
+    options = ("--nan-check", "full") if mode == "full" else ()
+    alerts = _alerts(tmp_path, "sqrt_layer.py", *options)
+    named = [first, again] if mode == "full" else [again]
+    for step in named:
+        found = _nonfinite(alerts, step)
+        origin = {"op": "torch.sqrt", "file": str(JOBS / "sqrt_layer.py"), "line": line}
+        assert found["nonfinite_loss"]["origin"] == {**origin, "module": "norm"}
+        activation = found["nonfinite_activation"]
+        assert activation["where"] == "norm"
+        assert f"torch.sqrt at sqrt_layer.py:{line}" in activation["message"]
+    if mode == "default":  # the first alarm: nothing was watched yet
+        assert "origin" not in _nonfinite(alerts, first)["nonfinite_loss"]
+
+
+def test_a_nan_in_the_batch_is_said_to_be_in_the_input(tmp_path: Path) -> None:
+    line, constants = _marked("nan_batch.py")
+    bad = constants["BAD_STEP"]
+    alerts = _alerts(tmp_path, "nan_batch.py", "--nan-check", "full")
+    loss = _nonfinite(alerts, bad)["nonfinite_loss"]
+    assert loss["origin"] == {
+        "op": "torch.nn.functional.linear",
+        "file": str(JOBS / "nan_batch.py"),
+        "line": line,  # the model's call on the batch: where the first layer read it
+        "module": "0",
+        "in_input": True,
+    }
+    assert "already in the input batch" in loss["message"]
