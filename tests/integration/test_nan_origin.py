@@ -123,3 +123,71 @@ def test_a_nan_in_the_batch_is_said_to_be_in_the_input(tmp_path: Path) -> None:
         "in_input": True,
     }
     assert "already in the input batch" in loss["message"]
+
+
+DEFERRED_JOB = """
+import threading, torch, memtui_agent
+from memtui_agent.steps import health
+
+class Landed:  # torch.cuda.Event's part the agent uses: the copy has landed when asked
+    def query(self):
+        return True
+    def synchronize(self):
+        pass
+
+# The CPU stands in for a device whose reads would sync: the checks are read a close later.
+health.DEFERRED_DEVICES = frozenset({"cpu"})
+health.make_event = lambda device: Landed()
+reads, closing = [0], [False]
+original_close = health.HealthMonitor.close
+def close(self, *args, **kwargs):
+    closing[0] = True
+    try:
+        return original_close(self, *args, **kwargs)
+    finally:
+        closing[0] = False
+def counting(original):
+    def counted(self):
+        if closing[0] and threading.current_thread() is threading.main_thread():
+            reads[0] += 1  # a read of a check while the step closes: a sync on a device
+        return original(self)
+    return counted
+for name in ("tolist", "item"):
+    setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+health.HealthMonitor.close = close
+
+torch.manual_seed(0)
+with memtui_agent.monitor(record="rec.memtui", socket=False, nan_check="full"):
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(1, 6):
+        opt.zero_grad()
+        hidden = model(torch.randn(4, 8))
+        loss = torch.sqrt(hidden.abs() - 10.0 * (step == 3)).mean()  # ORIGIN
+        loss.backward()
+        for parameter in model.parameters():
+            parameter.grad.nan_to_num_(0.0, 0.0, 0.0)
+        opt.step()
+print("READS", reads[0])
+"""
+
+
+def test_a_device_whose_checks_are_read_late_still_names_the_origin_without_a_sync(
+    tmp_path: Path, run_python: Any
+) -> None:
+    """On a device the checks (op flags included) travel with the close's one copy and are
+    read at a later close: no read while a step closes, and the origin comes with the late
+    alert of its own step."""
+    from memtui.model.recording import read_recording
+    from memtui.reports.report import build_report
+
+    # A fresh interpreter (`run_python`): the job patches torch and the agent for good.
+    result = run_python(DEFERRED_JOB, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "READS 0" in result.stdout
+    report = build_report(read_recording(tmp_path / "rec.memtui"))
+    line = next(n for n, text in enumerate(DEFERRED_JOB.splitlines(), 1) if "# ORIGIN" in text)
+    loss = [a for a in report["alerts"] if a["kind"] == "nonfinite_loss"]
+    assert [a["step"] for a in loss] == [3]
+    origin = loss[0]["origin"]
+    assert (origin["op"], origin["line"], origin.get("module")) == ("torch.sqrt", line, None)

@@ -122,7 +122,7 @@ def test_the_watch_stops_at_the_backward_and_flags_at_most_max_ops_calls(
     x.sum().backward()
     after = weight * float("inf")  # after the backward: the update's, not the forward's
     flags = watch.take()
-    assert flags is not None and len(flags.outputs) == 3 and flags.missed == 3
+    assert flags is not None and len(flags.sites) == 3 and flags.missed == 3
     assert flags.origin(flags.stacked(torch.device("cpu")).tolist()) is None
     assert weight.grad is not None and torch.equal(weight.grad, torch.full((2,), 2.0))
     assert not torch.isfinite(after).all()

@@ -172,14 +172,16 @@ class OpFlags:
             stacked = torch.stack(flags).to(device)
         except RuntimeError:  # flags on several devices
             stacked = torch.stack([f.to(device) for f in flags])
+        # The 0-dim flags go now: a check waiting for its copy keeps only the one tensor.
+        self.outputs, self.inputs, self.weights = [], [], []
         return torch.isfinite(stacked).float()
 
     def __len__(self) -> int:
-        return 3 * len(self.outputs)
+        return 3 * len(self.sites)
 
     def origin(self, values: Sequence[float]) -> Origin | None:
         """The origin from this step's read values (`stacked`, on the host)."""
-        count = len(self.outputs)
+        count = len(self.sites)
         return first_origin(
             values[:count], values[count : 2 * count], values[2 * count :], self.sites
         )
@@ -293,6 +295,8 @@ class OpWatch(TorchFunctionMode):
         """At the close: the step's flags (None if none), the tables emptied, the mode popped
         if it is on top of this thread's stack (otherwise it stays, idle, until a later close)."""
         self.watching = False
+        if self.pushed_on is None and not self._outputs and not self._missed:
+            return None  # a step not watched (the default's healthy steps): nothing to do
         if self.pushed_on == get_ident() and self._on_top():
             torch._C._pop_torch_function_stack()
             self.pushed_on = None
