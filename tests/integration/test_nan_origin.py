@@ -191,3 +191,40 @@ def test_a_device_whose_checks_are_read_late_still_names_the_origin_without_a_sy
     assert [a["step"] for a in loss] == [3]
     origin = loss[0]["origin"]
     assert (origin["op"], origin["line"], origin.get("module")) == ("torch.sqrt", line, None)
+
+
+def test_a_compiled_model_computes_the_same_bits_and_its_line_is_the_jobs(tmp_path: Path) -> None:
+    """torch.compile traces the watch's mode as a plain call (it would otherwise break the graph
+    and run the region eagerly: step 4's loss differed in its last bits); the calls the
+    compiled code makes at run time are named at the job's line that called it, not in
+    inductor's generated files."""
+    import subprocess
+    import sys
+
+    from cli_harness import scrubbed_env
+
+    job = JOBS / "compiled.py"
+    env = scrubbed_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    plain = subprocess.run(
+        [sys.executable, str(job)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert plain.returncode == 0, plain.stderr
+    recording = tmp_path / "x.memtui"
+    run = run_memtui(
+        "run", "--headless", "--nan-check", "full", "-o", str(recording), str(job),
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+
+    def losses(output: str) -> list[str]:
+        return [line for line in output.splitlines() if line.startswith("LOSS")]
+
+    assert losses(run.stdout) == losses(plain.stdout) and len(losses(plain.stdout)) == 6
+    report = run_memtui("report", "--json", str(recording), cwd=tmp_path, env=env)
+    line, constants = _marked("compiled.py")
+    loss = _nonfinite(json.loads(report.stdout)["alerts"], constants["BAD_STEP"])["nonfinite_loss"]
+    assert (loss["origin"]["file"], loss["origin"]["line"], loss["origin"]["in_input"]) == (
+        str(job),
+        line,
+        True,
+    )

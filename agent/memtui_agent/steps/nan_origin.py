@@ -40,6 +40,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode, resolve_name
 
@@ -49,7 +50,7 @@ MAX_OPS = 4096
 """Calls flagged per step: the flags (three 0-dim device tensors a call) and sites stay
 bounded whatever the step does."""
 
-_SKIPPED_DIRS = (
+_SKIPPED_DIRS: tuple[str, ...] = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # memtui_agent
 )
@@ -199,6 +200,8 @@ class OpWatch(TorchFunctionMode):
         """The thread whose torch function stack holds this mode."""
         self.broken = False
         """An error met while flagging: the watch is off for the rest of the job."""
+        self._skipped = _SKIPPED_DIRS
+        """Folders whose frames are not the job's line: torch, the agent, inductor's code."""
         self._reset()
 
     def _reset(self) -> None:
@@ -220,6 +223,10 @@ class OpWatch(TorchFunctionMode):
     ) -> Any:
         if kwargs is None:
             kwargs = {}
+        if is_compiling():
+            # Traced by torch.compile: only the call, so the graph is the job's own (anything
+            # more here would break it and run the region eagerly, with other numerics).
+            return func(*args, **kwargs)
         if self.watching and func in _BACKWARDS:
             self.watching = False  # the forward and loss are over: the rest is the update's
         result = func(*args, **kwargs)
@@ -240,7 +247,7 @@ class OpWatch(TorchFunctionMode):
         if len(self._outputs) >= MAX_OPS:
             self._missed += 1
             return
-        frame, agent = job_line(sys._getframe(2))
+        frame, agent = job_line(sys._getframe(2), self._skipped)
         if frame is None or agent:
             return  # no job frame, or the agent's own call (a probe in a module hook)
         data: torch.Tensor | None = None
@@ -284,6 +291,7 @@ class OpWatch(TorchFunctionMode):
         """A watched forward begins on the calling thread: push the mode (if not there)."""
         if self.broken:
             return
+        self._skipped = _SKIPPED_DIRS + _generated_code()
         ident = get_ident()
         if self.pushed_on is None:
             torch._C._push_on_torch_function_stack(self)
@@ -344,3 +352,16 @@ def origin_words(origin: schema.NanOrigin) -> str:
 def poisoned_by(step: int) -> str:
     """What a step after the weights went non-finite says instead of an origin."""
     return f"the weights were poisoned by step {step}'s update"
+
+
+def _generated_code() -> tuple[str, ...]:
+    """The folder of the code torch.compile's inductor wrote, once it has compiled (its calls
+    into torch run from there; the job's line is the one that called the compiled region)."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is None:
+        return ()
+    try:
+        folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or utils.default_cache_dir()
+    except Exception:  # its own error: the generated files are then named as they are
+        return ()
+    return (os.path.abspath(folder) + os.sep,)
