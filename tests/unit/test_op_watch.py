@@ -135,3 +135,31 @@ def test_the_mode_stays_idle_under_a_mode_pushed_above_it() -> None:
         assert watch.take() is None  # not on top: left in place, idle
         assert watch.pushed_on is not None
     assert watch.take() is None and watch.pushed_on is None
+
+
+class _Counted(torch.Tensor):
+    """A job's tensor subclass: its `__torch_function__` is the job's code."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        _Counted.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+
+
+def test_the_watch_runs_no_subclass_code_and_skips_meta_tensors() -> None:
+    x = torch.ones(3).as_subclass(_Counted)
+    _Counted.calls = 0
+    x * 2.0
+    alone = _Counted.calls
+    watch = OpWatch([])
+    watch.start()
+    _Counted.calls = 0
+    x * 2.0
+    torch.ones(3, device="meta") * 2.0
+    watched = _Counted.calls
+    assert watch.take() is None  # neither a subclass's output nor a meta one is flagged
+    assert watched == alone

@@ -44,6 +44,7 @@ from torch.compiler import is_compiling
 from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from memtui_agent.memory.ledger import local_tensor
 from memtui_protocol import schema
 
 MAX_OPS = 4096
@@ -131,15 +132,33 @@ def op_name(func: Callable[..., Any]) -> str:
     return str(name or getattr(func, "__name__", "an operation"))
 
 
+_PLAIN = (torch.Tensor, Parameter)
+
+
 def _floating(value: object) -> list[torch.Tensor]:
-    """Floating-point tensors with elements at the first level of a call's output."""
+    """Floating-point tensors with elements at the first level of a call's input or output, as
+    the agent may read them: a DTensor's local shard (the DTensor itself would run a
+    collective), plain tensors only (a subclass's `__torch_function__` is the job's code; a
+    meta tensor has no values)."""
     if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() and value.numel() else []
-    if isinstance(value, (list, tuple)):
-        return [
-            v for v in value if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
-        ]
-    return []
+        items: Sequence[object] = (value,)
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        return []
+    found = []
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            continue
+        tensor = local_tensor(item)
+        if (
+            type(tensor) in _PLAIN
+            and tensor.is_floating_point()
+            and not tensor.is_meta
+            and tensor.numel()
+        ):
+            found.append(tensor)
+    return found
 
 
 def _probe(tensor: torch.Tensor) -> torch.Tensor:
