@@ -277,7 +277,7 @@ class OpWatch(TorchFunctionMode):
                 if id(tensor) in written:
                     continue
                 flag = self._flag(tensor)
-                if type(tensor) is Parameter or isinstance(tensor, Parameter):
+                if type(tensor) is Parameter:  # `_floating` keeps plain types only
                     weights = flag if weights is None else weights + flag.to(weights.device)
                 else:
                     data = flag if data is None else data + flag.to(data.device)
