@@ -2,6 +2,7 @@
 
     python benchmarks/agent_cpu.py stack            # the 601-module model, defaults
     python benchmarks/agent_cpu.py bert every       # needs transformers
+    python benchmarks/agent_cpu.py gpt --nan-check full
 
 Wall-clock ratios (`activations_cost.py`) move with whatever else the machine runs; the CPU
 time the agent's own code takes inside a step does far less. Each entry point the job's thread
@@ -53,6 +54,7 @@ def main() -> int:
     parser.add_argument("activations", nargs="?", default="auto")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--nan-check", default="default", help="off, default or full")
     args = parser.parse_args()
 
     import torch
@@ -73,7 +75,9 @@ def main() -> int:
 
     import memtui_agent
 
-    memtui_agent.start(record=None, socket=False, activations=args.activations)
+    memtui_agent.start(
+        record=None, socket=False, activations=args.activations, nan_check=args.nan_check
+    )
     job = build_job(args.job, False)
     for _ in range(args.warmup):
         job.step()

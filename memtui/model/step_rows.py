@@ -220,7 +220,7 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
                 step=group,
                 kind=AlertKind.GROUPED,
                 message=f"{len(members)} more alerts on steps {steps[0]}-{steps[-1]}: they follow "
-                f"from step {group} (weights non-finite since then)",
+                f"from step {group} (the weights were poisoned by its update)",
                 where=None,
                 group=group,
                 key=f"group-{group}",

@@ -126,6 +126,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
                 message=item.alert.message,
                 where=item.alert.where,
                 group=item.alert.group,
+                origin=item.alert.origin,
             )
             for item in alerts
         ],
@@ -221,6 +222,7 @@ def alert_entry(item: StepAlert) -> RunAlert:
         message=alert.message,
         where=alert.where,
         group=alert.group,
+        origin=alert.origin,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from memtui.model.leaks import CensusTally
+from memtui_protocol.schema import NanOrigin
 
 REPORT_FORMAT = "memtui-report"
 REPORT_VERSION = 2
@@ -78,6 +79,8 @@ class AlertEntry(msgspec.Struct, omit_defaults=True):
     message: str
     where: str | None
     group: int | None = None
+    origin: NanOrigin | None = None
+    """The call that made a non-finite alert's first NaN/Inf, when the agent watched it."""
 
 
 class RunAlert(msgspec.Struct, omit_defaults=True):
@@ -89,6 +92,7 @@ class RunAlert(msgspec.Struct, omit_defaults=True):
     message: str
     where: str | None
     group: int | None = None
+    origin: NanOrigin | None = None
 
 
 class ModuleEntry(msgspec.Struct):

@@ -341,12 +341,31 @@ class Host(msgspec.Struct, frozen=True, omit_defaults=True):
     system_used: int | None = None
 
 
+class NanOrigin(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The torch call that made a step's first NaN/Inf (`--nan-check full`, or the steps armed
+    after an alarm; docs/design.md#nan-checks).
+
+    `op` is torch's name for the call (`torch.log`), `file`/`line` the job's line that made it.
+    `module` names the module whose forward ran it; None: outside any module (the loss).
+    `in_input`: its data inputs were already non-finite (the batch held the NaN/Inf), so the
+    call only met it first; `in_weights`: its parameters were (loaded or written so).
+    """
+
+    op: str
+    file: str
+    line: int
+    module: str | None = None
+    in_input: bool = False
+    in_weights: bool = False
+
+
 class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     """Something the user should act on. `kind` is one of the alert kinds of
     docs/report-format.md#alert-kinds.
 
     `group` is the step of an earlier alert this one follows from (e.g. every step after the
-    weights turned non-finite), so viewers can fold it under that first alert.
+    weights turned non-finite), so viewers can fold it under that first alert. `origin`: the
+    call that made the step's first NaN/Inf (non-finite alerts whose forward was watched).
     """
 
     kind: str
@@ -354,6 +373,8 @@ class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     message: str
     where: str | None = None
     group: int | None = None
+    origin: NanOrigin | None = None
+    """For non-finite alerts: the call that made the first NaN/Inf, when it was watched."""
 
 
 class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):

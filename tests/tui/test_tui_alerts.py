@@ -40,7 +40,7 @@ def nan_messages(builder: ModuleType) -> list[schema.Message]:
             message = msgspec.structs.replace(message, alerts=[forecast, *message.alerts])
         if isinstance(message, schema.Step) and message.step >= NAN_FROM:
             group = NAN_FROM if message.step > NAN_FROM else None
-            suffix = f" (weights non-finite since step {NAN_FROM})" if group else ""
+            suffix = f" (the weights were poisoned by step {NAN_FROM}'s update)" if group else ""
             alert = schema.Alert(
                 kind="nonfinite_gradient", message=GRADIENTS + suffix, where=NAMES, group=group
             )

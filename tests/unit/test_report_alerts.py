@@ -59,7 +59,7 @@ def test_follow_on_alerts_are_one_line_as_on_screen(tmp_path: Path, builder: Mod
     folded = [line for line in section if ": grouped: " in line]
     assert folded == [
         "  note    step 20: grouped: 8 more alerts on steps 21-24: they follow from step 20 "
-        "(weights non-finite since then)"
+        "(the weights were poisoned by its update)"
     ]
     # The screen folds the same alerts into the same row.
     session = Session(live=False)

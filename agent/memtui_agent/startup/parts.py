@@ -95,7 +95,7 @@ def build_parts(
     arming = HookArming(unpack)
     piles = PersistentPiles(registry, ledger, arming)
     budget = Budget(config.budget)
-    health = HealthMonitor(config.nan_check)
+    health = HealthMonitor(config.nan_check, phase.stack)
     switch = GateSwitch(arming, registry, piles, phase.stack, switches)
     unhooked = UnhookedSaves(ledger, NO_MODULE)
     heap = heap_reader()
@@ -213,8 +213,9 @@ class AgentParts:
         self.tracker.install()
 
     def remove(self) -> None:
-        """Remove every hook and wrapper."""
+        """Remove every hook and wrapper (and the op watch's mode, if it is on top here)."""
         self.tracker.remove()
+        self.closer.health.ops.take()
 
     def stop_sampling(self) -> None:
         """Stop the DataLoader workers' sampler thread (the agent leaves)."""

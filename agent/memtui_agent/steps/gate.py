@@ -211,6 +211,8 @@ class ActivationGate:
             self.signatures.aside(lambda: self._switch.arm(module))
         if self._switch.armed and self._switch.pack_missing:
             self._blind = True
+        if self.probing:
+            self._health.forward_starts()  # which call makes a NaN (`nan_origin`)
 
     def forward_unseen(self) -> None:
         """A measured forward began where the agent's saved-tensor pair cannot count it (the job's

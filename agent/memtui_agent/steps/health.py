@@ -32,9 +32,19 @@ import operator
 import weakref
 from collections.abc import Callable, Sequence
 
+import msgspec
 import torch
 
 from memtui_agent.memory.ledger import local_tensor
+from memtui_agent.steps.nan_origin import (
+    OpFlags,
+    OpWatch,
+    Origin,
+    origin_site,
+    origin_words,
+    poisoned_by,
+    wire_origin,
+)
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, NanCheck
 
@@ -58,14 +68,20 @@ def make_event(device: torch.device) -> torch.cuda.Event:
 class _Deferred:
     """One step's check results on their way to the host (pinned copy behind an event)."""
 
-    __slots__ = ("event", "host", "module_ids", "skipped", "step")
+    __slots__ = ("event", "host", "module_ids", "ops", "skipped", "step")
 
     def __init__(
-        self, step: int, checks: torch.Tensor, skipped: bool, module_ids: list[int]
+        self,
+        step: int,
+        checks: torch.Tensor,
+        skipped: bool,
+        module_ids: list[int],
+        ops: OpFlags | None,
     ) -> None:
         self.step = step
         self.skipped = skipped
         self.module_ids = module_ids
+        self.ops = ops
         self.host = checks.to("cpu", non_blocking=True)
         self.event = make_event(checks.device)
 
@@ -191,8 +207,14 @@ def _host_checks(groups: Groups, losses: list[torch.Tensor]) -> list[float]:
 class HealthMonitor:
     """Per-step finiteness state: armed module checks, and when the weights went bad."""
 
-    def __init__(self, mode: schema.NanCheck = schema.NanCheck.DEFAULT) -> None:
+    def __init__(
+        self, mode: schema.NanCheck = schema.NanCheck.DEFAULT, stack: list[int] | None = None
+    ) -> None:
+        """`stack`: the module stack the counting hooks keep (the op watch names the module
+        running each call from it)."""
         self.mode = mode
+        self.ops = OpWatch(stack if stack is not None else [])
+        """Which torch call made the first NaN/Inf, on the steps whose modules are watched."""
         self.armed_until = 0
         self.weights_bad_since: int | None = None
         self._module_flags: list[ModuleFlag] = []
@@ -204,6 +226,11 @@ class HealthMonitor:
         """Whether module outputs are checked during this step."""
         mode = self.mode
         return mode is NanCheck.FULL or (mode is NanCheck.DEFAULT and step <= self.armed_until)
+
+    def forward_starts(self) -> None:
+        """A root module's forward starts on a watched step: watch its torch calls (and the
+        loss's, until the backward) from here (`nan_origin`)."""
+        self.ops.start()
 
     def module_output(self, module_id: int, args: object, output: object) -> None:
         """Record device flags for one module call (inputs finite, output finite)."""
@@ -246,22 +273,25 @@ class HealthMonitor:
         (`gradient_batch`), or None to group them here."""
         module_flags, self._module_flags = self._module_flags, []
         self._probed.clear()
+        ops = self.ops.take()
         if self.mode is NanCheck.OFF or (not grads and not losses and not module_flags):
             return []
         if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
             groups = _by_device_and_dtype(_checkable(grads))
-        if not module_flags and _on_host(groups, losses):
+        if not module_flags and not ops and _on_host(groups, losses):
             values = _host_checks(groups, losses)
             return self._judge(step, values, named, skipped, module_flags, module_name)
         checks = self._device_checks(groups, losses, module_flags)
         if checks is None:
             return []
+        if ops:  # the op watch's flags ride at the end of the same transfer
+            checks = torch.cat([checks, ops.stacked(checks.device)])
         if checks.device.type in DEFERRED_DEVICES:
             ids = [module_id for module_id, _, _ in module_flags]
-            self._deferred.append(_Deferred(step, checks, skipped, ids))
+            self._deferred.append(_Deferred(step, checks, skipped, ids, ops))
             return []
         values = checks.tolist()  # on the host already: no device to wait for
-        return self._judge(step, values, named, skipped, module_flags, module_name)
+        return self._judge(step, values, named, skipped, module_flags, module_name, ops)
 
     def collect(
         self,
@@ -283,7 +313,9 @@ class HealthMonitor:
             self._deferred.pop(0)
             flags = [(module_id, None, None) for module_id in deferred.module_ids]
             values = deferred.host.tolist()  # landed: reading pinned memory waits for nothing
-            alerts = self._judge(deferred.step, values, named, deferred.skipped, flags, module_name)
+            alerts = self._judge(
+                deferred.step, values, named, deferred.skipped, flags, module_name, deferred.ops
+            )
             if alerts:
                 found.append((deferred.step, alerts))
         return found
@@ -296,8 +328,14 @@ class HealthMonitor:
         skipped: bool,
         module_flags: Sequence[AnyModuleFlag],
         module_name: Callable[[int], str],
+        ops: OpFlags | None = None,
     ) -> list[schema.Alert]:
-        """The alerts that one step's check values call for (none when healthy)."""
+        """The alerts that one step's check values call for (none when healthy); the op
+        watch's values, if any, are the last `len(ops)`."""
+        origin = None
+        if ops:
+            origin = ops.origin(values[len(values) - len(ops) :])
+            values = values[: len(values) - len(ops)]
         grads_bad, loss_bad = values[0] > 0, values[1] > 0
         module_ok = values[2 : 2 + len(module_flags)]
         inputs_ok = values[2 + len(module_flags) :]
@@ -311,6 +349,7 @@ class HealthMonitor:
             module_flags,
             (module_ok, inputs_ok),
             module_name,
+            origin,
         )
 
     def _device_checks(
@@ -364,6 +403,7 @@ class HealthMonitor:
         module_flags: Sequence[AnyModuleFlag],
         module_checks: tuple[list[float], list[float]],
         module_name: Callable[[int], str],
+        origin: Origin | None = None,
     ) -> list[schema.Alert]:
         loss_bad, grads_bad = bad
         module_ok, inputs_ok = module_checks
@@ -371,7 +411,13 @@ class HealthMonitor:
         alerts: list[schema.Alert] = []
         if self.mode is NanCheck.DEFAULT and not skipped:
             self.armed_until = step + ARMED_STEPS
+        found = None
+        if origin is not None and grouped is None:
+            module = module_name(origin.module) if origin.module is not None else None
+            found = wire_origin(origin, module)
         for index, ok in enumerate(module_ok):
+            if grouped is not None:
+                break  # poisoned weights: no module is the origin (`poisoned_by`)
             if not ok:
                 module_id = module_flags[index][0]
                 where = module_name(module_id)
@@ -379,12 +425,17 @@ class HealthMonitor:
                     message = f"output of {where} turned non-finite from finite inputs"
                 else:
                     message = f"input of {where} was already non-finite (bad data or upstream)"
-                alerts.append(self._alert(AlertKind.NONFINITE_ACTIVATION, message, where, grouped))
+                if found is not None and found.module is not None:
+                    message += f": {origin_site(found)}"
+                activation = self._alert(AlertKind.NONFINITE_ACTIVATION, message, where, grouped)
+                alerts.append(msgspec.structs.replace(activation, origin=found))
                 break
         if loss_bad:
-            alerts.append(
-                self._alert(AlertKind.NONFINITE_LOSS, "the loss is NaN or Inf", None, grouped)
-            )
+            message = "the loss is NaN or Inf"
+            if found is not None:
+                message += ": " + origin_words(found)
+            loss = self._alert(AlertKind.NONFINITE_LOSS, message, None, grouped)
+            alerts.append(msgspec.structs.replace(loss, origin=found))
         if grads_bad and not skipped:
             names = self._nonfinite_names([(name, p.grad) for name, p in parameters])
             shown = ", ".join(names[:MAX_NAMES])
@@ -403,7 +454,7 @@ class HealthMonitor:
         self, kind: AlertKind, message: str, where: str | None, group: int | None
     ) -> schema.Alert:
         if group is not None:
-            message += f" (weights non-finite since step {group})"
+            message += f" ({poisoned_by(group)})"
         return schema.Alert(kind=kind, message=message, where=where, group=group)
 
     @staticmethod
