@@ -32,6 +32,7 @@ from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.metrics import TARGETS_FOLDER
 from memtui_protocol.notes import NOTES_VARIABLE
+from memtui_protocol.peak import PEAK_WORDS
 from memtui_protocol.safe_open import folder_refusal, make_folder, refusal, session_folder_mode
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
@@ -422,7 +423,7 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
     lines = [
         f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
-        f"highest piles: {outcome.piles}"
+        f"{outcome.peak}; highest piles: {outcome.piles}"
     ]
     lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
@@ -452,6 +453,8 @@ class Outcome:
     steps: int
     piles: str
     """The highest of each pile, formatted."""
+    peak: str
+    """The run's highest peak, as every view states it, with what it includes."""
     alerts: AlertTally
 
 
@@ -465,7 +468,7 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     from memtui.model.alert_summary import alert_tally
     from memtui.model.recording import read_recording
     from memtui.model.step_rows import NOT_KNOWN
-    from memtui.reports.report import pile_peaks
+    from memtui.reports.report import highest_peak, pile_peaks
 
     recording = read_recording(path)
     peaks = pile_peaks(recording)
@@ -475,7 +478,9 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     status = ending_words(
         recording.how_it_ended(stopped), path, code, recording.end, recording.recording_stopped
     )
-    return Outcome(status, len(recording.steps), piles, alert_tally(recording))
+    peak = highest_peak(recording.steps)
+    peak_words = f"peak {format_bytes(peak, missing=NOT_KNOWN)} ({PEAK_WORDS})"
+    return Outcome(status, len(recording.steps), piles, peak_words, alert_tally(recording))
 
 
 INTERRUPTED = "interrupted by Ctrl-C"
@@ -536,8 +541,8 @@ def _session_summary(folder: Path, code: int) -> str:
             continue
         alerts = outcome.alerts.line(None)
         lines.append(
-            f"memtui:   {name}: {outcome.status} after {outcome.steps} steps; highest piles: "
-            f"{outcome.piles}" + (f"; {alerts}" if alerts else "")
+            f"memtui:   {name}: {outcome.status} after {outcome.steps} steps; {outcome.peak}; "
+            f"highest piles: {outcome.piles}" + (f"; {alerts}" if alerts else "")
         )
     if len(files) > MAX_SUMMARY_RECORDINGS:
         lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")

@@ -21,9 +21,9 @@ from memtui.model.step_rows import (
     distributed_notes,
     folded_alerts,
     known_piles,
-    known_total,
     pile_figure,
     pile_of,
+    step_peak,
 )
 from memtui.reports.leak_report import (
     census_line,
@@ -51,6 +51,7 @@ from memtui.reports.report_format import (
     StepEntry,
     WorkersEntry,
 )
+from memtui_protocol.peak import PEAK_WORDS
 from memtui_protocol.schema import (
     AlertKind,
     ExitStatus,
@@ -94,7 +95,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         microbatches=step.microbatches,
         end=_piles(known_piles(step, step.end)),
         max=_piles(known_piles(step, step.max)),
-        peak=PeakEntry(total=peak.total, piles=_piles(peak)),
+        peak=PeakEntry(total=peak.total, piles=_piles(peak), held=step_peak(step)),
         dtypes={
             pile: {dtype: stat.bytes for dtype, stat in dtypes.get(pile, {}).items()}
             for pile in Pile
@@ -306,15 +307,13 @@ def peak_phases(recording: Recording) -> PeakPhases:
     if not steps:
         return PeakPhases(first_step=None, steady=None)
     if attached_late(recording):  # `memtui attach` into a running job: its first update is past
-        return PeakPhases(first_step=None, steady=_highest_total(steps))
-    return PeakPhases(
-        first_step=known_total(steps[0], steps[0].peak), steady=_highest_total(steps[1:])
-    )
+        return PeakPhases(first_step=None, steady=highest_peak(steps))
+    return PeakPhases(first_step=step_peak(steps[0]), steady=highest_peak(steps[1:]))
 
 
-def _highest_total(steps: list[Step]) -> int | None:
-    """The highest peak total among the steps that know theirs."""
-    totals = [total for step in steps if (total := known_total(step, step.peak)) is not None]
+def highest_peak(steps: list[Step]) -> int | None:
+    """The highest peak among the steps that know theirs (`step_peak`)."""
+    totals = [total for step in steps if (total := step_peak(step)) is not None]
     return max(totals, default=None)
 
 
@@ -472,14 +471,14 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append(f"  ({rule})")
     if steps:
         peaks = pile_peaks(recording)
-        totals = [(total, step) for step in steps if (total := known_total(step, step.peak))]
+        totals = [(total, step) for step in steps if (total := step_peak(step)) is not None]
         known = [step for _, step in totals]
         top_total, top = max(totals, key=lambda item: item[0]) if totals else (None, None)
         if top is None:
-            lines.append(f"peak tracked total: {NOT_KNOWN} (no step's activations are known)")
+            lines.append(f"peak ({PEAK_WORDS}): {NOT_KNOWN} (no step's activations are known)")
         else:
             lines.append(
-                f"peak tracked total: {size(top_total)} at step {top.step}"
+                f"peak ({PEAK_WORDS}): {size(top_total)} at step {top.step}"
                 + (" (of the steps whose activations are known)" if len(known) < len(steps) else "")
             )
         phases = peak_phases(recording)
