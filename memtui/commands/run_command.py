@@ -40,6 +40,7 @@ from memtui_protocol.units import format_bytes
 if TYPE_CHECKING:  # the summary's imports stay off the launcher's path (see `outcome_of`)
     from memtui.model.alert_summary import AlertTally
     from memtui.model.job_state import Ending
+    from memtui.model.recording import Recording
 
 
 class UsageError(errors.UsageError):
@@ -138,7 +139,7 @@ def build_job(
             name = first
         else:
             if shutil.which(first) is None:
-                raise UsageError(f"command not found: {first}")
+                raise UsageError(not_runnable(first))
             command = list(target)
             display = list(target)
             name = first
@@ -183,6 +184,26 @@ def build_job(
         session=config.session or "",
         force=force,
     )
+
+
+def not_runnable(first: str) -> str:
+    """Why `memtui run FIRST` cannot start FIRST, in one line the user can act on: a folder, a
+    file that is neither a Python script nor an executable, or no such command."""
+    path = Path(first)
+    shown = first  # made terminal-safe where the error is printed
+    try:
+        if path.is_dir():
+            return f"{shown} is a directory: give the training script inside it"
+        if path.is_file():
+            if os.access(path, os.X_OK):  # `which` looks a bare name up on PATH only
+                return f"{shown} is not on PATH: give it as ./{shown}"
+            return (
+                f"{shown} is neither a Python script (.py) nor an executable: give the training "
+                f"script, or `memtui run python {shown}` for a script of another name"
+            )
+    except OSError:  # a name too long, a folder we may not search: the command is not found
+        pass
+    return f"command not found: {shown}"
 
 
 def _say_if_unreachable(recording: Path) -> None:
@@ -336,6 +357,11 @@ def run_headless(job: JobSpec) -> int:
         why = terminal_safe(f"{job.display[0]}: {exc.strerror or exc}")
         print(f"memtui: cannot start {why}", file=sys.stderr)
         return 127
+    follower = None
+    if job.recording is None:  # the summary reads the job's socket instead
+        from memtui.commands.live_follow import LiveFollower
+
+        follower = LiveFollower(job.session, lambda: child.poll() is not None)
     forwarded = {}
 
     def forward(signum: int, _frame: object) -> None:
@@ -357,7 +383,11 @@ def run_headless(job: JobSpec) -> int:
     code = exit_code_of(returncode)
     for line in take_notes(job):
         print(line, file=sys.stderr)
-    print(terminal_safe(summary_line(job, code), keep_newlines=True), file=sys.stderr)
+    followed = follower.finish() if follower is not None else None
+    summary = summary_line(job, code, followed=followed)
+    if follower is not None and follower.lost is not None and followed is not None:
+        summary += f"\nmemtui: this covers what the job's socket delivered: {follower.lost}"
+    print(terminal_safe(summary, keep_newlines=True), file=sys.stderr)
     return code
 
 
@@ -367,7 +397,7 @@ FULL_BELOW = 1024 * 1024
 """Free bytes under which a folder counts as full (a frame or two would not fit)."""
 
 
-def incomplete_reason(recording: Path) -> str:
+def incomplete_reason(recording: Path | None) -> str:
     """Why a job that exited by itself left no final frame: a full disk, or the agent stopped.
 
     The agent cannot record that its own recording failed, so the folder's free space is the
@@ -381,8 +411,11 @@ def incomplete_reason(recording: Path) -> str:
     return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
 
 
-def folder_full(recording: Path) -> bool | None:
-    """Whether the recording's folder has no room for another frame (None: cannot tell)."""
+def folder_full(recording: Path | None) -> bool | None:
+    """Whether the recording's folder has no room for another frame (None: cannot tell, or
+    nothing was recorded)."""
+    if recording is None:
+        return None
     try:
         info = os.statvfs(recording.parent)
     except OSError:
@@ -393,12 +426,25 @@ def folder_full(recording: Path) -> bool | None:
 STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
 
 
-def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
+def summary_line(
+    job: JobSpec, code: int, stopped: bool = False, followed: Recording | None = None
+) -> str:
     """A few lines for the end of a run: how the job ended and where it was recorded.
 
     `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
-    say (the process dies without its final frame), so the summary does.
+    say (the process dies without its final frame), so the summary does. `followed`: what
+    memtui read from the job's socket (`--no-record`): the same summary, without a recording.
     """
+    if job.recording is None and followed is not None and followed.hello is not None:
+        outcome = outcome_from(followed, None, code, stopped)
+        lines = [
+            f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
+            f"{outcome.peak}; highest piles: {outcome.piles} (nothing recorded: --no-record)"
+        ]
+        alerts = outcome.alerts.line(None)
+        if alerts is not None:
+            lines.append(f"memtui: {alerts}")
+        return "\n".join(lines)
     exited = (
         f"job {INTERRUPTED} (exit code {code})"
         if code == SIGINT_CODE
@@ -465,12 +511,20 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     Raises:
         RecordingError: the recording cannot be read.
     """
-    from memtui.model.alert_summary import alert_tally
     from memtui.model.recording import read_recording
+
+    return outcome_from(read_recording(path), path, code, stopped)
+
+
+def outcome_from(
+    recording: Recording, path: Path | None, code: int | None, stopped: bool = False
+) -> Outcome:
+    """`outcome_of` for a recording already read (or followed live: `path` None, nothing
+    was recorded)."""
+    from memtui.model.alert_summary import alert_tally
     from memtui.model.step_rows import NOT_KNOWN
     from memtui.reports.report import highest_peak, pile_peaks
 
-    recording = read_recording(path)
     peaks = pile_peaks(recording)
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
@@ -491,7 +545,7 @@ an uncaught KeyboardInterrupt reproduces."""
 
 def ending_words(
     ending: Ending,
-    path: Path,
+    path: Path | None,
     code: int | None,
     end: schema.End | None = None,
     unrecorded: str | None = None,
