@@ -15,6 +15,7 @@ import msgspec
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.job_state import unrecorded_words
 from memtui.model.recording import Recording, StepAlert, alert_rows
+from memtui.model.step_ranges import steps_words
 from memtui.model.step_rows import (
     NOT_KNOWN,
     activations_known,
@@ -352,34 +353,27 @@ def activation_line(steps: list[Step]) -> str | None:
     if carried:
         line += f", carried on {carried} (each repeats a measured step's figures)"
     if unknown:
-        line += f", {NOT_KNOWN} on {unknown} (no activation figures are shown for them)"
-        line += "; " + not_known_steps(steps)
+        line += f", {NOT_KNOWN} on {unknown} ({not_known_steps(steps)}); no activation figures "
+        line += "are shown for them"
     return line
 
 
-MAX_STEPS_NAMED = 8
-"""Steps named per reason in the text report's activation line (`--json` has every step's)."""
-
-
 def not_known_steps(steps: list[Step]) -> str:
-    """Which steps' activations are not known, grouped by the step whose `activations_vary`
-    alert says why (`Step.activations_why_at`), so each can be traced to its reason."""
+    """Which steps' activations are not known (`steps 2, 5-7, 12 and 3 more`), grouped by the
+    step whose `activations_vary` alert says why (`Step.activations_why_at`), so each can be
+    traced to its reason."""
     by_reason: dict[int | None, list[int]] = {}
     for step in steps:
         if not activations_known(step):
             by_reason.setdefault(step.activations_why_at, []).append(step.step)
     parts = []
     for why_at, numbers in by_reason.items():
-        named = ", ".join(str(number) for number in numbers[:MAX_STEPS_NAMED])
-        if len(numbers) > MAX_STEPS_NAMED:
-            named += f" and {len(numbers) - MAX_STEPS_NAMED} more"
-        word = "step" if len(numbers) == 1 else "steps"
         reason = (
             f"why: the alert of step {why_at}"
             if why_at is not None
             else "why not recorded: --activations off, or an older recording"
         )
-        parts.append(f"{word} {named} ({reason})")
+        parts.append(f"{steps_words(numbers)}, {reason}")
     return "; ".join(parts)
 
 
