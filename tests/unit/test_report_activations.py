@@ -77,8 +77,7 @@ def test_the_steps_not_known_are_named_as_ranges(builder: ModuleType) -> None:
 
     text = _report([unknown(m) for m in messages])
     assert (
-        "not known on 13 (steps 2, 5-7, 9, 12, 14, 16, 18, 20 and 3 more, why: the alert of "
-        "step 2)"
+        "not known on 13 (steps 2, 5-7, 9, 12, 14, 16, 18, 20 and 3 more, why: the alert of step 2)"
     ) in text
 
 
