@@ -438,8 +438,8 @@ def summary_line(
     if job.recording is None and followed is not None and followed.hello is not None:
         outcome = outcome_from(followed, None, code, stopped)
         lines = [
-            f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
-            f"{outcome.peak}; highest piles: {outcome.piles} (nothing recorded: --no-record)"
+            f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()} "
+            "(nothing recorded: --no-record)"
         ]
         alerts = outcome.alerts.line(None)
         if alerts is not None:
@@ -455,6 +455,11 @@ def summary_line(
     if job.recording.is_dir():
         return _session_summary(job.recording, code)
     if not job.recording.exists():
+        if code == SIGINT_CODE:
+            return (
+                f"memtui: {exited} before its first step; no recording was written (the job "
+                "had not imported torch yet)"
+            )
         return (
             f"memtui: {exited}; no recording was written (the job never imported torch, or the "
             "agent could not start)"
@@ -467,10 +472,7 @@ def summary_line(
         outcome = outcome_of(job.recording, code, stopped)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    lines = [
-        f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
-        f"{outcome.peak}; highest piles: {outcome.piles}"
-    ]
+    lines = [f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()}"]
     lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
@@ -501,7 +503,18 @@ class Outcome:
     """The highest of each pile, formatted."""
     peak: str
     """The run's highest peak, as every view states it, with what it includes."""
+
     alerts: AlertTally
+    last_step: int | None = None
+    """The number of the last step recorded (None: none)."""
+
+    def so_far(self) -> str:
+        """`after 12 steps; peak ...; highest piles: ...`, or `before its first step` (a run
+        with no step has no figures worth a line: every pile would read 0)."""
+        if not self.steps:
+            return "before its first step"
+        at = f" (the last: step {self.last_step})" if self.last_step != self.steps else ""
+        return f"after {self.steps} steps{at}; {self.peak}; highest piles: {self.piles}"
 
 
 def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
@@ -534,7 +547,10 @@ def outcome_from(
     )
     peak = highest_peak(recording.steps)
     peak_words = f"peak {format_bytes(peak, missing=NOT_KNOWN)} ({PEAK_WORDS})"
-    return Outcome(status, len(recording.steps), piles, peak_words, alert_tally(recording))
+    last = recording.steps[-1].step if recording.steps else None
+    return Outcome(
+        status, len(recording.steps), piles, peak_words, alert_tally(recording), last_step=last
+    )
 
 
 INTERRUPTED = "interrupted by Ctrl-C"
@@ -595,8 +611,8 @@ def _session_summary(folder: Path, code: int) -> str:
             continue
         alerts = outcome.alerts.line(None)
         lines.append(
-            f"memtui:   {name}: {outcome.status} after {outcome.steps} steps; {outcome.peak}; "
-            f"highest piles: {outcome.piles}" + (f"; {alerts}" if alerts else "")
+            f"memtui:   {name}: {outcome.status} {outcome.so_far()}"
+            + (f"; {alerts}" if alerts else "")
         )
     if len(files) > MAX_SUMMARY_RECORDINGS:
         lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")

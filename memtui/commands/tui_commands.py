@@ -154,10 +154,19 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
             source, ranks = _live_source(job_spec, job)
             shown = True
             run_app(MemtuiApp(source, job=job, ranks=ranks))
+    except KeyboardInterrupt:  # Ctrl-C before the screen (or outside it): the job's Ctrl-C
+        try:
+            job.interrupt()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop it now
+            job.terminate(grace=0.0)
     finally:
         if job.poll() is None:
             job.terminate()
     code = job.wait()
+    if not shown:  # what the job printed after the last echo (its KeyboardInterrupt)
+        for line in job.lines_after(start.echoed):
+            print(terminal_safe(line), file=sys.stderr)
+    job.discard_empty_log()  # a log of memtui's first line alone says nothing
     if job.stopped:  # memtui sent the SIGTERM: the recordings say so (the job could not)
         from memtui.commands.stop_record import record_stop
 
