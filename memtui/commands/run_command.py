@@ -509,10 +509,11 @@ class Outcome:
     """The number of the last step recorded (None: none)."""
 
     def so_far(self) -> str:
-        """`after 12 steps; peak ...; highest piles: ...`, or `before its first step` (a run
-        with no step has no figures worth a line: every pile would read 0)."""
+        """`after 12 steps; peak ...; highest piles: ...`; a run with no step has no figures
+        worth a line (every pile would read 0): `after 0 steps`, or `before its first step`
+        for a job Ctrl-C interrupted."""
         if not self.steps:
-            return "before its first step"
+            return "before its first step" if self.status == INTERRUPTED else "after 0 steps"
         at = f" (the last: step {self.last_step})" if self.last_step != self.steps else ""
         return f"after {self.steps} steps{at}; {self.peak}; highest piles: {self.piles}"
 

@@ -43,6 +43,12 @@ import torch
 """
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A terminal's job gets Ctrl-C's default action; a suite started in the background hands
+    its children SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(marker: Path, process: subprocess.Popen[str] | int) -> None:
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -60,6 +66,7 @@ def test_headless_ctrl_c_says_where_the_job_stopped(tmp_path: Path, steps: int) 
         [*MEMTUI, "run", "--headless", "-o", "X", "job.py", str(marker), str(steps)],
         cwd=tmp_path, env=scrubbed_env(tmp_path / "rt"), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
     )  # fmt: skip
     wait_for(marker, process)
     os.killpg(process.pid, signal.SIGINT)  # the terminal's Ctrl-C: memtui and the job
@@ -77,6 +84,7 @@ def on_terminal(argv: list[str], cwd: Path, marker: Path) -> tuple[int, str]:
     the terminal showed."""
     pid, fd = pty.fork()
     if pid == 0:  # pragma: no cover - the child
+        sigint_as_in_a_terminal()
         os.chdir(cwd)
         os.execve(argv[0], argv, scrubbed_env(cwd / "rt", TERM="xterm"))
     shown = b""
