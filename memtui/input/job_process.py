@@ -181,10 +181,11 @@ class JobProcess:
             return False
         return True
 
-    def wait(self) -> int:
-        """Block until the job ends; its exit code."""
+    def wait(self, drain: float = 2.0) -> int:
+        """Block until the job ends; its exit code. Its output is read to the end for up to
+        `drain` seconds more (a process the job left behind may hold the pipe open)."""
         self.process.wait()
-        self._reader.join(timeout=2.0)
+        self._reader.join(timeout=drain)
         code = self.poll()
         return 0 if code is None else code
 
