@@ -86,6 +86,10 @@ def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
+RUNNER = "memtui_agent.startup.runner"
+"""What runs a script or `-m` module under memtui (`python -m RUNNER`)."""
+
+
 def launches_ranks(target: list[str], module: str | None) -> bool:
     """Whether the command is a torch distributed launcher (torchrun), which starts ranks."""
     if module in LAUNCHER_MODULES:
@@ -124,7 +128,7 @@ def build_job(
         env.pop(variable, None)
     through_bootstrap = False
     if module is not None:
-        command = [sys.executable, "-m", "memtui_agent.startup.runner", "--module", module, *target]
+        command = [sys.executable, "-m", RUNNER, "--module", module, *target]
         display = ["python", "-m", module, *target]
         name = module
     else:
@@ -134,7 +138,7 @@ def build_job(
         if first.endswith(".py"):
             if not Path(first).is_file():
                 raise UsageError(f"no such script: {first}")
-            command = [sys.executable, "-m", "memtui_agent.startup.runner", *target]
+            command = [sys.executable, "-m", RUNNER, *target]
             display = ["python", *target]
             name = first
         else:
@@ -184,6 +188,13 @@ def build_job(
         session=config.session or "",
         force=force,
     )
+
+
+def one_process(job: JobSpec) -> bool:
+    """Whether the job is one monitored process (a script or `-m` module memtui's runner
+    starts), not a launcher's ranks nor a `-- COMMAND` that may start several: then its one
+    socket tells the whole run."""
+    return RUNNER in job.command[:3] and not launches_ranks(job.display, None)
 
 
 def not_runnable(first: str) -> str:
@@ -358,7 +369,7 @@ def run_headless(job: JobSpec) -> int:
         print(f"memtui: cannot start {why}", file=sys.stderr)
         return 127
     follower = None
-    if job.recording is None:  # the summary reads the job's socket instead
+    if job.recording is None and one_process(job):  # the summary reads its socket instead
         from memtui.commands.live_follow import LiveFollower
 
         follower = LiveFollower(job.session, lambda: child.poll() is not None)
