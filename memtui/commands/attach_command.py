@@ -329,6 +329,6 @@ def detached_lines(path: Path) -> list[str]:
     except RecordingError as exc:
         return [f"memtui: recording unreadable: {terminal_safe(str(exc))}"]
     return [
-        f"memtui: recorded {outcome.steps} steps; highest piles: {outcome.piles}",
+        f"memtui: recorded {outcome.steps} steps; {outcome.peak}; highest piles: {outcome.piles}",
         *recording_lines(outcome, path),
     ]

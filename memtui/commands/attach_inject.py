@@ -34,8 +34,7 @@ from memtui.commands.attach_target import (
     Pin,
     Target,
     confirm_pin,
-    ptrace_message,
-    ptrace_scope,
+    ptrace_denied,
     release_pin,
 )
 from memtui_protocol.attach import Action, Answer, AttachRequest, read_reply
@@ -189,7 +188,7 @@ def explain_gdb(pid: int, output: str, timed_out: bool, seconds: float) -> None:
     if "ptrace:" in output and "MEMTUI_ATTACHED" not in output:
         if "No such process" in output:
             raise AttachRefused(f"no process with pid {pid} (it has ended?)")
-        raise AttachRefused(f"gdb could not trace pid {pid}: {ptrace_message(ptrace_scope())}")
+        raise AttachRefused(f"gdb could not trace pid {pid}: {ptrace_denied(pid)}")
     if "MEMTUI_ATTACHED" in output and "MEMTUI_PYTHON" not in output:
         raise AttachRefused(f"pid {pid} has no Python C API that gdb can find (a stripped Python?)")
     if "MEMTUI_PENDING" in output:
@@ -224,7 +223,7 @@ def deliver_remote_exec(pid: int, script: Path) -> None:
         raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
     except PermissionError:
         raise AttachRefused(
-            f"not permitted to write into pid {pid}: {ptrace_message(ptrace_scope())}"
+            f"not permitted to write into pid {pid}: {ptrace_denied(pid)}"
         ) from None
     except (RuntimeError, OSError) as exc:
         if "disable" in str(exc).lower():

@@ -175,9 +175,7 @@ def _checked(pid: int, pin: Pin, need_torch: bool) -> Target:
     folder = PROC / str(pid)
     uid = pin.uid
     if uid != os.getuid():
-        raise AttachRefused(
-            f"pid {pid} belongs to another user (uid {uid}): run memtui attach as that user"
-        )
+        raise AttachRefused(another_user(pid, uid))
     try:
         maps = (folder / "maps").read_text(errors="replace")
         exe = os.readlink(folder / "exe")
@@ -189,7 +187,7 @@ def _checked(pid: int, pin: Pin, need_torch: bool) -> Target:
     except FileNotFoundError:
         raise AttachRefused(f"no process with pid {pid} (it has ended?)") from None
     except PermissionError:
-        raise AttachRefused(f"cannot read /proc/{pid}: {ptrace_message(ptrace_scope())}") from None
+        raise AttachRefused(f"cannot read /proc/{pid}: {ptrace_denied(pid)}") from None
     version = python_version(maps, exe)
     if version is None:
         raise AttachRefused(f"pid {pid} is not a Python process (it runs {exe})")
@@ -326,9 +324,146 @@ def _gdb_has_ptrace_capability() -> bool:
 
 
 def ptrace_message(scope: int | None) -> str:
-    """The one line for a trace the kernel refused, with the fix."""
-    policy = f" (kernel.yama.ptrace_scope={scope})" if scope is not None else ""
-    return f"ptrace is not permitted here{policy}: {PTRACE_FIX}"
+    """The one line for Yama's policy refusing a trace, with its value and the fix."""
+    meaning = SCOPE_MEANINGS.get(scope, "") if scope is not None else ""
+    policy = f" (kernel.yama.ptrace_scope={scope}{': ' + meaning if meaning else ''})"
+    return f"ptrace is not permitted here{policy if scope is not None else ''}: {PTRACE_FIX}"
+
+
+SCOPE_MEANINGS = {
+    1: "a process may trace only its own descendants",
+    2: "only a tracer with CAP_SYS_PTRACE may trace",
+}
+CAPABILITY_NAMES = (
+    "chown",
+    "dac_override",
+    "dac_read_search",
+    "fowner",
+    "fsetid",
+    "kill",
+    "setgid",
+    "setuid",
+    "setpcap",
+    "linux_immutable",
+    "net_bind_service",
+    "net_broadcast",
+    "net_admin",
+    "net_raw",
+    "ipc_lock",
+    "ipc_owner",
+    "sys_module",
+    "sys_rawio",
+    "sys_chroot",
+    "sys_ptrace",
+    "sys_pacct",
+    "sys_admin",
+    "sys_boot",
+    "sys_nice",
+    "sys_resource",
+    "sys_time",
+    "sys_tty_config",
+    "mknod",
+    "lease",
+    "audit_write",
+    "audit_control",
+    "setfcap",
+    "mac_override",
+    "mac_admin",
+    "syslog",
+    "wake_alarm",
+    "block_suspend",
+    "audit_read",
+    "perfmon",
+    "bpf",
+    "checkpoint_restore",
+)
+"""Linux capabilities by bit (capability.h), for naming what a process holds that we lack."""
+CONTAINER_MARKERS = (Path("/.dockerenv"), Path("/run/.containerenv"))
+
+
+def ptrace_denied(
+    pid: int,
+    scope_file: Path = PTRACE_SCOPE,
+    own_status: Path | None = None,
+    target_status: Path | None = None,
+) -> str:
+    """Why the kernel refused to let memtui read or trace `pid`, told apart from what can be
+    read: Yama's policy (only where it exists and forbids it: the sysctl hint with its actual
+    value), another user's process, a process holding capabilities memtui lacks, a container
+    without CAP_SYS_PTRACE; else the causes left (a process that is not dumpable, a security
+    module), never a fix that does not apply here."""
+    own = own_status or PROC / "self" / "status"
+    target = target_status or PROC / str(pid) / "status"
+    scope = ptrace_scope(scope_file)
+    traces = has_capability(CAP_SYS_PTRACE, own)
+    if scope == 3:
+        return "ptrace is disabled on this machine until reboot (kernel.yama.ptrace_scope=3)"
+    if scope in (1, 2) and not traces:
+        return ptrace_message(scope)
+    try:
+        owner = _field(target.read_text(), "Uid")
+    except OSError:
+        return f"no process with pid {pid} (it has ended?)"
+    if owner is not None and owner != os.getuid():
+        return another_user(pid, owner)
+    extra = _capabilities(target, "CapPrm") & ~_capabilities(own, "CapPrm")
+    held = ", ".join(_capability_name(bit) for bit in range(64) if extra >> bit & 1)
+    if extra and not traces:
+        fix = (
+            "start the container with `docker run --cap-add=SYS_PTRACE`"
+            if in_container()
+            else "run memtui attach with CAP_SYS_PTRACE (e.g. as root)"
+        )
+        return (
+            f"process {pid} holds capabilities memtui lacks ({held}): the kernel lets only a "
+            f"tracer with CAP_SYS_PTRACE read it; {fix}"
+        )
+    if not traces and in_container():
+        return (
+            f"the kernel refused to let memtui read process {pid} (yours): this container "
+            "has no CAP_SYS_PTRACE; start it with `docker run --cap-add=SYS_PTRACE`, or the "
+            "process is not dumpable (a setuid program, or prctl(PR_SET_DUMPABLE, 0))"
+        )
+    why = f"it holds capabilities memtui lacks ({held}), " if extra else ""
+    policy = "no Yama ptrace policy here" if scope is None else f"ptrace_scope={scope}"
+    return (
+        f"the kernel refused to let memtui read process {pid} although it is yours "
+        f"({policy}): {why}it is not dumpable (a setuid program, or prctl(PR_SET_DUMPABLE, "
+        "0)), or a security module forbids it"
+    )
+
+
+def another_user(pid: int, uid: int) -> str:
+    """The line for a process of another user: memtui attaches to the user's own."""
+    try:
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name
+    except (KeyError, ImportError):
+        name = f"uid {uid}"
+    return (
+        f"process {pid} belongs to {name}: memtui attaches to your own processes (run it as {name})"
+    )
+
+
+def in_container() -> bool:
+    """Whether this process runs in a Docker or Podman container (their marker files)."""
+    return any(marker.exists() for marker in CONTAINER_MARKERS)
+
+
+def _capabilities(status_file: Path, field: str) -> int:
+    """A capability set of /proc/PID/status as a bit mask (0 where it cannot be read)."""
+    try:
+        for line in status_file.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _capability_name(bit: int) -> str:
+    return f"cap_{CAPABILITY_NAMES[bit]}" if bit < len(CAPABILITY_NAMES) else f"capability {bit}"
 
 
 def has_capability(bit: int, status_file: Path) -> bool:

@@ -56,6 +56,8 @@ class AgentStart:
         """Made before the job starts."""
         self.spec = spec
         self._before = self._files()
+        self.echoed = 0
+        """Lines of the job's output `wait_for_agent` has passed to the terminal so far."""
 
     def _files(self) -> dict[str, Identity | None]:
         recording = self.spec.recording
@@ -108,6 +110,7 @@ def wait_for_agent(
         seen += len(lines)
         for line in lines:
             write(line)
+        start.echoed = seen
         if started or ended:
             return started
         if notice is not None and time.monotonic() >= notice_at:

@@ -32,6 +32,7 @@ from memtui_protocol import schema
 from memtui_protocol.config import VARIABLES, AgentConfig
 from memtui_protocol.metrics import TARGETS_FOLDER
 from memtui_protocol.notes import NOTES_VARIABLE
+from memtui_protocol.peak import PEAK_WORDS
 from memtui_protocol.safe_open import folder_refusal, make_folder, refusal, session_folder_mode
 from memtui_protocol.schema import ExitStatus  # already loaded by `config`
 from memtui_protocol.units import format_bytes
@@ -39,6 +40,7 @@ from memtui_protocol.units import format_bytes
 if TYPE_CHECKING:  # the summary's imports stay off the launcher's path (see `outcome_of`)
     from memtui.model.alert_summary import AlertTally
     from memtui.model.job_state import Ending
+    from memtui.model.recording import Recording
 
 
 class UsageError(errors.UsageError):
@@ -84,6 +86,10 @@ def default_recording_name(target: str, now: _dt.datetime | None = None) -> Path
 LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
+RUNNER = "memtui_agent.startup.runner"
+"""What runs a script or `-m` module under memtui (`python -m RUNNER`)."""
+
+
 def launches_ranks(target: list[str], module: str | None) -> bool:
     """Whether the command is a torch distributed launcher (torchrun), which starts ranks."""
     if module in LAUNCHER_MODULES:
@@ -122,7 +128,7 @@ def build_job(
         env.pop(variable, None)
     through_bootstrap = False
     if module is not None:
-        command = [sys.executable, "-m", "memtui_agent.startup.runner", "--module", module, *target]
+        command = [sys.executable, "-m", RUNNER, "--module", module, *target]
         display = ["python", "-m", module, *target]
         name = module
     else:
@@ -132,12 +138,12 @@ def build_job(
         if first.endswith(".py"):
             if not Path(first).is_file():
                 raise UsageError(f"no such script: {first}")
-            command = [sys.executable, "-m", "memtui_agent.startup.runner", *target]
+            command = [sys.executable, "-m", RUNNER, *target]
             display = ["python", *target]
             name = first
         else:
             if shutil.which(first) is None:
-                raise UsageError(f"command not found: {first}")
+                raise UsageError(not_runnable(first))
             command = list(target)
             display = list(target)
             name = first
@@ -182,6 +188,33 @@ def build_job(
         session=config.session or "",
         force=force,
     )
+
+
+def one_process(job: JobSpec) -> bool:
+    """Whether the job is one monitored process (a script or `-m` module memtui's runner
+    starts), not a launcher's ranks nor a `-- COMMAND` that may start several: then its one
+    socket tells the whole run."""
+    return RUNNER in job.command[:3] and not launches_ranks(job.display, None)
+
+
+def not_runnable(first: str) -> str:
+    """Why `memtui run FIRST` cannot start FIRST, in one line the user can act on: a folder, a
+    file that is neither a Python script nor an executable, or no such command."""
+    path = Path(first)
+    shown = first  # made terminal-safe where the error is printed
+    try:
+        if path.is_dir():
+            return f"{shown} is a directory: give the training script inside it"
+        if path.is_file():
+            if os.access(path, os.X_OK):  # `which` looks a bare name up on PATH only
+                return f"{shown} is not on PATH: give it as ./{shown}"
+            return (
+                f"{shown} is neither a Python script (.py) nor an executable: give the training "
+                f"script, or `memtui run python {shown}` for a script of another name"
+            )
+    except OSError:  # a name too long, a folder we may not search: the command is not found
+        pass
+    return f"command not found: {shown}"
 
 
 def _say_if_unreachable(recording: Path) -> None:
@@ -335,6 +368,11 @@ def run_headless(job: JobSpec) -> int:
         why = terminal_safe(f"{job.display[0]}: {exc.strerror or exc}")
         print(f"memtui: cannot start {why}", file=sys.stderr)
         return 127
+    follower = None
+    if job.recording is None and one_process(job):  # the summary reads its socket instead
+        from memtui.commands.live_follow import LiveFollower
+
+        follower = LiveFollower(job.session, lambda: child.poll() is not None)
     forwarded = {}
 
     def forward(signum: int, _frame: object) -> None:
@@ -356,7 +394,11 @@ def run_headless(job: JobSpec) -> int:
     code = exit_code_of(returncode)
     for line in take_notes(job):
         print(line, file=sys.stderr)
-    print(terminal_safe(summary_line(job, code), keep_newlines=True), file=sys.stderr)
+    followed = follower.finish() if follower is not None else None
+    summary = summary_line(job, code, followed=followed)
+    if follower is not None and follower.lost is not None and followed is not None:
+        summary += f"\nmemtui: this covers what the job's socket delivered: {follower.lost}"
+    print(terminal_safe(summary, keep_newlines=True), file=sys.stderr)
     return code
 
 
@@ -366,7 +408,7 @@ FULL_BELOW = 1024 * 1024
 """Free bytes under which a folder counts as full (a frame or two would not fit)."""
 
 
-def incomplete_reason(recording: Path) -> str:
+def incomplete_reason(recording: Path | None) -> str:
     """Why a job that exited by itself left no final frame: a full disk, or the agent stopped.
 
     The agent cannot record that its own recording failed, so the folder's free space is the
@@ -380,8 +422,11 @@ def incomplete_reason(recording: Path) -> str:
     return "no final frame (the agent stopped writing or os._exit(); see the job's stderr)"
 
 
-def folder_full(recording: Path) -> bool | None:
-    """Whether the recording's folder has no room for another frame (None: cannot tell)."""
+def folder_full(recording: Path | None) -> bool | None:
+    """Whether the recording's folder has no room for another frame (None: cannot tell, or
+    nothing was recorded)."""
+    if recording is None:
+        return None
     try:
         info = os.statvfs(recording.parent)
     except OSError:
@@ -392,12 +437,25 @@ def folder_full(recording: Path) -> bool | None:
 STOPPED_BY_MEMTUI = "stopped from memtui (SIGTERM); the recording ends at the last closed step"
 
 
-def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
+def summary_line(
+    job: JobSpec, code: int, stopped: bool = False, followed: Recording | None = None
+) -> str:
     """A few lines for the end of a run: how the job ended and where it was recorded.
 
     `stopped`: memtui itself ended the job (quit from the TUI), which the recording cannot
-    say (the process dies without its final frame), so the summary does.
+    say (the process dies without its final frame), so the summary does. `followed`: what
+    memtui read from the job's socket (`--no-record`): the same summary, without a recording.
     """
+    if job.recording is None and followed is not None and followed.hello is not None:
+        outcome = outcome_from(followed, None, code, stopped)
+        lines = [
+            f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()} "
+            "(nothing recorded: --no-record)"
+        ]
+        alerts = outcome.alerts.line(None)
+        if alerts is not None:
+            lines.append(f"memtui: {alerts}")
+        return "\n".join(lines)
     exited = (
         f"job {INTERRUPTED} (exit code {code})"
         if code == SIGINT_CODE
@@ -408,6 +466,11 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
     if job.recording.is_dir():
         return _session_summary(job.recording, code)
     if not job.recording.exists():
+        if code == SIGINT_CODE:
+            return (
+                f"memtui: {exited} before its first step; no recording was written (the job "
+                "had not imported torch yet)"
+            )
         return (
             f"memtui: {exited}; no recording was written (the job never imported torch, or the "
             "agent could not start)"
@@ -420,10 +483,7 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
         outcome = outcome_of(job.recording, code, stopped)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    lines = [
-        f"memtui: job {outcome.status} (exit code {code}) after {outcome.steps} steps; "
-        f"highest piles: {outcome.piles}"
-    ]
+    lines = [f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()}"]
     lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
@@ -452,7 +512,21 @@ class Outcome:
     steps: int
     piles: str
     """The highest of each pile, formatted."""
+    peak: str
+    """The run's highest peak, as every view states it, with what it includes."""
+
     alerts: AlertTally
+    last_step: int | None = None
+    """The number of the last step recorded (None: none)."""
+
+    def so_far(self) -> str:
+        """`after 12 steps; peak ...; highest piles: ...`; a run with no step has no figures
+        worth a line (every pile would read 0): `after 0 steps`, or `before its first step`
+        for a job Ctrl-C interrupted."""
+        if not self.steps:
+            return "before its first step" if self.status == INTERRUPTED else "after 0 steps"
+        at = f" (the last: step {self.last_step})" if self.last_step != self.steps else ""
+        return f"after {self.steps} steps{at}; {self.peak}; highest piles: {self.piles}"
 
 
 def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
@@ -462,12 +536,20 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     Raises:
         RecordingError: the recording cannot be read.
     """
-    from memtui.model.alert_summary import alert_tally
     from memtui.model.recording import read_recording
-    from memtui.model.step_rows import NOT_KNOWN
-    from memtui.reports.report import pile_peaks
 
-    recording = read_recording(path)
+    return outcome_from(read_recording(path), path, code, stopped)
+
+
+def outcome_from(
+    recording: Recording, path: Path | None, code: int | None, stopped: bool = False
+) -> Outcome:
+    """`outcome_of` for a recording already read (or followed live: `path` None, nothing
+    was recorded)."""
+    from memtui.model.alert_summary import alert_tally
+    from memtui.model.step_rows import NOT_KNOWN
+    from memtui.reports.report import highest_peak, pile_peaks
+
     peaks = pile_peaks(recording)
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
@@ -475,7 +557,12 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     status = ending_words(
         recording.how_it_ended(stopped), path, code, recording.end, recording.recording_stopped
     )
-    return Outcome(status, len(recording.steps), piles, alert_tally(recording))
+    peak = highest_peak(recording.steps)
+    peak_words = f"peak {format_bytes(peak, missing=NOT_KNOWN)} ({PEAK_WORDS})"
+    last = recording.steps[-1].step if recording.steps else None
+    return Outcome(
+        status, len(recording.steps), piles, peak_words, alert_tally(recording), last_step=last
+    )
 
 
 INTERRUPTED = "interrupted by Ctrl-C"
@@ -486,7 +573,7 @@ an uncaught KeyboardInterrupt reproduces."""
 
 def ending_words(
     ending: Ending,
-    path: Path,
+    path: Path | None,
     code: int | None,
     end: schema.End | None = None,
     unrecorded: str | None = None,
@@ -536,8 +623,8 @@ def _session_summary(folder: Path, code: int) -> str:
             continue
         alerts = outcome.alerts.line(None)
         lines.append(
-            f"memtui:   {name}: {outcome.status} after {outcome.steps} steps; highest piles: "
-            f"{outcome.piles}" + (f"; {alerts}" if alerts else "")
+            f"memtui:   {name}: {outcome.status} {outcome.so_far()}"
+            + (f"; {alerts}" if alerts else "")
         )
     if len(files) > MAX_SUMMARY_RECORDINGS:
         lines.append(f"memtui:   ... and {len(files) - MAX_SUMMARY_RECORDINGS} more")

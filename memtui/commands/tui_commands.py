@@ -5,9 +5,12 @@ Textual is imported here, lazily, so `memtui report` and headless runs never pay
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,16 +151,27 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     try:
         # Textual is imported while the job starts: its import (about 0.2 s) overlaps the
         # job's own start instead of delaying the screen. Anything failing from here stops the job.
-        from memtui.tui.app import MemtuiApp, run_app
+        with ctrl_c_deferred():
+            from memtui.tui.app import MemtuiApp, run_app
 
         if wait_for_agent(start, job, notice=_waiting_notice(job_spec, job.pid)):
             source, ranks = _live_source(job_spec, job)
             shown = True
             run_app(MemtuiApp(source, job=job, ranks=ranks))
+    except KeyboardInterrupt:  # Ctrl-C before the screen (or outside it): the job's Ctrl-C
+        try:
+            job.interrupt()
+        except KeyboardInterrupt:  # a second Ctrl-C: stop it now
+            job.terminate(grace=0.0)
     finally:
         if job.poll() is None:
             job.terminate()
-    code = job.wait()
+    # Without the screen, what the job printed last (its KeyboardInterrupt) is still to show.
+    code = job.wait(drain=2.0 if shown else 10.0)
+    if not shown:  # what the job printed after the last echo (its KeyboardInterrupt)
+        for line in job.lines_after(start.echoed):
+            print(terminal_safe(line), file=sys.stderr)
+    job.discard_empty_log()  # a log of memtui's first line alone says nothing
     if job.stopped:  # memtui sent the SIGTERM: the recordings say so (the job could not)
         from memtui.commands.stop_record import record_stop
 
@@ -172,6 +186,21 @@ def run_tui(job_spec: JobSpec, command: str = "run") -> int:
     if log_path is not None and log_path.exists():
         print(f"memtui: job output kept in {terminal_safe(log_path)}", file=sys.stderr)
     return code
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C until the block ends, then raise it. An import runs code from strings
+    (`dataclasses`, `namedtuple`): a KeyboardInterrupt out of one marks it unhandled in CPython
+    3.11 for good, and the interpreter then exits by SIGINT (-2) instead of memtui's 130."""
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _waiting_notice(job_spec: JobSpec, pid: int) -> str:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from memtui.input.prometheus_api import PrometheusClient, PrometheusError, Sample
 from memtui_protocol import metrics, schema
+from memtui_protocol.metrics import WRAPPER_KINDS
+from memtui_protocol.peak import peak_total
 from memtui_protocol.schema import PILES
 
 WINDOW = "1h"
@@ -28,6 +30,7 @@ JOB_LABEL = "job"
 _PER_METRIC = (
     metrics.STEP,
     metrics.PILE_BYTES,
+    metrics.WRAPPER_BYTES,
     metrics.DEVICE_BYTES,
     metrics.HOST_RSS,
     metrics.ALERTS_TOTAL,
@@ -49,6 +52,8 @@ class RankFigures:
     step: int | None = None
     piles: dict[str, dict[str, int]] = field(default_factory=dict)
     """`{stat: {pile: bytes}}` for stat in end, max, peak."""
+    wrapped: dict[str, int] = field(default_factory=dict)
+    """`{kind: bytes}` of `memtui_wrapper_bytes`: DDP's buckets, FSDP's gathered parameters."""
     device: dict[str, int] = field(default_factory=dict)
     host_rss: int | None = None
     alerts: dict[str, int] = field(default_factory=dict)
@@ -93,7 +98,26 @@ class RankFigures:
             peak=piles("peak"),
             allocator=allocator,
             host=schema.Host(rss=self.host_rss or 0),
+            distributed=self.distributed(),
         )
+
+    def distributed(self) -> schema.Distributed | None:
+        """What the rank's data-parallel wrappers hold outside the piles (None: no wrapper)."""
+        if not self.wrapped:
+            return None
+        get = self.wrapped.get
+        return schema.Distributed(
+            ddp_buckets=get("ddp_buckets"),
+            ddp_in_gradients=get("ddp_in_gradients"),
+            fsdp_gathered=get("fsdp_gathered"),
+            fsdp_gathered_max=get("fsdp_gathered_max"),
+        )
+
+    def peak(self) -> int | None:
+        """The latest step's peak as every view states it (`memtui_protocol.peak`): the piles
+        at the peak plus the wrappers' memory; None when a pile at the peak has no sample."""
+        values = self.piles.get("peak", {})
+        return peak_total(schema.Piles(*(values.get(pile) for pile in PILES)), self.distributed())
 
 
 @dataclass(frozen=True)
@@ -216,6 +240,9 @@ def _take(figures: RankFigures, name: str, sample: Sample) -> None:
         stat, pile = labels.get("stat", ""), labels.get("pile", "")
         if stat in metrics.STATS and pile in PILES:
             figures.piles.setdefault(stat, {})[pile] = count
+    elif name == metrics.WRAPPER_BYTES:
+        if labels.get("kind") in WRAPPER_KINDS:
+            figures.wrapped[labels["kind"]] = count
     elif name == metrics.DEVICE_BYTES:
         if labels.get("kind") in metrics.DEVICE_KINDS:
             figures.device[labels["kind"]] = count

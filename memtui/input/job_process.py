@@ -45,10 +45,16 @@ class JobProcess:
         self._lock = threading.Lock()
         self.log_path = log_path
         self._log = None
+        self.logged = 0
+        """Bytes of the job's output written to the log (memtui's first line not counted)."""
+        self._log_identity: tuple[int, int] | None = None
+        """The log this run created (device, inode): the only file `discard_empty_log` removes."""
         if log_path is not None:
             try:  # never through a planted link (see memtui_protocol.safe_open)
                 descriptor = create_private(log_path, replaces=Replace.JOB_LOG)
                 hold_as_writer(descriptor)  # a rerun leaves a log that is still written
+                info = os.fstat(descriptor)
+                self._log_identity = (info.st_dev, info.st_ino)
                 self._log = os.fdopen(descriptor, "wb")
                 self._log.write(log_first_line())
                 self._log.flush()
@@ -78,6 +84,7 @@ class JobProcess:
                 try:
                     self._log.write(chunk)
                     self._log.flush()
+                    self.logged += len(chunk)
                 except OSError:
                     self._log = None
             pending += chunk
@@ -141,10 +148,44 @@ class JobProcess:
         except OSError:
             pass
 
-    def wait(self) -> int:
-        """Block until the job ends; its exit code."""
+    def interrupt(self, grace: float = 5.0) -> None:
+        """Ctrl-C reached memtui, not the job (it runs in a session of its own): pass it on as
+        SIGINT, so the job ends as a Ctrl-C ends it without memtui (its KeyboardInterrupt, its
+        own cleanup, the agent's final frame); `terminate` if it is still there after `grace`."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGINT)
+        except OSError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return
+            time.sleep(0.05)
+        self.terminate()
+
+    def discard_empty_log(self) -> bool:
+        """Remove the log this run created when the job wrote nothing to it (memtui's first
+        line alone is no output worth a file); never a file at that name that is not the one
+        created (a rerun's, a user's). Call after `wait`. True: removed."""
+        path, identity = self.log_path, self._log_identity
+        if path is None or identity is None or self.logged or self._reader.is_alive():
+            return False
+        try:
+            info = os.lstat(path)
+            if (info.st_dev, info.st_ino) != identity:
+                return False
+            path.unlink()
+        except OSError:
+            return False
+        return True
+
+    def wait(self, drain: float = 2.0) -> int:
+        """Block until the job ends; its exit code. Its output is read to the end for up to
+        `drain` seconds more (a process the job left behind may hold the pipe open)."""
         self.process.wait()
-        self._reader.join(timeout=2.0)
+        self._reader.join(timeout=drain)
         code = self.poll()
         return 0 if code is None else code
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from memtui.input.cluster_query import ClusterSnapshot, RankFigures
 from memtui.model.rank_rows import RankRow, Spread, imbalance_line, rank_rows, spread
 from memtui.model.step_rows import pile_figure
-from memtui_protocol import schema
 from memtui_protocol.schema import Pile, TextEnum
 
 HANG_SECONDS = 120.0
@@ -59,11 +58,8 @@ class ClusterRank:
 
     @property
     def peak(self) -> int | None:
-        """The tracked peak total of its latest step."""
-        peak = self.figures.piles.get("peak")
-        if not peak or any(pile not in peak for pile in schema.PILES):
-            return None  # a pile with no sample is one the step does not know: no total
-        return sum(peak[pile] for pile in schema.PILES)
+        """Its latest step's peak, as every view states it (`RankFigures.peak`)."""
+        return self.figures.peak()
 
     @property
     def headroom(self) -> int | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from memtui.model.alert_kinds import AlertKindShown
 from memtui_protocol import schema
+from memtui_protocol.peak import peak_total
 from memtui_protocol.schema import AlertKind, Pile, Severity, TextEnum, alert_severity
 from memtui_protocol.units import format_bytes
 
@@ -164,6 +165,12 @@ def known_total(step: schema.Step, piles: schema.Piles) -> int | None:
     """The piles' total in one of the step's compositions; None when any pile of it is not
     known (a total without one is not the step's total)."""
     return known_piles(step, piles).total
+
+
+def step_peak(step: schema.Step) -> int | None:
+    """The step's peak as every view states it (`memtui_protocol.peak`): the piles at the
+    peak as this version knows them, plus DDP's buckets and FSDP's gathered parameters."""
+    return peak_total(known_piles(step, step.peak), step.distributed)
 
 
 def module_rows(step: schema.Step | None, names: dict[int, str]) -> tuple[ModuleRow, ...]:

@@ -36,6 +36,7 @@ from memtui.model.step_rows import (
     known_piles,
     module_rows,
     pile_rows,
+    step_peak,
 )
 from memtui_protocol import schema
 from memtui_protocol.schema import Severity
@@ -83,6 +84,9 @@ class PilesView:
 
     rows: tuple[PileRow, ...]
     binary: bool
+    peak: int | None = None
+    """The step's peak as every view states it (`step_peak`: the piles at the peak plus DDP's
+    buckets and FSDP's gathered parameters; None before the first step or when not known)."""
     step_owner: str | None = None
     """Whose step it is, where that needs saying: the optimizer when several step, or that a
     backward closed it (a job without an optimizer)."""
@@ -257,6 +261,7 @@ def piles_view(
     return PilesView(
         rows,
         binary,
+        peak=step_peak(step),
         step_owner=step_owner,
         loss=step.loss,
         skipped=step.skipped,

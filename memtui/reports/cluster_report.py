@@ -12,6 +12,7 @@ import datetime as _dt
 from typing import Any
 
 from memtui.model.cluster import ClusterRank, ClusterView
+from memtui_protocol.peak import PEAK_WORDS
 from memtui_protocol.schema import PILES
 from memtui_protocol.units import format_bytes
 
@@ -26,7 +27,8 @@ def render_cluster_text(view: ClusterView, binary: bool = True) -> str:
     hosts = view.hosts
     lines = [
         f"job {view.job}: {len(view.ranks)} rank(s) on {len(hosts)} host(s), from Prometheus "
-        f"{view.url} at {taken} (worst first: least headroom, then highest peak)"
+        f"{view.url} at {taken} (worst first: least headroom, then highest peak; "
+        f"peak: {PEAK_WORDS})"
     ]
     table = [list(_HEADINGS)]
     for rank in view.ranks:
@@ -123,7 +125,13 @@ def _rank_json(rank: ClusterRank) -> dict[str, Any]:
         "step": figures.step,
         "end": _piles(figures.piles.get("end")),
         "max": _piles(figures.piles.get("max")),
-        "peak": {"total": rank.peak, "piles": _piles(peak_piles)} if peak_piles else None,
+        "peak": {
+            "total": _piles_total(peak_piles),
+            "held": rank.peak,
+            "piles": _piles(peak_piles),
+        }
+        if peak_piles
+        else None,
         "device": dict(figures.device),
         "host_rss": figures.host_rss,
         "headroom": rank.headroom,
@@ -141,3 +149,11 @@ def _piles(values: dict[str, int] | None) -> dict[str, int | None] | None:
     """A rank's piles for one stat; null for a pile Prometheus holds no sample of (the step
     does not know it: the exporter serves none), never 0."""
     return {pile: values.get(pile) for pile in PILES} if values else None
+
+
+def _piles_total(values: dict[str, int] | None) -> int | None:
+    """The four piles' total (`peak.total`, as `memtui report --json` states it); null when a
+    pile has no sample."""
+    if not values or any(pile not in values for pile in PILES):
+        return None
+    return sum(values[pile] for pile in PILES)

@@ -16,15 +16,16 @@ from memtui.model.alert_summary import alert_tally
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.job_state import unrecorded_words
 from memtui.model.recording import Recording, StepAlert, alert_rows
+from memtui.model.step_ranges import steps_words
 from memtui.model.step_rows import (
     NOT_KNOWN,
     activations_known,
     distributed_notes,
     folded_alerts,
     known_piles,
-    known_total,
     pile_figure,
     pile_of,
+    step_peak,
 )
 from memtui.reports.leak_report import (
     census_line,
@@ -52,6 +53,7 @@ from memtui.reports.report_format import (
     StepEntry,
     WorkersEntry,
 )
+from memtui_protocol.peak import PEAK_WORDS
 from memtui_protocol.schema import (
     AlertKind,
     ExitStatus,
@@ -97,7 +99,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         microbatches=step.microbatches,
         end=_piles(known_piles(step, step.end)),
         max=_piles(known_piles(step, step.max)),
-        peak=PeakEntry(total=peak.total, piles=_piles(peak)),
+        peak=PeakEntry(total=peak.total, piles=_piles(peak), held=step_peak(step)),
         dtypes={
             pile: {dtype: stat.bytes for dtype, stat in dtypes.get(pile, {}).items()}
             for pile in Pile
@@ -317,15 +319,13 @@ def peak_phases(recording: Recording) -> PeakPhases:
     if not steps:
         return PeakPhases(first_step=None, steady=None)
     if attached_late(recording):  # `memtui attach` into a running job: its first update is past
-        return PeakPhases(first_step=None, steady=_highest_total(steps))
-    return PeakPhases(
-        first_step=known_total(steps[0], steps[0].peak), steady=_highest_total(steps[1:])
-    )
+        return PeakPhases(first_step=None, steady=highest_peak(steps))
+    return PeakPhases(first_step=step_peak(steps[0]), steady=highest_peak(steps[1:]))
 
 
-def _highest_total(steps: list[Step]) -> int | None:
-    """The highest peak total among the steps that know theirs."""
-    totals = [total for step in steps if (total := known_total(step, step.peak)) is not None]
+def highest_peak(steps: list[Step]) -> int | None:
+    """The highest peak among the steps that know theirs (`step_peak`)."""
+    totals = [total for step in steps if (total := step_peak(step)) is not None]
     return max(totals, default=None)
 
 
@@ -364,34 +364,27 @@ def activation_line(steps: list[Step]) -> str | None:
     if carried:
         line += f", carried on {carried} (each repeats a measured step's figures)"
     if unknown:
-        line += f", {NOT_KNOWN} on {unknown} (no activation figures are shown for them)"
-        line += "; " + not_known_steps(steps)
+        line += f", {NOT_KNOWN} on {unknown} ({not_known_steps(steps)}); no activation figures "
+        line += "are shown for them"
     return line
 
 
-MAX_STEPS_NAMED = 8
-"""Steps named per reason in the text report's activation line (`--json` has every step's)."""
-
-
 def not_known_steps(steps: list[Step]) -> str:
-    """Which steps' activations are not known, grouped by the step whose `activations_vary`
-    alert says why (`Step.activations_why_at`), so each can be traced to its reason."""
+    """Which steps' activations are not known (`steps 2, 5-7, 12 and 3 more`), grouped by the
+    step whose `activations_vary` alert says why (`Step.activations_why_at`), so each can be
+    traced to its reason."""
     by_reason: dict[int | None, list[int]] = {}
     for step in steps:
         if not activations_known(step):
             by_reason.setdefault(step.activations_why_at, []).append(step.step)
     parts = []
     for why_at, numbers in by_reason.items():
-        named = ", ".join(str(number) for number in numbers[:MAX_STEPS_NAMED])
-        if len(numbers) > MAX_STEPS_NAMED:
-            named += f" and {len(numbers) - MAX_STEPS_NAMED} more"
-        word = "step" if len(numbers) == 1 else "steps"
         reason = (
             f"why: the alert of step {why_at}"
             if why_at is not None
             else "why not recorded: --activations off, or an older recording"
         )
-        parts.append(f"{word} {named} ({reason})")
+        parts.append(f"{steps_words(numbers)}, {reason}")
     return "; ".join(parts)
 
 
@@ -495,14 +488,14 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         lines.append(f"  ({rule})")
     if steps:
         peaks = pile_peaks(recording)
-        totals = [(total, step) for step in steps if (total := known_total(step, step.peak))]
+        totals = [(total, step) for step in steps if (total := step_peak(step)) is not None]
         known = [step for _, step in totals]
         top_total, top = max(totals, key=lambda item: item[0]) if totals else (None, None)
         if top is None:
-            lines.append(f"peak tracked total: {NOT_KNOWN} (no step's activations are known)")
+            lines.append(f"peak ({PEAK_WORDS}): {NOT_KNOWN} (no step's activations are known)")
         else:
             lines.append(
-                f"peak tracked total: {size(top_total)} at step {top.step}"
+                f"peak ({PEAK_WORDS}): {size(top_total)} at step {top.step}"
                 + (" (of the steps whose activations are known)" if len(known) < len(steps) else "")
             )
         phases = peak_phases(recording)

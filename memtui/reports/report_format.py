@@ -38,7 +38,11 @@ class PeakEntry(msgspec.Struct):
     """The composition at the moment of the step's highest tracked total (null: not known)."""
 
     total: int | None
+    """The four piles' total at that moment."""
     piles: PileBytes
+    held: int | None = None
+    """The step's peak as every view states it: `total` plus DDP's buckets and FSDP's gathered
+    parameters, which no pile counts (`memtui_protocol.peak`, docs/numbers.md)."""
 
 
 class AllocatorEntry(msgspec.Struct):

@@ -34,8 +34,10 @@ HELP_KEYS = (
     ("?", "this help; Esc closes it"),
 )
 HELP_NOTES = (
-    'Piles are counted once per storage. "other" (GPU only) is the allocator\'s peak minus the '
-    "tracked peak. Gap rows name what each difference is made of.",
+    "Piles are counted once per storage. The peak is the piles at their highest plus DDP's "
+    "buckets and FSDP's gathered parameters (real memory no pile counts), as every memtui view "
+    'states it. "other" (GPU only) is the allocator\'s peak minus that peak. Gap rows name what '
+    "each difference is made of.",
     "≈ next to activations: the step repeated a measured one and carries its figures.",
 )
 """Paragraphs, one string each: the dialog wraps them at word boundaries to its own width

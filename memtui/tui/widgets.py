@@ -41,6 +41,7 @@ from memtui.tui.palette import (
     SEVERITY_WORDS,
     alert_style,
 )
+from memtui_protocol.peak import PEAK_LABEL
 from memtui_protocol.schema import Pile, Severity
 from memtui_protocol.units import format_bytes
 
@@ -191,10 +192,13 @@ class PilesPanel(FlowPanel[PilesView]):
                 f"{row.share * 100:.1f}%",
                 _size(row.step_max, view.binary) if row.step_max is not None else "",
             )
-        total: Text | str = _size(sum(row.at_peak or 0 for row in view.rows), view.binary)
-        if not all(row.known for row in view.rows):  # a sum without them is not the total
-            total = Text(NOT_KNOWN, style="bold")
-        table.add_row(Text("total at peak", style="bold"), total, "", "")
+        # The one peak every view states (memtui_protocol.peak): GPU's "other" is beside it.
+        total: Text | str = Text(NOT_KNOWN, style="bold")
+        if view.peak is not None:
+            total = _size(view.peak, view.binary)
+        elif all(row.known for row in view.rows):  # the live piles before the first step
+            total = _size(sum(row.at_peak or 0 for row in view.rows), view.binary)
+        table.add_row(Text(PEAK_LABEL, style="bold"), total, "", "")
         return Group(bar, table, *self.lines)
 
 

@@ -17,6 +17,15 @@ from memtui_protocol.schema import PILES
 PILE_BYTES = "memtui_pile_bytes"
 """Gauge, `{pile, stat}`: each tracked pile at the step's close (`end`), its high during the step
 (`max`) and at the moment the tracked total peaked (`peak`), as in `memtui report --json`."""
+PEAK_BYTES = "memtui_peak_bytes"
+"""Gauge: the latest step's peak as every memtui view states it: the piles at the peak plus DDP's
+gradient buckets and FSDP's gathered parameters, which no pile counts (`memtui_protocol.peak`);
+absent when a pile at the peak is not known."""
+WRAPPER_BYTES = "memtui_wrapper_bytes"
+"""Gauge, `{kind}` (`WRAPPER_KINDS`): what data-parallel wrappers hold outside the piles at the
+close, as `Step.distributed` states it; only the kinds the job has (none without DDP/FSDP)."""
+WRAPPER_KINDS = ("ddp_buckets", "ddp_in_gradients", "fsdp_gathered", "fsdp_gathered_max")
+"""`memtui_wrapper_bytes{kind}`: the `schema.Distributed` fields of those names."""
 STEP = "memtui_step"
 """Gauge: the number of the latest closed step."""
 STEP_DURATION = "memtui_step_duration_seconds"
@@ -47,6 +56,8 @@ AGENT_INFO_SERIES = AGENT_INFO + "_info"
 
 SERVED = (
     PILE_BYTES,
+    PEAK_BYTES,
+    WRAPPER_BYTES,
     STEP,
     STEP_DURATION,
     STEP_END_TIME,

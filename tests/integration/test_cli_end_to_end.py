@@ -680,6 +680,20 @@ def test_no_record_writes_nothing(ws: Workspace) -> None:
     assert sorted(p.name for p in ws.cwd.iterdir()) == ["train.py"]
 
 
+def test_no_record_prints_the_same_summary(ws: Workspace) -> None:
+    """Without a recording the end of the run says what it says with one (read from the job's
+    socket): steps, peak and highest piles, less where the recording is."""
+    ws.write("train.py", train_source())
+    recorded = ws.memtui("run", "--headless", "-o", "rec.memtui", "train.py", "--steps", "3")
+    unrecorded = ws.memtui("run", "--headless", "--no-record", "train.py", "--steps", "3")
+    assert recorded.returncode == unrecorded.returncode == 0, unrecorded.stderr
+    [with_recording] = [line for line in recorded.stderr.splitlines() if "after 3 steps" in line]
+    assert with_recording.startswith("memtui: job ok (exit code 0) after 3 steps; peak ")
+    summary = unrecorded.stderr.strip().splitlines()
+    assert summary[-1] == with_recording + " (nothing recorded: --no-record)"
+    assert not any("memtui report" in line for line in summary)
+
+
 def test_default_recording_name(ws: Workspace) -> None:
     """Without -o the recording lands in cwd under a findable name, and stderr says where."""
     ws.write("train.py", train_source())

@@ -286,6 +286,10 @@ def test_every_scraped_sample_equals_the_recording_at_the_same_step(
     for labels, values in client.range_samples('memtui_host_rss_bytes{job="twonode"}[10m]'):
         for stamp, value in values:
             rss[(labels["rank"], stamp)] = int(value)
+    peaks: dict[tuple[str, float], int] = {}
+    for labels, values in client.range_samples('memtui_peak_bytes{job="twonode"}[10m]'):
+        for stamp, value in values:
+            peaks[(labels["rank"], stamp)] = int(value)
     assert not client.range_samples('memtui_device_bytes{job="twonode"}[10m]'), (
         "a CPU job serves no device figures (never an unknown as 0)"
     )
@@ -299,6 +303,9 @@ def test_every_scraped_sample_equals_the_recording_at_the_same_step(
         }
         assert piles[(rank, stamp)] == expected, (rank, number)
         assert rss[(rank, stamp)] == recorded["host"]["rss"], (rank, number)
+        # The one peak (DDP's buckets included), as the report states it for that step.
+        held = recorded["peak"]["held"]
+        assert peaks[(rank, stamp)] == held > recorded["peak"]["total"], (rank, number)
         checked.setdefault(rank, set()).add(number)
     assert sorted(checked) == ["0", "1", "2", "3"]
     assert all(len(numbers) >= 2 for numbers in checked.values()), checked

@@ -117,6 +117,11 @@ def test_ddp_buckets_are_their_own_line(tmp_path: Path, torchrun_session: Any, v
             assert line["ddp_in_gradients"] == (weights if view else 0)
             assert step["end"]["gradients"] == weights
             assert step["end"]["weights"] == weights
+            # The one peak every view states: the piles at the peak, plus the buckets when
+            # they are a second copy (the job's own count), never twice when they are views.
+            piles = step["peak"]["piles"]
+            extra = 0 if view else expected["buckets"]
+            assert step["peak"]["held"] == sum(piles.values()) + extra
     text = subprocess.run(
         [*MEMTUI, "report", str(tmp_path / "session")], capture_output=True, text=True, timeout=60
     ).stdout

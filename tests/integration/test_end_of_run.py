@@ -107,7 +107,8 @@ def test_the_run_summary_and_detach_say_the_alerts(tmp_path: Path, builder: Modu
     assert lines[1] == f"memtui: {expected}"
     assert lines[2] == f"memtui: recording {path}"
     detached = detached_lines(path)
-    assert detached[0].startswith("memtui: recorded 24 steps; highest piles: ")
+    assert detached[0].startswith("memtui: recorded 24 steps; peak ")
+    assert "(piles + DDP/FSDP buffers); highest piles: " in detached[0]
     assert detached[1] == f"memtui: {expected}"
 
 
@@ -121,7 +122,8 @@ def test_each_process_of_a_session_folder_names_its_alerts(
     troubled = alert_tally(read_recording(folder / "rank-0.memtui")).line(None)
     job = JobSpec(command=[], display=["torchrun", "train.py"], env={}, recording=folder)
     lines = summary_line(job, 0).splitlines()
-    assert lines[1].startswith("memtui:   rank 0: ok after 24 steps; highest piles: ")
+    assert lines[1].startswith("memtui:   rank 0: ok after 24 steps; peak ")
+    assert "(piles + DDP/FSDP buffers); highest piles: " in lines[1]
     assert lines[1].endswith(f"; {troubled}")
     assert lines[2].endswith(
         "; NaN loss at step 17; NaN/Inf activations at step 17; skipped step at step 9; 4 alerts"
@@ -335,7 +337,7 @@ def test_a_headless_run_ends_naming_its_alerts(tmp_path: Path) -> None:
     recording = tmp_path / "rec.memtui"
     total = len(read_recording(recording).alerts)
     lines = result.stderr.splitlines()
-    assert lines[-3].startswith("memtui: job ok (exit code 0) after 10 steps; highest piles: ")
+    assert lines[-3].startswith("memtui: job ok (exit code 0) after 10 steps; peak ")
     assert lines[-2] == (
         "memtui: NaN loss from step 5; NaN/Inf gradients from step 5; NaN/Inf activations "
         f"from step 6; over budget at step 8; {total} alerts: memtui report {recording}"

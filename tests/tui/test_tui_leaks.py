@@ -158,7 +158,7 @@ def test_a_step_whose_activations_are_not_known_shows_no_figure_for_them(
         await pilot.pause()
         piles = _lines(tui, app.query_one(PilesPanel))
         assert "■ activations not known" in piles
-        assert "total at peak not known" in piles
+        assert "peak (+DDP/FSDP) not known" in piles
         assert any(
             line.startswith("activations not known: this step was not measured") for line in piles
         )
@@ -203,7 +203,7 @@ def test_a_step_not_known_as_this_agent_writes_it_shows_what_it_knows(
         await pilot.pause()
         piles = _lines(tui, app.query_one(PilesPanel))
         assert "■ activations not known" in piles and "■ gradients not known" in piles
-        assert "total at peak not known" in piles
+        assert "peak (+DDP/FSDP) not known" in piles
         assert not any(line.startswith("■ gradients") and "B" in line for line in piles)
         assert any(line.startswith("■ weights") and "%" in line for line in piles), piles
         dtypes = app.query_one(DtypeTable)

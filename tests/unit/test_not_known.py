@@ -110,10 +110,11 @@ def test_on_a_gpu_the_allocators_rest_is_not_known_either(builder: ModuleType) -
 
 def test_the_text_report_counts_them_and_shows_no_figure_of_theirs(recording: Recording) -> None:
     text = render_text(recording)
-    assert "not known on 1 (no activation figures are shown for them)" in text
+    assert "not known on 1 (step " in text and "no activation figures are shown for them" in text
     assert "999" not in text
     assert (
-        "peak tracked total: 28.25 MiB at step 5 (of the steps whose activations are known)" in text
+        "peak (piles + DDP/FSDP buffers): 28.25 MiB at step 5 "
+        "(of the steps whose activations are known)" in text
     )
 
 
@@ -234,4 +235,4 @@ def test_null_figures_in_the_json_csv_and_tensorboard_scalars(null_session: Sess
     assert scalars["piles/end/gradients"] == recording.steps[UNKNOWN - 1].end.gradients
     assert "piles/peak_total" in step_scalars(recording.steps[UNKNOWN - 2])
     text = render_text(recording)
-    assert "peak tracked total: 28.25 MiB at step 5" in text
+    assert "peak (piles + DDP/FSDP buffers): 28.25 MiB at step 5" in text

@@ -29,6 +29,7 @@ from memtui_agent.output.scrape_target import ScrapeTarget, write_target
 from memtui_protocol import metrics, schema
 from memtui_protocol.config import AgentConfig
 from memtui_protocol.os_text import os_text
+from memtui_protocol.peak import PEAK_WORDS, peak_total
 from memtui_protocol.schema import AlertKind
 
 _SESSION_MEMBER = re.compile(r"^(?:rank|proc)-\d+\.memtui$")
@@ -121,6 +122,28 @@ class MetricsExporter:
                 if value is not None:  # not known: no sample, never a 0 that reads as one
                     piles.add_metric([*values, pile, stat], value)
         yield piles
+        peak = peak_total(step.peak, step.distributed)
+        if peak is not None:
+            yield _gauge(
+                metrics.PEAK_BYTES,
+                f"The latest step's peak ({PEAK_WORDS}), as every memtui view states it",
+                names,
+                values,
+                peak,
+            )
+        wrapped = step.distributed
+        if wrapped is not None:
+            family = GaugeMetricFamily(
+                metrics.WRAPPER_BYTES,
+                "Data-parallel wrappers' memory outside the piles at the close (DDP, FSDP)",
+                labels=[*names, "kind"],
+            )
+            for kind in metrics.WRAPPER_KINDS:
+                figure = getattr(wrapped, kind)
+                if figure is not None:
+                    family.add_metric([*values, kind], figure)
+            if family.samples:
+                yield family
         yield _gauge(metrics.STEP, "The latest closed step", names, values, step.step)
         yield _gauge(
             metrics.STEP_DURATION,
