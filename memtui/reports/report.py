@@ -107,6 +107,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         host=HostEntry(rss=step.host.rss),
         loss=step.loss,
         scale=step.scale,
+        grad_norm=step.grad_norm,
         duration_s=round(step.t_end - step.t_start, 6),
         activations_measured=step.activations_measured,
         activations_from=step.activations_from,
@@ -122,6 +123,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
                 message=item.alert.message,
                 where=item.alert.where,
                 group=item.alert.group,
+                began=item.alert.began,
             )
             for item in alerts
         ],
@@ -211,7 +213,12 @@ def alert_entry(item: StepAlert) -> RunAlert:
     """One alert in the report: the contract's keys, plus `group` when it follows another."""
     alert = item.alert
     return RunAlert(
-        step=item.step, kind=item.kind, message=alert.message, where=alert.where, group=alert.group
+        step=item.step,
+        kind=item.kind,
+        message=alert.message,
+        where=alert.where,
+        group=alert.group,
+        began=alert.began,
     )
 
 

@@ -76,6 +76,7 @@ class AlertEntry(msgspec.Struct, omit_defaults=True):
     message: str
     where: str | None
     group: int | None = None
+    began: int | None = None
 
 
 class RunAlert(msgspec.Struct, omit_defaults=True):
@@ -86,6 +87,7 @@ class RunAlert(msgspec.Struct, omit_defaults=True):
     message: str
     where: str | None
     group: int | None = None
+    began: int | None = None
 
 
 class ModuleEntry(msgspec.Struct):
@@ -164,6 +166,7 @@ class StepEntry(msgspec.Struct):
     host: HostEntry
     loss: float | None
     scale: float | None
+    grad_norm: float | None
     duration_s: float
     activations_measured: bool
     activations_from: int | None
