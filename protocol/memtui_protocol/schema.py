@@ -594,8 +594,9 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     """The global L2 norm of every gradient the agent watches, as the optimizer used them (after
     any clipping and GradScaler's unscale), read by the health check's fused pass; the value
     `torch.nn.utils.clip_grad_norm_` returns over the same gradients. None when not known: no
-    gradients, sharded ones (a rank's shard is not the global norm), a non-finite norm, the
-    check off, or on a GPU while its copy travels (then in a later frame's `late`)."""
+    gradients, sharded ones (FSDP, DTensor: a rank's shard is not the global norm), a
+    non-finite norm, the check off, or on a GPU while its copy travels (then in a later
+    frame's `late`)."""
 
 
 def apply_late(

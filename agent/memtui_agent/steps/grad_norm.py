@@ -30,14 +30,15 @@ def group_norm(members: list[torch.Tensor], device: torch.device) -> torch.Tenso
     """The L2 norm of `members` (one device, one dtype) as a 0-dim tensor on `device`, with no
     host sync; NaN or Inf when some element is."""
     dtype = torch.float64 if members[0].dtype is torch.float64 else torch.float32
-    if device.type == "cpu" and sum(map(torch.Tensor.numel, members)) < SMALL * len(members):
-        norms = [
-            torch.linalg.vector_norm(_flatten(members[start : start + CHUNK]), dtype=dtype)
-            for start in range(0, len(members), CHUNK)
-        ]
-    else:
-        norms = list(torch._foreach_norm(members, 2, dtype=dtype))
-    total: torch.Tensor = (
-        norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    )
+    with torch.no_grad():  # gradients of a double backward require grad: record no graph
+        if device.type == "cpu" and sum(map(torch.Tensor.numel, members)) < SMALL * len(members):
+            norms = [
+                torch.linalg.vector_norm(_flatten(members[start : start + CHUNK]), dtype=dtype)
+                for start in range(0, len(members), CHUNK)
+            ]
+        else:
+            norms = list(torch._foreach_norm(members, 2, dtype=dtype))
+        total: torch.Tensor = (
+            norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        )
     return total

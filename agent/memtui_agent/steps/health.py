@@ -216,6 +216,8 @@ class HealthMonitor:
         """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
         self._deferred: list[_Deferred] = []
         self.divergence = DivergenceWatch()
+        self.sharded = False
+        """Set while FSDP shards the gradients (`parts`): a rank's shard has no global norm."""
         self.judged_norm: float | None = None
         """The global gradient norm of the step the last `close` judged on the host (None when
         not known, or when its check was deferred: `collect` gives it then)."""
@@ -269,10 +271,10 @@ class HealthMonitor:
         self.judged_norm = None
         if self.mode is NanCheck.OFF or (not grads and not losses and not module_flags):
             return []
-        whole = True
+        whole = not self.sharded
         if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
             checkable = _checkable(grads)
-            whole = checkable is grads  # else some are a rank's shards: no global norm here
+            whole = whole and checkable is grads  # else some are shards: no global norm
             groups = _by_device_and_dtype(checkable)
         if not module_flags and _on_host(groups, losses):
             values = _host_checks(groups, losses, whole)
