@@ -114,6 +114,26 @@ def test_healthy_shapes_raise_nothing(shape: str) -> None:
     assert divergence_alerts(losses, norms) == []
 
 
+def test_a_gans_two_losses_are_each_compared_with_their_own() -> None:
+    """Discriminator and generator steps alternate with losses 500x apart: one history would
+    read every generator step as a divergence; one per optimizer reads none."""
+    losses = [5.0 + 0.01 * (k % 7) if k % 2 else 0.01 for k in range(1, 60)]
+    names = ["G" if k % 2 else "D" for k in range(1, 60)]
+    assert divergence_alerts(losses) != []  # the trap
+    assert divergence_alerts(losses, None, names) == []
+    losses[40] = 5e4  # step 41, of "G": its own history says it diverged
+    assert divergence_alerts(losses, None, names) == [(41, 41)]
+
+
+def test_a_loss_that_crosses_zero_is_not_read_by_ratios() -> None:
+    """A WGAN critic's loss (the growing/gan_crossing fixture's, as recorded): from 0.00058 to
+    -0.088 is 151x in magnitude and no divergence; its gradient norm is still read."""
+    losses = [-0.0773, -0.0246, -0.0453, 0.0157, -0.0113, -0.0364, 0.00058, 0.0057, 0.00065]
+    assert divergence_alerts([*losses, -0.0878]) == []
+    norms = [1.5, 1.6, 1.5, 1.55, 1.6, 1.5, 1.58, 1.52, 1.56, 900.0]
+    assert divergence_alerts([*losses, -0.0878], norms) == [(10, 10)]
+
+
 def test_the_thresholds_are_the_documented_ones() -> None:
     """docs/numbers.md#divergence justifies these numbers; changing one changes the docs."""
     assert (divergence.GROWTH, divergence.RECENT, divergence.OVER_MEDIAN) == (100.0, 5, 10.0)

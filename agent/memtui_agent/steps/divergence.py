@@ -6,7 +6,8 @@ gradient norm by a large factor at every step until they overflow; the NaN alert
 few steps too late to say why. This watch reads each step's mean loss and global gradient norm
 (the health check's, `grad_norm`) in step order and raises one `divergence` alert per episode.
 
-The rule, for each of the two signals (the loss's magnitude, the gradient norm), over its
+The rule, for each of the two signals (the loss, while it has never been negative, and the
+gradient norm), over its
 finite values at the last `RECENT` steps before t (at least one for the loss, two for the norm:
 `LEAST`; steps of an open episode are not counted), is that the value at step t is all of:
 
@@ -124,8 +125,8 @@ class Signal:
         return value is not None and value < RECOVERED * self.baseline
 
 
-class DivergenceWatch:
-    """The loss and the gradient norm read in step order; one alert per divergence episode."""
+class Episodes:
+    """One optimizer's loss and gradient norm in step order, and its open episode if any."""
 
     def __init__(self) -> None:
         self.loss = Signal("loss")
@@ -134,11 +135,19 @@ class DivergenceWatch:
         """The first step of the open episode's climb (None outside one)."""
         self.alerted: int | None = None
         """The step of the open episode's alert."""
+        self.signed = False
+        """The loss was negative once (a critic's, a log-likelihood): growth by a factor means
+        nothing for a value that crosses zero, so only the gradient norm is read from then on."""
 
     def read(self, step: int, loss: float | None, norm: float | None) -> schema.Alert | None:
         """One step's mean loss and gradient norm (None or non-finite where not known); the
         divergence alert when this step starts an episode."""
-        values = ((self.loss, _magnitude(loss)), (self.norm, _magnitude(norm)))
+        if loss is not None and loss < 0:
+            self.signed = True
+        values = (
+            (self.loss, None if self.signed else _finite(loss)),
+            (self.norm, _finite(norm)),
+        )
         if self.began is not None:
             if all(signal.recovered(value) for signal, value in values):
                 self.began = self.alerted = None
@@ -167,31 +176,69 @@ class DivergenceWatch:
             began=self.began,
         )
 
+
+MAX_OPTIMIZERS = 16
+"""Optimizers watched apart; steps of any further one share one history (bounded memory)."""
+
+
+class DivergenceWatch:
+    """The episodes of each optimizer's steps: a GAN's discriminator and generator losses differ
+    by orders of magnitude and alternate step by step, so each is compared with its own."""
+
+    def __init__(self) -> None:
+        self.optimizers: dict[str | None, Episodes] = {}
+
+    def read(
+        self, step: int, loss: float | None, norm: float | None, optimizer: str | None = None
+    ) -> schema.Alert | None:
+        """One step of `optimizer` (its name, None for a step a backward closed)."""
+        if optimizer not in self.optimizers and len(self.optimizers) >= MAX_OPTIMIZERS:
+            optimizer = None
+        episodes = self.optimizers.setdefault(optimizer, Episodes())
+        return episodes.read(step, loss, norm)
+
+    def _open(self) -> Episodes | None:
+        """The open episode that began first, if any."""
+        open_ = [e for e in self.optimizers.values() if e.began is not None]
+        return min(open_, key=lambda e: e.began or 0) if open_ else None
+
+    @property
+    def began(self) -> int | None:
+        """The first step of the open episode that began first (None outside any)."""
+        first = self._open()
+        return first.began if first is not None else None
+
     def after(self) -> str | None:
         """What a non-finite alert adds while an episode is open: the divergence it follows."""
-        if self.began is None:
+        first = self._open()
+        if first is None:
             return None
-        alerted = f", alerted at step {self.alerted}" if self.alerted != self.began else ""
-        return f"after the divergence that began at step {self.began}{alerted}"
+        alerted = f", alerted at step {first.alerted}" if first.alerted != first.began else ""
+        return f"after the divergence that began at step {first.began}{alerted}"
 
 
-def _magnitude(value: float | None) -> float | None:
-    """A signal's finite magnitude, or None (not known, or already non-finite)."""
+def _finite(value: float | None) -> float | None:
+    """A signal's finite value, or None (not known, or already non-finite)."""
     if value is None or not math.isfinite(value):
         return None
-    return abs(value)
+    return value
 
 
 def divergence_alerts(
-    losses: Sequence[float | None], norms: Sequence[float | None] | None = None
+    losses: Sequence[float | None],
+    norms: Sequence[float | None] | None = None,
+    optimizers: Sequence[str | None] | None = None,
 ) -> list[tuple[int, int]]:
     """(alert step, first step of the climb) for each episode over steps numbered from 1:
-    the rule as a pure function of the two sequences (tests, docs/numbers.md#divergence)."""
+    the rule as a pure function of the sequences (tests, docs/numbers.md#divergence)."""
     watch = DivergenceWatch()
     norms = norms if norms is not None else [None] * len(losses)
+    optimizers = optimizers if optimizers is not None else [None] * len(losses)
     found = []
-    for step, (loss, norm) in enumerate(zip(losses, norms, strict=True), start=1):
-        alert = watch.read(step, loss, norm)
+    for step, (loss, norm, optimizer) in enumerate(
+        zip(losses, norms, optimizers, strict=True), start=1
+    ):
+        alert = watch.read(step, loss, norm, optimizer)
         if alert is not None and alert.began is not None:
             found.append((step, alert.began))
     return found

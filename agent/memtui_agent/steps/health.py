@@ -217,6 +217,8 @@ class HealthMonitor:
         self._deferred: list[_Deferred] = []
         self.divergence = DivergenceWatch()
         self.sharded = False
+        self._optimizers: dict[int, str | None] = {}
+        """The optimizer that closed each step not judged yet (the divergence watch's key)."""
         """Set while FSDP shards the gradients (`parts`): a rank's shard has no global norm."""
         self.judged_norm: float | None = None
         """The global gradient norm of the step the last `close` judged on the host (None when
@@ -261,17 +263,22 @@ class HealthMonitor:
         skipped: bool,
         module_name: Callable[[int], str],
         groups: Groups | None = None,
+        optimizer: str | None = None,
     ) -> list[schema.Alert]:
         """Check the step; return its alerts. One host transfer when healthy.
 
         `groups`: `grads` already grouped by (device, dtype) as plain strided tensors
-        (`gradient_batch`), or None to group them here."""
+        (`gradient_batch`), or None to group them here. `optimizer`: the name of the one whose
+        step this is (each optimizer's losses are compared with its own)."""
         module_flags, self._module_flags = self._module_flags, []
         self._probed.clear()
         self.judged_norm = None
         if self.mode is NanCheck.OFF or (not grads and not losses and not module_flags):
             return []
         whole = not self.sharded
+        if len(self._optimizers) > 4 * MAX_DEFERRED:  # a check lost on the way: forget it
+            self._optimizers.clear()
+        self._optimizers[step] = optimizer
         if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
             checkable = _checkable(grads)
             whole = whole and checkable is grads  # else some are shards: no global norm
@@ -332,7 +339,9 @@ class HealthMonitor:
         inputs_ok = values[2 + count : 2 + 2 * count]
         norm, loss = values[2 + 2 * count : 4 + 2 * count]
         self.judged_norm = norm if math.isfinite(norm) else None
-        diverging = self.divergence.read(step, loss, None if skipped else self.judged_norm)
+        diverging = self.divergence.read(
+            step, loss, None if skipped else self.judged_norm, self._optimizers.pop(step, None)
+        )
         first = [diverging] if diverging is not None else []
         if not grads_bad and not loss_bad and all(module_ok):
             return first

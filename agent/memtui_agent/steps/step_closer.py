@@ -144,6 +144,7 @@ class StepCloser:
             skipped,
             self.registry.name,
             gradients.groups,
+            record.name if record is not None else None,
         )
         t_end = time.time()
         ledger = LedgerReading(
