@@ -247,3 +247,20 @@ def test_a_deferred_check_brings_the_norm_and_the_alert_later(
     assert [norm for _, _, norm in found] == pytest.approx(norms, rel=1e-6)
     kinds = [[a.kind for a in alerts] for _, alerts, _ in found]
     assert kinds == [[], [], [AlertKind.DIVERGENCE]]
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["host", "deferred"])
+def test_the_norm_over_groups_of_several_dtypes(
+    monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    from memtui_agent.steps import health
+
+    if deferred:
+        monkeypatch.setattr(health, "DEFERRED_DEVICES", frozenset({"cpu"}))
+        monkeypatch.setattr(health, "make_event", lambda device: _Landed())
+    parameters = _parameters(torch.float32)[:4] + _parameters(torch.float64)[4:8]
+    truth = torch.nn.utils.clip_grad_norm_(parameters, math.inf).item()
+    monitor = HealthMonitor()
+    assert _close(monitor, 1, parameters) == []
+    norm = monitor.collect(list, str)[0][2] if deferred else monitor.judged_norm
+    assert norm == pytest.approx(truth, rel=1e-6)

@@ -217,9 +217,9 @@ class HealthMonitor:
         self._deferred: list[_Deferred] = []
         self.divergence = DivergenceWatch()
         self.sharded = False
+        """Set while FSDP shards the gradients (`parts`): a rank's shard has no global norm."""
         self._optimizers: dict[int, str | None] = {}
         """The optimizer that closed each step not judged yet (the divergence watch's key)."""
-        """Set while FSDP shards the gradients (`parts`): a rank's shard has no global norm."""
         self.judged_norm: float | None = None
         """The global gradient norm of the step the last `close` judged on the host (None when
         not known, or when its check was deferred: `collect` gives it then)."""
