@@ -37,6 +37,7 @@ CSV_COLUMNS = (
     "skipped",
     "microbatches",
     "loss",
+    "grad_norm",
     *(f"end_{pile}" for pile in Pile),
     *(f"max_{pile}" for pile in Pile),
     "peak_total",
@@ -58,7 +59,8 @@ figures for them are partial, and `activations_why_at` is the step whose alert s
 the bytes the job keeps outside every pile (part of `other`), on the steps whose close took a
 census only, empty elsewhere and where that census stopped at its bound. `workers_uss` and
 `workers_growth`: the DataLoader workers' private memory and its growth since their baseline
-(empty for a job without workers)."""
+(empty for a job without workers). `grad_norm`: the step's global gradient norm, empty where not
+known (`schema.Step.grad_norm`)."""
 
 
 def _finite(value: float | None) -> float | None:
@@ -161,6 +163,7 @@ def csv_rows(recording: Recording) -> list[dict[str, Any]]:
             "skipped": int(step.skipped),
             "microbatches": step.microbatches,
             "loss": step.loss,
+            "grad_norm": step.grad_norm,
             "peak_total": known_total(step, step.peak),
             "allocated": step.allocator.allocated,
             "reserved": step.allocator.reserved,

@@ -112,6 +112,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
         host=HostEntry(rss=step.host.rss),
         loss=step.loss,
         scale=step.scale,
+        grad_norm=step.grad_norm,
         duration_s=round(step.t_end - step.t_start, 6),
         activations_measured=step.activations_measured,
         activations_from=step.activations_from,
@@ -129,6 +130,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
                 where=item.alert.where,
                 group=item.alert.group,
                 origin=item.alert.origin,
+                began=item.alert.began,
             )
             for item in alerts
         ],
@@ -225,6 +227,7 @@ def alert_entry(item: StepAlert) -> RunAlert:
         where=alert.where,
         group=alert.group,
         origin=alert.origin,
+        began=alert.began,
     )
 
 

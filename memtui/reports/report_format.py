@@ -85,6 +85,7 @@ class AlertEntry(msgspec.Struct, omit_defaults=True):
     group: int | None = None
     origin: NanOrigin | None = None
     """The call that made a non-finite alert's first NaN/Inf, when the agent watched it."""
+    began: int | None = None
 
 
 class RunAlert(msgspec.Struct, omit_defaults=True):
@@ -97,6 +98,7 @@ class RunAlert(msgspec.Struct, omit_defaults=True):
     where: str | None
     group: int | None = None
     origin: NanOrigin | None = None
+    began: int | None = None
 
 
 class ModuleEntry(msgspec.Struct):
@@ -175,6 +177,7 @@ class StepEntry(msgspec.Struct):
     host: HostEntry
     loss: float | None
     scale: float | None
+    grad_norm: float | None
     duration_s: float
     activations_measured: bool
     activations_from: int | None

@@ -22,7 +22,7 @@ close):
 - `allocator/<counter>` and `host/rss`, where the job has them (a CPU job has no allocator);
 - `workers/uss` and `workers/growth` (and `workers/pss` where known): the DataLoader workers, on
   a job that has them;
-- `step/duration_seconds`, `step/loss` (when finite);
+- `step/duration_seconds`, `step/loss` (when finite), `step/grad_norm` (when known);
 - `alerts/<kind>`: how many alerts of that kind the step raised, and the text summary `alerts`
   with each alert's line.
 
@@ -95,6 +95,8 @@ def step_scalars(step: Step) -> dict[str, float]:
     scalars["step/duration_seconds"] = max(0.0, step.t_end - step.t_start)
     if step.loss is not None and math.isfinite(step.loss):
         scalars["step/loss"] = step.loss
+    if step.grad_norm is not None:
+        scalars["step/grad_norm"] = step.grad_norm
     return scalars
 
 

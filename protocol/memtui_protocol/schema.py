@@ -80,6 +80,9 @@ class AlertKind(TextEnum):
     CHECKPOINT_LIMIT = "checkpoint_limit"
     STEP_RULE = "step_rule"
     ACTIVATIONS_VARY = "activations_vary"
+    DIVERGENCE = "divergence"
+    """The loss or the global gradient norm grew by orders of magnitude in a few steps (a
+    warning, raised while the values are still finite; `Alert.began` is the climb's first step)."""
     LEAK = "leak"
     """Memory no pile explains grows step after step; `where` names what holds it."""
     ATTACHED = "attached"
@@ -88,9 +91,6 @@ class AlertKind(TextEnum):
     """A PyTorch memory snapshot opened as a recording: what its device held."""
     GROUPED = "grouped"
     """Viewer-side: alerts that follow from an earlier one, folded into one row."""
-    DIVERGENCE = "divergence"
-    """The loss or the gradients' norm blew up (grew far past its recent level) while still
-    finite: training is diverging before any NaN."""
 
     @classmethod
     def parse(cls, text: str) -> AlertKind | None:
@@ -375,6 +375,10 @@ class Alert(msgspec.Struct, frozen=True, omit_defaults=True):
     group: int | None = None
     origin: NanOrigin | None = None
     """For non-finite alerts: the call that made the first NaN/Inf, when it was watched."""
+    began: int | None = None
+    """The step where what the alert reports began, when earlier than its own: a divergence's
+    first step of growth, on the `divergence` alert and on the non-finite alerts that follow it
+    while it lasts. None otherwise (and in older recordings)."""
 
 
 class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
@@ -606,6 +610,8 @@ class StepLate(msgspec.Struct, frozen=True, omit_defaults=True):
     loss: float | None = None
     scale: float | None = None
     alerts: Annotated[list[Alert], msgspec.Meta(max_length=MAX_LATE_ALERTS)] = []
+    grad_norm: float | None = None
+    """The step's global gradient norm, read with its deferred health check (`Step.grad_norm`)."""
 
 
 class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
@@ -664,6 +670,13 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     workers: Workers | None = None
     """The job's DataLoader worker processes as last sampled before the close; None when it
     has none (or none the agent saw start)."""
+    grad_norm: float | None = None
+    """The global L2 norm of every gradient the agent watches, as the optimizer used them (after
+    any clipping and GradScaler's unscale), read by the health check's fused pass; the value
+    `torch.nn.utils.clip_grad_norm_` returns over the same gradients. None when not known: no
+    gradients, sharded ones (FSDP, DTensor: a rank's shard is not the global norm), a
+    non-finite norm, the check off, or on a GPU while its copy travels (then in a later
+    frame's `late`)."""
 
 
 def apply_late(
@@ -689,21 +702,22 @@ def apply_late(
     batches = {} if batches is None else batches
     for number in [number for number in batches if number not in recent]:
         del batches[number]
-    gathered: dict[int, tuple[float | None, float | None, list[Alert]]] = {}
+    gathered: dict[int, tuple[float | None, float | None, float | None, list[Alert]]] = {}
     for values in late:
         index = recent.get(values.step)
         if index is None:
             continue
-        loss, scale, alerts = gathered.get(index, (None, None, []))
+        loss, scale, norm, alerts = gathered.get(index, (None, None, None, []))
         gathered[index] = (
             values.loss if values.loss is not None else loss,
             values.scale if values.scale is not None else scale,
+            values.grad_norm if values.grad_norm is not None else norm,
             alerts,
         )
         if values.alerts and batches.get(values.step, 0) < MAX_LATE_BATCHES:
             room = MAX_ITEMS - len(steps[index].alerts) - len(alerts)
             alerts.extend(values.alerts[: max(0, room)])
-    for index, (loss, scale, alerts) in gathered.items():
+    for index, (loss, scale, norm, alerts) in gathered.items():
         step = steps[index]
         if alerts:
             batches[step.step] = batches.get(step.step, 0) + 1
@@ -711,6 +725,7 @@ def apply_late(
             step,
             loss=loss if loss is not None else step.loss,
             scale=scale if scale is not None else step.scale,
+            grad_norm=norm if norm is not None else step.grad_norm,
             alerts=[*step.alerts, *alerts] if alerts else step.alerts,
         )
         added.extend((step.step, alert) for alert in alerts)

@@ -122,6 +122,9 @@ def test_ddp_buckets_are_their_own_line(tmp_path: Path, torchrun_session: Any, v
             piles = step["peak"]["piles"]
             extra = 0 if view else expected["buckets"]
             assert step["peak"]["held"] == sum(piles.values()) + extra
+    # The gradients are all-reduced: every rank holds the same ones, so the same global norm.
+    norms = [[step["grad_norm"] for step in ranks[rank]["steps"]] for rank in "01"]
+    assert None not in norms[0] and norms[0] == pytest.approx(norms[1], rel=1e-6)
     text = subprocess.run(
         [*MEMTUI, "report", str(tmp_path / "session")], capture_output=True, text=True, timeout=60
     ).stdout
@@ -142,6 +145,7 @@ def test_fsdp2_counts_local_shards_and_gathered_parameters(
             assert step["end"]["weights"] == expected["weights"]
             assert step["end"]["gradients"] == expected["gradients"]
             assert step["end"]["optimizer_state"] == expected["optimizer_state"]
+            assert step["grad_norm"] is None  # a rank's shard: no global norm stated
         groups = truth[rank]["groups"]
         # About half of the model on each of two ranks (Shard(0) of odd rows pads one side).
         assert 0.45 * groups["all"] < steps[-1]["end"]["weights"] < 0.55 * groups["all"]

@@ -112,7 +112,7 @@ def build_parts(
         own=ledger.own_bytes,
         adopt=unhooked,
     )
-    data_parallel = DataParallelHooks(switches, partial(_fsdp_found, gate, piles))
+    data_parallel = DataParallelHooks(switches, partial(_fsdp_found, gate, piles, health))
     watermark = Watermark()
     closer = StepCloser(
         ledger,
@@ -173,10 +173,13 @@ def _census_failed(fail: Fail, exc: BaseException) -> None:
     fail("census", exc, CENSUS_EFFECT)
 
 
-def _fsdp_found(gate: ActivationGate, piles: PersistentPiles, on: bool) -> None:
+def _fsdp_found(
+    gate: ActivationGate, piles: PersistentPiles, health: HealthMonitor, on: bool
+) -> None:
     """FSDP found (or its measurements off): every step measured, the piles walked at every
-    close (the unpack hook's sampling is `DataParallelHooks`' own)."""
-    gate.fsdp = piles.walk_always = on
+    close (the unpack hook's sampling is `DataParallelHooks`' own), and no global gradient norm
+    (each rank holds a shard of the gradients)."""
+    gate.fsdp = piles.walk_always = health.sharded = on
 
 
 @dataclass(frozen=True)

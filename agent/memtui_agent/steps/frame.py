@@ -84,6 +84,9 @@ class StepInputs(msgspec.Struct, frozen=True):
     growth, the step rule, the attach)."""
     fragmentation: schema.Alert | None = None
     health: tuple[schema.Alert, ...] = ()
+    grad_norm: float | None = None
+    """The step's global gradient norm when the health check read it at the close (host
+    gradients); None when not known or deferred (then a later frame's `late` carries it)."""
     over_budget: schema.Alert | None = None
     late: tuple[schema.StepLate, ...] = ()
     """Alerts of earlier steps whose checks reached the host since (CUDA: read late)."""
@@ -193,6 +196,7 @@ def build_step(
         host=inputs.host,
         loss=values.loss,
         scale=values.scale,
+        grad_norm=inputs.grad_norm,
         alerts=alerts,
         top_activations=top,
         dropped=dropped,

@@ -23,6 +23,10 @@ outputs.
 
 Once the weights are non-finite every later step is non-finite too; those alerts carry `group`
 (the step of the first alert) so they are shown under it instead of burying it.
+
+The same pass reads the global gradient norm (`grad_norm`) and the step's mean loss, and the
+divergence watch (`divergence`) reads both in step order: a divergence is said while the values
+are finite, and the non-finite alerts that follow it name the step it began.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import msgspec
 import torch
 
 from memtui_agent.memory.ledger import local_tensor
+from memtui_agent.steps.divergence import DivergenceWatch
+from memtui_agent.steps.grad_norm import group_norm
 from memtui_agent.steps.nan_origin import (
     OpFlags,
     OpWatch,
@@ -193,15 +199,25 @@ def _on_host(groups: Groups, losses: list[torch.Tensor]) -> bool:
     )
 
 
-def _host_checks(groups: Groups, losses: list[torch.Tensor]) -> list[float]:
-    """`[grads non-finite, losses non-finite]` for host tensors, read directly: the same fused
-    check, without the small tensor ops that gather results on a device (a dozen ops, tens of
-    microseconds each on a CPU)."""
+def _host_checks(groups: Groups, losses: list[torch.Tensor], whole: bool) -> list[float]:
+    """`[grads non-finite, losses non-finite, gradient norm, mean loss]` for host tensors, read
+    directly (NaN for a value not known). The norm's pass proves a group finite; the exact
+    check runs only for a group whose norm is not (`grad_norm`). Without the small tensor ops
+    that gather results on a device (a dozen ops, tens of microseconds each on a CPU).
+    `whole`: the gradients are the job's own, not a rank's shards (else no norm)."""
     grads_bad = 0.0
+    squares = 0.0
     for (device, _dtype), members in groups.items():
+        norm = group_norm(members, device).item() if whole else math.nan
+        if math.isfinite(norm):
+            squares += norm * norm
+            continue
+        squares = math.nan
         grads_bad = max(grads_bad, _non_finite_flag(members, device).item())
-    loss_bad = not all(math.isfinite(loss.item()) for loss in losses)
-    return [grads_bad, float(loss_bad)]
+    values = [loss.item() for loss in losses]
+    loss_bad = not all(math.isfinite(value) for value in values)
+    mean = sum(values) / len(values) if values else math.nan
+    return [grads_bad, float(loss_bad), math.sqrt(squares) if groups else math.nan, mean]
 
 
 class HealthMonitor:
@@ -221,6 +237,14 @@ class HealthMonitor:
         self._probed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
         """id(output) -> (weakref, version, flag) for this step's single-tensor outputs."""
         self._deferred: list[_Deferred] = []
+        self.divergence = DivergenceWatch()
+        self.sharded = False
+        """Set while FSDP shards the gradients (`parts`): a rank's shard has no global norm."""
+        self._optimizers: dict[int, str | None] = {}
+        """The optimizer that closed each step not judged yet (the divergence watch's key)."""
+        self.judged_norm: float | None = None
+        """The global gradient norm of the step the last `close` judged on the host (None when
+        not known, or when its check was deferred: `collect` gives it then)."""
 
     def watching_modules(self, step: int) -> bool:
         """Whether module outputs are checked during this step."""
@@ -266,22 +290,31 @@ class HealthMonitor:
         skipped: bool,
         module_name: Callable[[int], str],
         groups: Groups | None = None,
+        optimizer: str | None = None,
     ) -> list[schema.Alert]:
         """Check the step; return its alerts. One host transfer when healthy.
 
         `groups`: `grads` already grouped by (device, dtype) as plain strided tensors
-        (`gradient_batch`), or None to group them here."""
+        (`gradient_batch`), or None to group them here. `optimizer`: the name of the one whose
+        step this is (each optimizer's losses are compared with its own)."""
         module_flags, self._module_flags = self._module_flags, []
         self._probed.clear()
         ops = self.ops.take()
+        self.judged_norm = None
         if self.mode is NanCheck.OFF or (not grads and not losses and not module_flags):
             return []
+        whole = not self.sharded
+        if len(self._optimizers) > 4 * MAX_DEFERRED:  # a check lost on the way: forget it
+            self._optimizers.clear()
+        self._optimizers[step] = optimizer
         if groups is None or not {dtype for _, dtype in groups} <= _FLOATING:
-            groups = _by_device_and_dtype(_checkable(grads))
+            checkable = _checkable(grads)
+            whole = whole and checkable is grads  # else some are shards: no global norm
+            groups = _by_device_and_dtype(checkable)
         if not module_flags and not ops and _on_host(groups, losses):
-            values = _host_checks(groups, losses)
+            values = _host_checks(groups, losses, whole)
             return self._judge(step, values, named, skipped, module_flags, module_name)
-        checks = self._device_checks(groups, losses, module_flags)
+        checks = self._device_checks(groups, losses, module_flags, whole)
         if checks is None:
             return []
         if ops:  # the op watch's flags ride at the end of the same transfer
@@ -298,11 +331,12 @@ class HealthMonitor:
         named: Callable[[], list[tuple[str, torch.Tensor]]],
         module_name: Callable[[int], str],
         wait: bool = False,
-    ) -> list[tuple[int, list[schema.Alert]]]:
-        """Alerts of earlier steps whose deferred checks have reached the host, with their
-        step; `wait` (at the end of the job) waits for the rest. Parameters are named from
-        their state now, since the step that went bad has returned to the job."""
-        found: list[tuple[int, list[schema.Alert]]] = []
+    ) -> list[tuple[int, list[schema.Alert], float | None]]:
+        """Alerts and gradient norms of earlier steps whose deferred checks have reached the
+        host, with their step; `wait` (at the end of the job) waits for the rest. Parameters
+        are named from their state now, since the step that went bad has returned to the
+        job."""
+        found: list[tuple[int, list[schema.Alert], float | None]] = []
         while self._deferred:
             deferred = self._deferred[0]
             late = len(self._deferred) > MAX_DEFERRED
@@ -316,8 +350,9 @@ class HealthMonitor:
             alerts = self._judge(
                 deferred.step, values, named, deferred.skipped, flags, module_name, deferred.ops
             )
-            if alerts:
-                found.append((deferred.step, alerts))
+            if alerts or self.judged_norm is not None:
+                found.append((deferred.step, alerts, self.judged_norm))
+            self.judged_norm = None
         return found
 
     def _judge(
@@ -337,11 +372,18 @@ class HealthMonitor:
             origin = ops.origin(values[len(values) - len(ops) :])
             values = values[: len(values) - len(ops)]
         grads_bad, loss_bad = values[0] > 0, values[1] > 0
-        module_ok = values[2 : 2 + len(module_flags)]
-        inputs_ok = values[2 + len(module_flags) :]
+        count = len(module_flags)
+        module_ok = values[2 : 2 + count]
+        inputs_ok = values[2 + count : 2 + 2 * count]
+        norm, loss = values[2 + 2 * count : 4 + 2 * count]
+        self.judged_norm = norm if math.isfinite(norm) else None
+        diverging = self.divergence.read(
+            step, loss, None if skipped else self.judged_norm, self._optimizers.pop(step, None)
+        )
+        first = [diverging] if diverging is not None else []
         if not grads_bad and not loss_bad and all(module_ok):
-            return []
-        return self._alerts(
+            return first
+        return first + self._alerts(
             step,
             named(),
             skipped,
@@ -357,15 +399,21 @@ class HealthMonitor:
         groups: Groups,
         losses: list[torch.Tensor],
         module_flags: list[ModuleFlag],
+        whole: bool,
     ) -> torch.Tensor | None:
-        """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...]."""
+        """[grads non-finite, losses non-finite, module outputs finite..., inputs finite...,
+        gradient norm, mean loss] (NaN for a value not known)."""
         device = None
         grads_bad = None
+        norms = []
         for (grad_device, _dtype), members in groups.items():
             found = _non_finite_flag(members, grad_device)
             device = device or grad_device
+            if whole:
+                norms.append(group_norm(members, grad_device).to(device))
             found = found.to(device)
             grads_bad = found if grads_bad is None else grads_bad + found
+        loss_bad = mean = None
         if losses:
             device = device or losses[0].device
             if len(losses) == 1 and losses[0].device == device:
@@ -375,8 +423,7 @@ class HealthMonitor:
                     [loss.detach().float().reshape(()).to(device) for loss in losses]
                 )
             loss_bad = (~torch.isfinite(flat)).any().float().reshape(1)
-        else:
-            loss_bad = None
+            mean = flat.mean().reshape(1)
         if device is None and module_flags:
             device = module_flags[0][1].device
         if device is None:
@@ -392,6 +439,12 @@ class HealthMonitor:
             inputs = _stacked([f if f is not None else finite for _, _, f in module_flags], device)
             parts.append(torch.isfinite(outputs))
             parts.append(torch.isfinite(inputs))
+        unknown = torch.full((1,), math.nan, device=device)
+        if norms and len(norms) == len(groups):
+            parts.append(torch.linalg.vector_norm(torch.stack(norms).float()))
+        else:
+            parts.append(unknown)
+        parts.append(mean.to(device) if mean is not None else unknown)
         return torch.cat([p.reshape(-1).float() for p in parts])
 
     def _alerts(
@@ -455,7 +508,12 @@ class HealthMonitor:
     ) -> schema.Alert:
         if group is not None:
             message += f" ({poisoned_by(group)})"
-        return schema.Alert(kind=kind, message=message, where=where, group=group)
+        after = self.divergence.after()
+        if after is not None:
+            message += f" ({after})"
+        return schema.Alert(
+            kind=kind, message=message, where=where, group=group, began=self.divergence.began
+        )
 
     @staticmethod
     def _nonfinite_names(named: Sequence[tuple[str, torch.Tensor | None]]) -> list[str]:

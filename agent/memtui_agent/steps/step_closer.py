@@ -144,6 +144,7 @@ class StepCloser:
             skipped,
             self.registry.name,
             gradients.groups,
+            record.name if record is not None else None,
         )
         t_end = time.time()
         ledger = LedgerReading(
@@ -189,6 +190,7 @@ class StepCloser:
             raised=tuple(opened.raised),
             fragmentation=fragmentation,
             health=tuple(alarms),
+            grad_norm=self.health.judged_norm,
             over_budget=over_budget,
             late=tuple(late),
             distributed=distributed,
@@ -304,8 +306,8 @@ class StepCloser:
         """Alerts of earlier steps whose GPU checks reached the host since (none on CPU)."""
         found = self.health.collect(self.named_parameters, self.registry.name, wait)
         return [
-            schema.StepLate(step=step, alerts=alerts[: schema.MAX_LATE_ALERTS])
-            for step, alerts in found
+            schema.StepLate(step=step, alerts=alerts[: schema.MAX_LATE_ALERTS], grad_norm=norm)
+            for step, alerts, norm in found
         ]
 
     def named_parameters(self) -> list[tuple[str, Any]]:
