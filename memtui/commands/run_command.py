@@ -448,10 +448,7 @@ def summary_line(
     """
     if job.recording is None and followed is not None and followed.hello is not None:
         outcome = outcome_from(followed, None, code, stopped)
-        lines = [
-            f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()} "
-            "(nothing recorded: --no-record)"
-        ]
+        lines = [f"memtui: {outcome.headline(code)} (nothing recorded: --no-record)"]
         alerts = outcome.alerts.line(None)
         if alerts is not None:
             lines.append(f"memtui: {alerts}")
@@ -483,7 +480,7 @@ def summary_line(
         outcome = outcome_of(job.recording, code, stopped)
     except RecordingError as exc:
         return f"memtui: job exited with code {code}; recording unreadable: {exc}"
-    lines = [f"memtui: job {outcome.status} (exit code {code}) {outcome.so_far()}"]
+    lines = [f"memtui: {outcome.headline(code)}"]
     lines += recording_lines(outcome, job.recording)
     others = Path(f"{job.recording}-ranks")
     if others.is_dir():  # ranks a launcher started itself (Lightning's DDP), after this one
@@ -518,6 +515,15 @@ class Outcome:
     alerts: AlertTally
     last_step: int | None = None
     """The number of the last step recorded (None: none)."""
+
+    def headline(self, code: int) -> str:
+        """`job ok (exit code 0) after 12 steps; ...`; a job that exited 0 after an error says
+        the error instead of "ok" (`job exited (exit code 0) with an error: NaN loss from step
+        5; after 12 steps; ...`), as the report and the TUI's header do."""
+        error = self.alerts.error_words() if self.status == ExitStatus.OK else None
+        if error is None:
+            return f"job {self.status} (exit code {code}) {self.so_far()}"
+        return f"job exited (exit code {code}) with an error: {error}; {self.so_far()}"
 
     def so_far(self) -> str:
         """`after 12 steps; peak ...; highest piles: ...`; a run with no step has no figures

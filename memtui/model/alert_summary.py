@@ -96,6 +96,14 @@ class AlertTally:
         """The first kind of the highest severity (None: the run raised only notes)."""
         return self.kinds[0] if self.kinds else None
 
+    def error_words(self) -> str | None:
+        """The worst error's words (`NaN loss from step 5`) for the headline of a run whose job
+        exited 0 (None: no error): an exit code of 0 is not all that happened."""
+        worst = self.worst
+        if worst is None or worst.severity is not Severity.ERROR:
+            return None
+        return worst.words()
+
     def line(self, path: Path | str | None) -> str | None:
         """`NaN loss from step 60; over budget at step 80; 127 alerts: memtui report PATH`
         (None: the run raised nothing worth naming)."""

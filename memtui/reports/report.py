@@ -455,9 +455,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
         headline += f" at step {ending.step}{where}"
         if ending.error:
             headline += f": {ending.error}"
-    worst = alert_tally(recording).worst
-    if ending.status == ExitStatus.OK and worst is not None and worst.severity is Severity.ERROR:
-        headline += f", after an error: {worst.words()}"  # exit 0 is not all that happened
+    worst = alert_tally(recording).error_words()
+    if ending.status == ExitStatus.OK and worst is not None:  # exit 0 is not all that happened
+        headline = f"job exited (exit code {ending.code}) with an error: {worst}"
     fatal = [alert for alert in report.alerts if alert.kind == AlertKind.OOM]
     for alert in fatal:
         lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")

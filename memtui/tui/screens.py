@@ -26,7 +26,7 @@ HELP_KEYS = (
     ("Home / End", "first / newest step (End follows live frames again)"),
     ("n / N", "next / previous step with an alert"),
     ("Enter / a", "the chosen alert whole; the cursor goes to its step"),
-    ("o", "alerts: list the notes too (error, warn first; notes: what healthy runs raise)"),
+    ("o", "alerts: show the notes too (healthy runs raise them)"),
     ("u", "binary units (GiB) / decimal units (GB)"),
     ("r", "next rank (a job with several ranks)"),
     ("Tab", "focus the next panel (alerts table: ↑/↓ pick an alert)"),
@@ -34,10 +34,9 @@ HELP_KEYS = (
     ("?", "this help; Esc closes it"),
 )
 HELP_NOTES = (
-    "Piles are counted once per storage. The peak is the piles at their highest plus DDP's "
-    "buckets and FSDP's gathered parameters (real memory no pile counts), as every memtui view "
-    'states it. "other" (GPU only) is the allocator\'s peak minus that peak. Gap rows name what '
-    "each difference is made of.",
+    "Piles: each storage once. The peak: the piles at their highest plus DDP/FSDP buffers, in "
+    'every view; "other" (GPU only): the allocator\'s peak minus it. Gap rows: what each '
+    "difference is made of.",
     "≈ next to activations: the step repeated a measured one and carries its figures.",
 )
 """Paragraphs, one string each: the dialog wraps them at word boundaries to its own width

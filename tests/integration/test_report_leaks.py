@@ -107,7 +107,7 @@ def test_the_text_report_leads_with_the_leaks(builder: ModuleType) -> None:
     then what the censuses cost (2.5% of the steps' time here: notable)."""
     lines = render_text(_recording(builder.leaking_messages())).splitlines()
     # Exit 0, but the job leaked: the exit line says its first error.
-    assert lines[0] == "job ok (exit code 0), after an error: leak in history at step 12"
+    assert lines[0] == "job exited (exit code 0) with an error: leak in history at step 12"
     assert lines[1:7] == [
         "Leaks (as the job ended): memory no pile holds, growing step after step",
         f"  {builder.GRAPH_HOLDER} (autograd graphs kept alive): 288.00 KiB in 1 tensor, "

@@ -116,12 +116,19 @@ def test_moving_without_steps_is_harmless() -> None:
 
 
 def test_alert_navigation_lands_on_alert_steps(demo_messages: list[schema.Message]) -> None:
+    """`n`/`N` stop where the table lists an alert: step 1's first-step growth is a note, a
+    stop (and a mark on the timeline) only while `o` lists the notes."""
     session = ingested(demo_messages)
+    assert session.view_state().timeline.alerts == frozenset({9, 17})
     visited = []
-    for _ in range(4):
+    for _ in range(3):
         session.next_alert(-1)
         visited.append(cursor_step(session))
-    assert visited == [17, 9, 1, 1]
+    assert visited == [17, 9, 9]
+    session.toggle_notes()
+    assert session.view_state().timeline.alerts == frozenset({1, 9, 17})
+    session.next_alert(-1)
+    assert cursor_step(session) == 1
     visited = []
     for _ in range(3):
         session.next_alert(1)
