@@ -236,10 +236,16 @@ def folded_alerts(alerts: list[AlertRow]) -> tuple[AlertRow, ...]:
     return tuple(reversed(folded))
 
 
+def severity_order(row: AlertRow) -> tuple[int, bool]:
+    """Errors, then warnings, then notes; within a severity a folded row (the steps that
+    follow from an alert) after the alerts themselves, so the first error row is a cause."""
+    return row.severity.rank, row.kind is AlertKind.GROUPED
+
+
 def by_severity(rows: tuple[AlertRow, ...]) -> tuple[AlertRow, ...]:
     """Folded rows (newest first) with the errors first, then the warnings, then the notes,
     each newest first: the first row is the newest alert of the highest severity."""
-    return tuple(sorted(rows, key=lambda row: row.severity.rank))
+    return tuple(sorted(rows, key=severity_order))
 
 
 def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tuple[PileRow, ...]:

@@ -25,6 +25,7 @@ from memtui.model.step_rows import (
     known_piles,
     pile_figure,
     pile_of,
+    severity_order,
     step_peak,
 )
 from memtui.reports.leak_report import (
@@ -410,8 +411,8 @@ def alert_lines(recording: Recording) -> list[str]:
     # The fold lists newest first, as the screen does; the report reads oldest first.
     rows = sorted(reversed(folded_alerts(alert_rows(stepped))), key=lambda row: row.step)
     rows += alert_rows(final)
-    rows.sort(key=lambda row: row.severity.rank)  # errors, warnings, notes; each by step
-    counts = Counter(row.severity for row in rows)
+    rows.sort(key=severity_order)  # errors, warnings, notes; each by step, causes first
+    counts = Counter(alert_severity(item.kind) for item in [*stepped, *final])  # every alert
     severities = ", ".join(
         f"{counts[severity]} {severity}{'s' if counts[severity] != 1 else ''}"
         for severity in Severity

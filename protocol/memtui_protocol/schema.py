@@ -145,7 +145,9 @@ ALERT_SEVERITY: dict[AlertKind, Severity] = {
     AlertKind.ATTACHED: Severity.NOTE,
     AlertKind.STEP_RULE: Severity.NOTE,
     AlertKind.SNAPSHOT: Severity.NOTE,
-    AlertKind.GROUPED: Severity.NOTE,
+    # Folded follow-ons of a non-finite alert (every step after the weights were poisoned):
+    # errors like those they fold, listed after the alert they follow from.
+    AlertKind.GROUPED: Severity.ERROR,
 }
 """Each alert kind's one severity (docs/report-format.md#alert-kinds)."""
 

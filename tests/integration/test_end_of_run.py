@@ -338,7 +338,8 @@ def test_a_headless_run_ends_naming_its_alerts(tmp_path: Path) -> None:
     total = len(read_recording(recording).alerts)
     lines = result.stderr.splitlines()
     assert lines[-3].startswith(
-        "memtui: job exited (exit code 0) with an error: NaN loss from step 5; after 10 steps; peak "
+        "memtui: job exited (exit code 0) with an error: NaN loss from step 5; "
+        "after 10 steps; peak "
     )
     assert lines[-2] == (
         "memtui: NaN loss from step 5; NaN/Inf gradients from step 5; NaN/Inf activations "

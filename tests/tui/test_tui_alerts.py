@@ -76,7 +76,7 @@ def test_the_table_shows_step_kind_and_message_at_both_sizes(tui: Any, builder: 
             rows = table_rows(table)
             assert rows[0][:3] == ["20", "error", "nonfinite_gradient"]
             grouped = next(row for row in rows if row[2] == "grouped")
-            assert grouped[:2] == ["20", "note"]
+            assert grouped[:2] == ["20", "error"]  # the errors it folds, listed after them
             assert grouped[3].startswith("4 more alerts on steps 21-24")
             forecast = next(row for row in rows if row[2] == "first_step_forecast")
             for row in rows:

@@ -36,6 +36,7 @@ def test_every_alert_kind_has_one_severity() -> None:
         AlertKind.OOM,
         AlertKind.OVER_BUDGET,
         AlertKind.LEAK,
+        AlertKind.GROUPED,  # folded follow-ons of a non-finite alert
     }
     assert alert_severity("divergence") is Severity.WARNING
     assert alert_severity("activations_vary") is Severity.NOTE

@@ -53,12 +53,13 @@ def test_follow_on_alerts_are_one_line_as_on_screen(tmp_path: Path, builder: Mod
     recording = read_recording(path)
     section = alert_section(render_text(recording))
     # 4 fixture alerts, 2 at step 20, 8 grouped on steps 21-24, 1 over budget at step 24.
-    assert section[0] == "alerts: 15 (5 errors, 1 warning, 2 notes)"
+    # Counted by alert: the 8 folded into one line are errors too.
+    assert section[0] == "alerts: 15 (13 errors, 1 warning, 1 note)"
     assert "  error   step 20: nonfinite_loss: the loss is NaN" in section
     assert "  error   step 20: nonfinite_gradient: 2 NaN" in section
     folded = [line for line in section if ": grouped: " in line]
     assert folded == [
-        "  note    step 20: grouped: 8 more alerts on steps 21-24: they follow from step 20 "
+        "  error   step 20: grouped: 8 more alerts on steps 21-24: they follow from step 20 "
         "(the weights were poisoned by its update)"
     ]
     # The screen folds the same alerts into the same row.
@@ -76,7 +77,7 @@ def test_the_text_says_how_many_alerts_it_left_out(tmp_path: Path, builder: Modu
     path.write_bytes(builder.encode_recording(messages(builder, budget_from=2)))
     section = alert_section(render_text(read_recording(path)))
     # 4 fixture alerts + 23 over budget + 2 at step 20 + 8 grouped = 37 alerts in 30 lines.
-    assert section[0] == "alerts: 37 (27 errors, 1 warning, 2 notes)"
+    assert section[0] == "alerts: 37 (35 errors, 1 warning, 1 note)"
     listed = section[1:-1]
     assert len(listed) == MAX_ALERT_LINES
     assert listed[0].startswith("  error   step 2: over_budget")  # errors lead, by step

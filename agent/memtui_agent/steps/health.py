@@ -522,7 +522,9 @@ class HealthMonitor:
         local = [(n, t) for n, t in local if t.is_floating_point() and t.numel()]
         if not local:
             return []
-        finite = [torch.isfinite(t).all() for _, t in local]
+        # detach(): an op on a parameter that requires grad would make an autograd node, which
+        # the next repeat proof counts as a change in the job (a false `activations_vary`).
+        finite = [torch.isfinite(t.detach()).all() for _, t in local]
         device = finite[0].device
         flags = torch.stack([flag.to(device) for flag in finite]).tolist()
         return [name for (name, _), ok in zip(local, flags, strict=True) if not ok]
