@@ -425,10 +425,14 @@ class Session:
 
     def _kept(self, step: schema.Step | None) -> KeptAt | None:
         """What the job kept outside every pile as of the cursor step (the latest census at or
-        before it)."""
+        before it); None when that census found nothing (a line "0 B in 0 tensors" says
+        nothing the user can act on; the report's JSON keeps the count)."""
         if step is None or self.recording is None:
             return None
-        return self.recording.kept.at(step.step)
+        found = self.recording.kept.at(step.step)
+        if found is not None and found.kept.bytes == 0 and not found.kept.holders:
+            return None
+        return found
 
     def _leaks(self, step: schema.Step | None) -> tuple[tuple[LeakRow, ...], bool]:
         """The leaks as of the cursor step (the latest census at or before it) and whether they

@@ -30,6 +30,7 @@ KEPT = {
             schema.KeptHolder("batch (local of train)", 4_096, 1),
         ],
     ),
+    15: schema.Kept(bytes=0, tensors=0, holders=[]),  # a census that found nothing
     20: schema.Kept(bytes=None, tensors=9, holders=[schema.KeptHolder("ema", 600 * 1024, 8)]),
 }
 
@@ -74,6 +75,9 @@ def test_the_piles_panel_names_what_the_job_keeps_as_of_the_cursor_step(
             "kept outside the piles at step 8 (its census): 536.00 KiB in 7 tensors; "
             "ema 535.00 KiB, batch (local of train) 4.00 KiB"
         ) in at_9
+        await pilot.pause()
+        # Step 15's census found nothing: no "0 B in 0 tensors" line, nor step 8's old one.
+        assert "kept outside" not in _text(tui, app, 16)
         await pilot.pause()
         last = _text(tui, app, None)
         assert (
