@@ -21,9 +21,10 @@ def _sequence_number() -> int:
 
 
 def test_naming_non_finite_weights_makes_no_autograd_node() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    first = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(first, torch.nn.Linear(4, 1))
     with torch.no_grad():
-        model[0].weight[0, 0] = float("nan")
+        first.weight[0, 0] = float("nan")
     named = list(model.named_parameters())
     before = _sequence_number()
     bad = HealthMonitor._nonfinite_names(named)
