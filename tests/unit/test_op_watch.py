@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from memtui_agent.steps import nan_origin
+from memtui_agent.steps.health import HealthMonitor
 from memtui_agent.steps.nan_origin import (
     OpWatch,
     first_origin,
@@ -20,6 +21,7 @@ from memtui_agent.steps.nan_origin import (
     wire_origin,
 )
 from memtui_protocol import schema
+from memtui_protocol.schema import AlertKind, NanCheck
 
 
 def _frames(*files: str) -> Any:
@@ -163,3 +165,25 @@ def test_the_watch_runs_no_subclass_code_and_skips_meta_tensors() -> None:
     watched = _Counted.calls
     assert watch.take() is None  # neither a subclass's output nor a meta one is flagged
     assert watched == alone
+
+
+def test_an_origin_past_the_bound_is_said_to_be_not_known(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A NaN made after the last flagged call: the loss alert says its origin is not known
+    (it said only "the loss is NaN or Inf", as if nothing had been watched)."""
+    monkeypatch.setattr(nan_origin, "MAX_OPS", 3)
+    monitor = HealthMonitor(NanCheck.FULL)
+    weight = torch.nn.Parameter(torch.ones(2))
+    monitor.forward_starts()
+    x = weight * 2.0
+    for _ in range(3):
+        x = x + 1.0
+    loss = torch.log(x - x).sum()  # -inf, made by the 5th and 6th calls: past the bound
+    loss.backward()
+    assert weight.grad is not None
+    grads = [weight.grad]
+    alerts = monitor.close(1, grads, [loss.detach()], lambda: [("w", weight)], False, str)
+    [loss_alert] = [a for a in alerts if a.kind == AlertKind.NONFINITE_LOSS]
+    assert loss_alert.origin is None
+    assert "is not known (the step's first 3 torch calls were watched" in loss_alert.message

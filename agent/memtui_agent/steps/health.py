@@ -49,6 +49,7 @@ from memtui_agent.steps.nan_origin import (
     origin_site,
     origin_words,
     poisoned_by,
+    unseen_words,
     wire_origin,
 )
 from memtui_protocol import schema
@@ -392,6 +393,7 @@ class HealthMonitor:
             (module_ok, inputs_ok),
             module_name,
             origin,
+            ops.missed if ops else 0,
         )
 
     def _device_checks(
@@ -457,7 +459,10 @@ class HealthMonitor:
         module_checks: tuple[list[float], list[float]],
         module_name: Callable[[int], str],
         origin: Origin | None = None,
+        missed: int = 0,
     ) -> list[schema.Alert]:
+        """`missed`: the watched step's calls past the op watch's bound (its origin, if none
+        was found among the flagged ones, is not known)."""
         loss_bad, grads_bad = bad
         module_ok, inputs_ok = module_checks
         grouped = self.weights_bad_since
@@ -487,6 +492,8 @@ class HealthMonitor:
             message = "the loss is NaN or Inf"
             if found is not None:
                 message += ": " + origin_words(found)
+            elif missed and grouped is None:
+                message += ": " + unseen_words(missed)
             loss = self._alert(AlertKind.NONFINITE_LOSS, message, None, grouped)
             alerts.append(msgspec.structs.replace(loss, origin=found))
         if grads_bad and not skipped:

@@ -350,6 +350,15 @@ def wire_origin(origin: Origin, module: str | None) -> schema.NanOrigin:
     )
 
 
+def unseen_words(missed: int) -> str:
+    """What a loss alert says when no flagged call made the NaN/Inf but calls past the bound
+    ran unflagged: the origin is not known (never a guess, never silence)."""
+    return (
+        f"the call that made the first NaN/Inf is not known (the step's first {MAX_OPS:,} "
+        f"torch calls were watched and were finite; {missed:,} more ran unwatched)"
+    )
+
+
 def origin_site(origin: schema.NanOrigin) -> str:
     """`torch.log at train.py:42`: the call and the job's line that made it."""
     return f"{origin.op} at {os.path.basename(origin.file)}:{origin.line}"
