@@ -109,10 +109,15 @@ def test_the_report_says_the_divergence_first(runs: dict[str, Run]) -> None:
     text = subprocess.run(
         [*MEMTUI, "report", str(path)], capture_output=True, text=True, timeout=120
     ).stdout
-    lines = [line for line in text.splitlines() if line.startswith("  step ")]
-    kinds = [line.split(": ")[1].split(" ")[0] for line in lines]
-    numerical = [kind for kind in kinds if kind.startswith(("divergence", "nonfinite"))]
-    assert numerical[0] == "divergence"
+    # Errors lead the report (severity); the first NaN error names the divergence it followed,
+    # and the divergence itself is listed as a warning.
+    lines = [line.split() for line in text.splitlines() if " step " in line]
+    rows = [(words[0], words[3].rstrip(":")) for words in lines if words[1] == "step"]
+    numerical = [row for row in rows if row[1].startswith(("divergence", "nonfinite"))]
+    assert numerical[0][0] == "error"
+    assert ("warning", "divergence") in numerical
+    first_error = next(line for line in text.splitlines() if line.startswith("  error "))
+    assert "divergence that began at step 2" in first_error
     report = json.loads(
         subprocess.run(
             [*MEMTUI, "report", "--json", str(path)], capture_output=True, text=True, timeout=120
