@@ -134,19 +134,11 @@ class JobProcess:
         if self.process.poll() is not None:
             return
         self.stopped = True
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        except OSError:
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return
-            time.sleep(0.05)
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except OSError:
-            pass
+        if not self._signal_and_wait(signal.SIGTERM, grace):
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def interrupt(self, grace: float = 5.0) -> None:
         """Ctrl-C reached memtui, not the job (it runs in a session of its own): pass it on as
@@ -154,16 +146,22 @@ class JobProcess:
         own cleanup, the agent's final frame); `terminate` if it is still there after `grace`."""
         if self.process.poll() is not None:
             return
+        if not self._signal_and_wait(signal.SIGINT, grace):
+            self.terminate()
+
+    def _signal_and_wait(self, sent: signal.Signals, grace: float) -> bool:
+        """Send `sent` to the job's process group and wait up to `grace` for it to end: True
+        when it ended, or the group is gone (nothing left to signal)."""
         try:
-            os.killpg(self.process.pid, signal.SIGINT)
+            os.killpg(self.process.pid, sent)
         except OSError:
-            return
+            return True
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                return
+                return True
             time.sleep(0.05)
-        self.terminate()
+        return False
 
     def discard_empty_log(self) -> bool:
         """Remove the log this run created when the job wrote nothing to it (memtui's first

@@ -230,7 +230,11 @@ class Session:
         # own: navigation lands on the first alert of the group instead.
         # Notes are stops only while the table lists them (`o`), like the timeline's marks.
         steps_with_alerts = sorted(
-            {alert.step for alert in self.alerts if alert.group is None and self._listed(alert)}
+            {
+                alert.step
+                for alert in self.alerts
+                if alert.group is None and alert.listed(self.notes_shown)
+            }
         )
         if direction > 0:
             targets = [number for number in steps_with_alerts if number > here]
@@ -256,12 +260,6 @@ class Session:
             grouped_steps=(steps[0], steps[-1]),
             group=that_way[0].group,
         )
-
-    def _listed(self, alert: AlertRow) -> bool:
-        """Whether the alerts table lists this alert now: every error and warning, the notes
-        only while shown (a healthy run's notes would otherwise mark its timeline and stop
-        `n` at steps with nothing to act on)."""
-        return self.notes_shown or alert.severity is not Severity.NOTE
 
     def toggle_notes(self) -> None:
         """List the notes in the alerts table, or count them only (the default)."""
@@ -359,7 +357,7 @@ class Session:
             gap=gap_view(step, live, self.binary, *self._leaks(step)),
             timeline=timeline_view(
                 self._timeline_window(timeline_width),
-                frozenset(alert.step for alert in self.alerts if self._listed(alert)),
+                frozenset(alert.step for alert in self.alerts if alert.listed(self.notes_shown)),
                 cursor_step,
                 self.binary,
             ),

@@ -106,6 +106,11 @@ class AlertRow:
         """Its kind's one severity (a kind this version does not know: a warning)."""
         return alert_severity(self.kind)
 
+    def listed(self, notes_shown: bool) -> bool:
+        """Whether the alerts table lists it: every error and warning, a note only while the
+        notes are shown (`o`); `n`/`N` and the timeline's marks follow the same rule."""
+        return notes_shown or self.severity is not Severity.NOTE
+
 
 @dataclass(frozen=True)
 class DtypeRow:

@@ -236,7 +236,7 @@ def alerts_view(folded: tuple[AlertRow, ...], notes_shown: bool) -> AlertsView:
     left out unless shown, and how many of each severity there are."""
     ordered = by_severity(folded)
     counts = Counter(row.severity for row in ordered)
-    rows = ordered if notes_shown else tuple(r for r in ordered if r.severity is not Severity.NOTE)
+    rows = tuple(row for row in ordered if row.listed(notes_shown))
     return AlertsView(
         rows,
         errors=counts[Severity.ERROR],

@@ -123,18 +123,7 @@ def step_report(step: Step, recording: Recording, alerts: list[StepAlert]) -> St
             for item in (step.top_activations if known else [])
         ],
         distributed=msgspec.to_builtins(step.distributed) if step.distributed else None,
-        alerts=[
-            AlertEntry(
-                kind=item.kind,
-                severity=alert_severity(item.kind),
-                message=item.alert.message,
-                where=item.alert.where,
-                group=item.alert.group,
-                origin=item.alert.origin,
-                began=item.alert.began,
-            )
-            for item in alerts
-        ],
+        alerts=[step_alert_entry(item) for item in alerts],
         alloc_events=events_dict(step.alloc_events)
         if step.alloc_events is not None
         else msgspec.UNSET,
@@ -217,11 +206,11 @@ def _last_step_time(recording: Recording) -> float:
     return recording.steps[-1].t_end if recording.steps else 0.0
 
 
-def alert_entry(item: StepAlert) -> RunAlert:
-    """One alert in the report: the contract's keys, plus `group` when it follows another."""
+def step_alert_entry(item: StepAlert) -> AlertEntry:
+    """One alert as its step's entry lists it: the contract's keys, plus `group` when it
+    follows another (the one place that maps an alert's fields to the report's)."""
     alert = item.alert
-    return RunAlert(
-        step=item.step,
+    return AlertEntry(
         kind=item.kind,
         severity=alert_severity(item.kind),
         message=alert.message,
@@ -230,6 +219,11 @@ def alert_entry(item: StepAlert) -> RunAlert:
         origin=alert.origin,
         began=alert.began,
     )
+
+
+def alert_entry(item: StepAlert) -> RunAlert:
+    """One alert in the run-wide list: its step's entry, with the step."""
+    return RunAlert(step=item.step, **msgspec.structs.asdict(step_alert_entry(item)))
 
 
 def all_alerts(recording: Recording) -> list[RunAlert]:

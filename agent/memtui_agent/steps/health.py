@@ -36,7 +36,6 @@ import operator
 import weakref
 from collections.abc import Callable, Sequence
 
-import msgspec
 import torch
 
 from memtui_agent.memory.ledger import local_tensor
@@ -485,8 +484,9 @@ class HealthMonitor:
                     message = f"input of {where} was already non-finite (bad data or upstream)"
                 if found is not None and found.module is not None:
                     message += f": {origin_site(found)}"
-                activation = self._alert(AlertKind.NONFINITE_ACTIVATION, message, where, grouped)
-                alerts.append(msgspec.structs.replace(activation, origin=found))
+                alerts.append(
+                    self._alert(AlertKind.NONFINITE_ACTIVATION, message, where, grouped, found)
+                )
                 break
         if loss_bad:
             message = "the loss is NaN or Inf"
@@ -494,8 +494,7 @@ class HealthMonitor:
                 message += ": " + origin_words(found)
             elif missed and grouped is None:
                 message += ": " + unseen_words(missed)
-            loss = self._alert(AlertKind.NONFINITE_LOSS, message, None, grouped)
-            alerts.append(msgspec.structs.replace(loss, origin=found))
+            alerts.append(self._alert(AlertKind.NONFINITE_LOSS, message, None, grouped, found))
         if grads_bad and not skipped:
             names = self._nonfinite_names([(name, p.grad) for name, p in parameters])
             shown = ", ".join(names[:MAX_NAMES])
@@ -511,7 +510,12 @@ class HealthMonitor:
         return alerts
 
     def _alert(
-        self, kind: AlertKind, message: str, where: str | None, group: int | None
+        self,
+        kind: AlertKind,
+        message: str,
+        where: str | None,
+        group: int | None,
+        origin: schema.NanOrigin | None = None,
     ) -> schema.Alert:
         if group is not None:
             message += f" ({poisoned_by(group)})"
@@ -519,7 +523,12 @@ class HealthMonitor:
         if after is not None:
             message += f" ({after})"
         return schema.Alert(
-            kind=kind, message=message, where=where, group=group, began=self.divergence.began
+            kind=kind,
+            message=message,
+            where=where,
+            group=group,
+            origin=origin,
+            began=self.divergence.began,
         )
 
     @staticmethod
