@@ -449,10 +449,7 @@ def summary_line(
     if job.recording is None and followed is not None and followed.hello is not None:
         outcome = outcome_from(followed, None, code, stopped)
         lines = [f"memtui: {outcome.headline(code)} (nothing recorded: --no-record)"]
-        alerts = outcome.alerts.line(None)
-        if alerts is not None:
-            lines.append(f"memtui: {alerts}")
-        return "\n".join(lines)
+        return "\n".join(lines + recording_lines(outcome, None))
     exited = (
         f"job {INTERRUPTED} (exit code {code})"
         if code == SIGINT_CODE
@@ -491,10 +488,13 @@ def summary_line(
     return "\n".join(lines)
 
 
-def recording_lines(outcome: Outcome, path: Path) -> list[str]:
+def recording_lines(outcome: Outcome, path: Path | None) -> list[str]:
     """The alerts the run raised, named by kind with their first step, and where the
-    recording is: the closing lines of `memtui run` (headless or after its TUI) and `detach`."""
+    recording is (`path` None: nothing was recorded): the closing lines of `memtui run`
+    (headless or after its TUI) and `detach`."""
     alerts = outcome.alerts.line(path)
+    if path is None:
+        return [f"memtui: {alerts}"] if alerts is not None else []
     if alerts is None:
         return [f"memtui: recording {path}  (memtui report {path})"]
     return [f"memtui: {alerts}", f"memtui: recording {path}"]  # the alerts line says how to read
