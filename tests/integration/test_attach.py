@@ -116,6 +116,12 @@ class Job:
                 pipe.close()
 
 
+UNTIL_STOPPED = "1000000"
+"""The jobs' step cap: far past any test (they end on the stop file), since 3,000 steps of 20 ms
+ran out under load before a gdb attach and detach were done ("pid N ended while memtui waited
+for it" in a CI beside other work): no test may depend on how fast the machine is."""
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     """The job and memtui share one private runtime folder (the agent runs in the job)."""
@@ -164,7 +170,7 @@ def test_attach_records_later_steps_exactly_and_detach_leaves_job_unchanged(
 ) -> None:
     stop = tmp_path / "stop"
     out = tmp_path / "attached.memtui"
-    job = Job(["3000", str(stop)], env)
+    job = Job([UNTIL_STOPPED, str(stop)], env)
     try:
         job.wait_for_step(3)
         attached = memtui("attach", str(job.process.pid), "--headless", "-o", str(out), env=env)
@@ -228,7 +234,7 @@ def test_attach_job_without_optimizer_closes_steps_at_backward(
 ) -> None:
     stop = tmp_path / "stop"
     out = tmp_path / "backward.memtui"
-    job = Job(["3000", str(stop), "--no-optimizer"], env)
+    job = Job([UNTIL_STOPPED, str(stop), "--no-optimizer"], env)
     try:
         job.wait_for_step(2)
         attached = memtui("attach", str(job.process.pid), "--headless", "-o", str(out), env=env)
