@@ -70,6 +70,18 @@ def blocks_needed(blocks: list[Block], peak: int, budget: int) -> int | None:
     return None
 
 
+def fewest_freeing(blocks: list[Block], peak: int, budget: int) -> int | None:
+    """The fewest blocks, in `blocks_in_order`, whose freed bytes alone bring the peak to the
+    budget (no recomputation counted): fewer cannot fit. None if not all of them."""
+    ordered = blocks_in_order(blocks)
+    freed = 0
+    for count, block in enumerate(ordered, start=1):
+        freed += block.frees
+        if peak - freed <= budget:
+            return count
+    return None
+
+
 def recompute_fraction(wrapped: list[Block], step_flops: int) -> float | None:
     """The recomputed forwards' FLOPs over the step's; None when the step counted none."""
     if step_flops <= 0:
@@ -86,7 +98,8 @@ def choose_plan(
     blocks: list[Block], peak: int, budget: int, measured_peak: Callable[[list[str]], int | None]
 ) -> tuple[list[Block], int] | str:
     """The fewest blocks (in `blocks_in_order`) whose measured peak fits, and that peak; or why
-    there is none. Bisects on the count, starting from the formula's guess."""
+    there is none. Measures first the fewest that could fit (`fewest_freeing`), then bisects on
+    the count up to the formula's guess (`blocks_needed`) or all blocks."""
     ordered = blocks_in_order(blocks)
     if not ordered:
         return "the model has no repeated blocks with parameters to checkpoint"
@@ -105,11 +118,8 @@ def choose_plan(
         return got <= budget
 
     count = len(ordered)
-    guess = blocks_needed(blocks, peak, budget)
-    first = count if guess is None else min(max(guess, 1), count)
-    if probe(first):
-        low, high = 1, first
-    elif first == count or not probe(count):
+
+    def over_reason() -> str:
         got = over.get(count, -1)
         if got < 0:
             return f"the step with all {count} blocks checkpointed could not be measured"
@@ -117,8 +127,21 @@ def choose_plan(
             f"with all {count} blocks checkpointed the peak is still {format_bytes(got)}, "
             f"{format_bytes(got - budget)} over the budget"
         )
-    else:
-        low, high = first + 1, count
+
+    # Fewer blocks than `fewest_freeing` cannot fit: what they free, taken whole, is too little.
+    first = fewest_freeing(blocks, peak, budget) or count
+    if probe(first):
+        return ordered[:first], fits[first]
+    if first == count:
+        return over_reason()
+    low = first + 1
+    guess = blocks_needed(blocks, peak, budget)
+    high = count if guess is None else min(max(guess, low), count)
+    if not probe(high):
+        if high == count or not probe(count):
+            return over_reason()
+        low = high + 1
+        high = count
     # `high` fits (measured); the fewest that fit is in [low, high].
     while low < high and runs < MAX_MEASURED:
         middle = (low + high) // 2
