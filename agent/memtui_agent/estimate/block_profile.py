@@ -122,20 +122,27 @@ def profile_request(request: FakeStepRequest) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memtui_agent.estimate.count_params import resolve
+    from memtui_agent.estimate.count_params import one_line, resolve
     from memtui_agent.estimate.fake_step import _batch_of, _call, _loss_of
 
     variant = Variant.BLOCKS.value
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(request.autocast)  # type: ignore[arg-type]
     build_model, build_batch = resolve(request.model, "--model"), resolve(request.batch, "--batch")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _call(build_model, request.model)
-        model.train()
-        batch = _batch_of(request.batch, _call(build_batch, request.batch))
-        cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        profile = profile_blocks(
-            model, batch, lambda output: _loss_of(output, request.model)[0], cast
-        )
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = _call(build_model, request.model)
+            model.train()
+            batch = _batch_of(request.batch, _call(build_batch, request.batch))
+            cast = (
+                torch.autocast("cpu", dtype=dtype)
+                if dtype is not None
+                else contextlib.nullcontext()
+            )
+            profile = profile_blocks(
+                model, batch, lambda output: _loss_of(output, request.model)[0], cast
+            )
+    except Exception as exc:  # the step itself ran: a profile that fails only costs the plan
+        return {"variant": variant, "error": f"the blocks could not be profiled: {one_line(exc)}"}
     if profile is None:
         return {
             "variant": variant,
