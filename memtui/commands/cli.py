@@ -816,10 +816,7 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
     result = build_result(request, runs, sharding, args.device_memory)
     if budget is not None:
-        try:
-            add_plan(result, request, runs, sharding, budget, measure)
-        except ModelEstimateError as exc:
-            raise UsageError(str(exc)) from None
+        add_plan(result, request, runs, sharding, budget, measure)
     if args.json:
         print(json_safe(json.dumps(result)))
     else:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memtui.reports.model_estimate import Sharding, reserve_for
+from memtui.reports.model_estimate import ModelEstimateError, Sharding, reserve_for
 from memtui_protocol.estimate import FakeStepRequest, Variant
 from memtui_protocol.units import format_bytes
 
@@ -173,14 +173,20 @@ def plan_for(
         return None, str(profile["error"])
     blocks = [Block(**row) for row in profile["blocks"]]
 
+    failures: list[str] = []
+
     def measured_peak(names: list[str]) -> int | None:
         wrapped = replace(request, variants=[Variant.AS_GIVEN], checkpoint_modules=names)
-        run = measure(wrapped)[0]
-        return None if "error" in run else step_peak(run, sharding)
+        try:
+            run = measure(wrapped)[0]
+        except ModelEstimateError as exc:  # the wrapped step failed: no figure, said once
+            failures.append(str(exc))
+            return None
+        return step_peak(run, sharding)
 
     chosen = choose_plan(blocks, peak, budget, measured_peak)
     if isinstance(chosen, str):
-        return None, chosen
+        return None, f"{chosen} ({failures[0]})" if failures else chosen
     wrapped, peak_after = chosen
     return {
         "modules": [block.name for block in wrapped],

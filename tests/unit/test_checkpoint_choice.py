@@ -16,7 +16,7 @@ from memtui.reports.checkpoint_plan import (
     predicted_peak,
     recompute_fraction,
 )
-from memtui.reports.model_estimate import Sharding, reserve_for
+from memtui.reports.model_estimate import ModelEstimateError, Sharding, reserve_for
 from memtui_protocol.estimate import FakeStepRequest, Variant
 
 MB = 10**6
@@ -137,3 +137,22 @@ def test_budget_defaults_to_the_device_less_its_reserve() -> None:
     assert budget_for(5, 80 * 10**9) == 5
     assert budget_for(None, 80 * 10**9) == 80 * 10**9 - reserve_for(80 * 10**9)
     assert budget_for(None, None) is None
+
+
+def test_a_wrapped_step_that_fails_gives_no_plan_with_the_childs_line() -> None:
+    def measure(request: FakeStepRequest) -> list[dict[str, Any]]:
+        raise ModelEstimateError("a training step of m:f raised RuntimeError: boom")
+
+    profile = {
+        "variant": Variant.BLOCKS.value,
+        "container": "layers",
+        "blocks": [vars(block) for block in BLOCKS],
+        "step_flops": 1200,
+    }
+    request = FakeStepRequest(model="m:f", batch="m:b")
+    plan, reason = plan_for(request, [_run(20 * MB), profile], Sharding(), 14 * MB, measure)
+    assert plan is None
+    assert reason == (
+        "the step with all 4 blocks checkpointed could not be measured "
+        "(a training step of m:f raised RuntimeError: boom)"
+    )
