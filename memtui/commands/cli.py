@@ -400,6 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --batch: the GPU's memory, e.g. 80GB: verdict and what would fit",
     )
     estimate.add_argument(
+        "--budget",
+        type=_size,
+        metavar="SIZE",
+        help="with --batch: memory for the step's peak, e.g. 40GB: which blocks to checkpoint "
+        "so it fits (default with --device-memory: the device less its reserve)",
+    )
+    estimate.add_argument(
         "--gpus",
         type=_whole("--gpus", 1, _gpus_limit),
         default=1,
@@ -732,7 +739,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     if args.batch is not None:
         return cmd_estimate_step(args)
-    step_only = ("--optimizer", "--autocast", "--checkpointing", "--device-memory", "--fsdp")
+    step_only = (
+        "--optimizer",
+        "--autocast",
+        "--checkpointing",
+        "--device-memory",
+        "--budget",
+        "--fsdp",
+    )
     given = [flag for flag in step_only if getattr(args, flag[2:].replace("-", "_"))]
     if given:
         raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
@@ -762,6 +776,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def cmd_estimate_step(args: argparse.Namespace) -> int:
     """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors."""
+    from memtui.reports.checkpoint_plan import add_plan, budget_for, plan_lines
     from memtui.reports.estimate import DEFAULT_SCHEME
     from memtui.reports.model_estimate import (
         ModelEstimateError,
@@ -771,7 +786,7 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
         render_model_text,
         variants_for,
     )
-    from memtui_protocol.estimate import FakeStepRequest
+    from memtui_protocol.estimate import FakeStepRequest, Variant
 
     if args.model is None:
         raise UsageError("--batch needs --model (the module whose step it feeds)")
@@ -791,16 +806,24 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
         checkpointing=args.checkpointing,
         variants=variants_for(args.checkpointing, args.device_memory),
     )
+    budget = budget_for(args.budget, args.device_memory)
+    if budget is not None:
+        request.variants.append(Variant.BLOCKS)
     try:
         runs = measure(request)
     except ModelEstimateError as exc:
         raise UsageError(str(exc)) from None
     sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
     result = build_result(request, runs, sharding, args.device_memory)
+    if budget is not None:
+        add_plan(result, request, runs, sharding, budget, measure)
     if args.json:
         print(json_safe(json.dumps(result)))
     else:
-        print(terminal_safe(render_model_text(result), keep_newlines=True))
+        text = render_model_text(result)
+        if budget is not None:
+            text += "\n\n" + "\n".join(plan_lines(result))
+        print(terminal_safe(text, keep_newlines=True))
     return 0
 
 

@@ -48,6 +48,9 @@ class Variant(str, Enum):
     """The batch concatenated with itself along dim 0: the slope for the largest batch."""
     CHECKPOINTED = "checkpointed"
     """As given, plus checkpointing (if the request has none): what it would save."""
+    BLOCKS = "blocks"
+    """Not a training run: each repeated block's saved bytes, inputs and FLOPs, one forward
+    and backward outside the agent's hooks (`--budget`'s plan ranks blocks by it)."""
 
 
 @dataclass
@@ -60,6 +63,8 @@ class FakeStepRequest:
     autocast: Autocast | None = None
     checkpointing: bool = False
     variants: list[Variant] = field(default_factory=lambda: [Variant.AS_GIVEN])
+    checkpoint_modules: list[str] = field(default_factory=list)
+    """Modules (qualified names) to wrap in activation checkpointing: a plan measured."""
 
     def to_json(self) -> str:
         """The child's argument."""
@@ -76,6 +81,7 @@ class FakeStepRequest:
             autocast=Autocast(raw["autocast"]) if raw.get("autocast") else None,
             checkpointing=bool(raw.get("checkpointing")),
             variants=[Variant(v) for v in raw.get("variants", [Variant.AS_GIVEN.value])],
+            checkpoint_modules=list(raw.get("checkpoint_modules", [])),
         )
 
 

@@ -100,6 +100,7 @@ FLAGS: list[tuple[str, list[str], str, set[str]]] = [
     ("estimate --autocast", ["estimate", "--params", "7B", "--autocast", "{}"], REFUSED, set()),
     ("estimate --device-memory", ["estimate", "--params", "7B", "--device-memory", "{}"],
      REFUSED, set()),
+    ("estimate --budget", ["estimate", "--params", "7B", "--budget", "{}"], REFUSED, set()),
 ]  # fmt: skip
 
 CASES = [

@@ -26,6 +26,7 @@ CONCEPTS = (Pile, AlertKind, NanCheck, ActivationMode, ExitStatus, LeakKind)
 SPELLINGS = {member.value: enum.__name__ for enum in CONCEPTS for member in enum}
 KEYWORDS = {"kind", "status", "nan_check", "activations", "pile", "choices", "default"}
 NOT_THE_CONCEPT = {
+    ("reports/checkpoint_plan.py", "error"): "the key of the estimate child's failure message",
     ("input/torch_snapshot.py", "oom"): "PyTorch's own trace action name in a snapshot",
     ("model/alloc_rows.py", "oom"): "the report's `alloc_events.oom` key (an allocator event)",
     ("reports/model_estimate.py", "error"): "the key of the estimate child's failure message",

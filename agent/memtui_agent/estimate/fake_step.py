@@ -43,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from memtui_agent.estimate.block_profile import checkpoint_named, profile_request
 from memtui_agent.estimate.count_params import CountError, one_line, resolve
 from memtui_protocol.estimate import (
     EXIT_FAILED,
@@ -366,6 +367,8 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         model.train()
         if request.checkpointing or variant is Variant.CHECKPOINTED:
             apply_checkpointing(model)
+        if request.checkpoint_modules:
+            checkpoint_named(model, request.checkpoint_modules)
         batch = _batch_of(request.batch, _call(build_batch, request.batch))
         if variant is Variant.DOUBLE_BATCH:
             batch = double_batch(batch)
@@ -437,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             for variant in request.variants:
                 try:
+                    if variant is Variant.BLOCKS:
+                        results.append(profile_request(request))
+                        continue
                     results.append(asdict(run_variant(request, variant)))
                 except FakeStepError as exc:
                     if variant is Variant.AS_GIVEN:
