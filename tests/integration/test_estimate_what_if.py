@@ -219,3 +219,19 @@ def test_loss_function_instead_of_a_wrapper(tmp_path: Path) -> None:
     assert _within(estimated["peak"], steps[1]["peak"]["total"])
     by_file = _estimate(*spec, "--loss", str(FIXTURES / "estimate_models.py") + ":xent")
     assert by_file["peak"] == estimated["peak"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--params", "7B", "--accum", "2"], "--accum needs --model and --batch"),
+        (["--params", "7B", "--what-if"], "--what-if needs --model and --batch"),
+        (["--params", "7B", "--loss", "m:f"], "--loss needs --model and --batch"),
+        (["--params", "7B", "--accum", "0"], "--accum must be at least 1"),
+        (["--params", "7B", "--loss", "nocolon"], "--loss expects module:callable"),
+    ],
+)
+def test_new_flags_refuse_in_one_line(args: list[str], fragment: str) -> None:
+    result = _memtui("estimate", *args)
+    assert result.returncode != 0 and fragment in result.stderr
+    assert len(result.stderr.splitlines()) == 1
