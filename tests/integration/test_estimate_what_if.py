@@ -98,19 +98,33 @@ def _truth(model: Any, optimizer: Any) -> dict[str, int]:
     }
 
 
-ROWS = [WhatIf.BATCH_X2, WhatIf.ACCUM_X2, WhatIf.AUTOCAST_BF16, WhatIf.MOMENTUM, WhatIf.ADAMW]
+LLAMA = ("llama_model", "llama_batch")
+MLP = ("mlp_model", "mlp_batch")  # runs in bf16 (the Llama-style one makes fp32 angles)
+ROWS = [
+    (*LLAMA, WhatIf.BATCH_X2),
+    (*LLAMA, WhatIf.ACCUM_X2),
+    (*LLAMA, WhatIf.AUTOCAST_BF16),
+    (*LLAMA, WhatIf.MOMENTUM),
+    (*LLAMA, WhatIf.ADAMW),
+    (*LLAMA, WhatIf.ADAFACTOR),
+    (*MLP, WhatIf.WEIGHTS_BF16),
+]
 
 
 @pytest.mark.usefixtures("fixtures_path")
-@pytest.mark.parametrize("what_if", ROWS, ids=[row.value for row in ROWS])
-def test_each_runnable_row_is_what_a_real_step_holds(what_if: WhatIf) -> None:
+@pytest.mark.parametrize(
+    ("model_name", "batch_name", "what_if"), ROWS, ids=[row[2].value for row in ROWS]
+)
+def test_each_runnable_row_is_what_a_real_step_holds(
+    model_name: str, batch_name: str, what_if: WhatIf
+) -> None:
     import estimate_models
     import torch
 
-    from memtui_agent.estimate.fake_step import make_optimizer, train_steps
+    from memtui_agent.estimate.fake_step import make_optimizer, to_bfloat16, train_steps
 
     base = FakeStepRequest(
-        "estimate_models:llama_model", "estimate_models:llama_batch", OptimizerKind.ADAM
+        f"estimate_models:{model_name}", f"estimate_models:{batch_name}", OptimizerKind.ADAM
     )
     request, variant = with_what_if(base, what_if)
     fake = run_variant(request, variant)
@@ -118,12 +132,16 @@ def test_each_runnable_row_is_what_a_real_step_holds(what_if: WhatIf) -> None:
     for figures in ("end", "max", "peak"):
         for pile, value in getattr(real.steady, figures).items():
             assert _within(getattr(fake.steady, figures)[pile], value), (figures, pile)
+    assert fake.steady.max["activations"] > 0
     # The persistent piles against the storages of the same steps trained here.
     torch.manual_seed(0)
-    model = estimate_models.llama_model()
-    batch = estimate_models.llama_batch()
+    model = getattr(estimate_models, model_name)()
+    batch = getattr(estimate_models, batch_name)()
     if variant is Variant.DOUBLE_BATCH:
         batch = {key: torch.cat([value, value]) for key, value in batch.items()}
+    if request.weights_bf16:
+        to_bfloat16(model)
+        batch = {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
     optimizer = make_optimizer(request.optimizer, model.parameters())
     train_steps(model, batch, optimizer, request.autocast, "m", accum=request.accum)
     truth = _truth(model, optimizer)
