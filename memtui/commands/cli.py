@@ -422,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss",
         type=_spec("--loss"),
         metavar="MODULE:CALLABLE",
-        help="with --batch: loss(output, batch) computes the loss from the forward's output",
+        help="with --batch: loss(output, batch) computes the loss from the forward's output "
+        "(MODULE:CALLABLE or FILE.py:CALLABLE)",
     )
     estimate.add_argument(
         "--what-if",
