@@ -101,12 +101,13 @@ def _dotted(text: str) -> bool:
 
 
 def _spec(flag: str) -> Callable[[str], str]:
-    """`--model`/`--batch MODULE:CALLABLE`, checked here: a malformed one is refused before a
-    child interpreter is started to import it (the child checks it again)."""
+    """`--model`/`--batch`/`--loss MODULE:CALLABLE` (or `FILE.py:CALLABLE`), checked here: a
+    malformed one is refused before a child interpreter is started to import it (the child
+    checks it again)."""
 
     def parse(text: str) -> str:
         module, sep, attribute = text.partition(":")
-        if not (sep and _dotted(module) and _dotted(attribute)):
+        if not (sep and (_dotted(module) or module.endswith(".py")) and _dotted(attribute)):
             raise argparse.ArgumentTypeError(
                 f"{flag} expects module:callable, e.g. mypkg.models:build, not {_shown(text)}"
             )
@@ -370,9 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
     estimate.add_argument(
         "--scheme",
-        default="mixed-adam",
         choices=["fp32-sgd", "fp32-momentum", "fp32-adam", "mixed-adam"],
-        help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes)",
+        help="bytes-per-parameter ledger (default: mixed-adam, 16 bytes; with --model the "
+        "model's own dtype: fp32-adam for fp32 parameters)",
     )
     estimate.add_argument(
         "--batch",
@@ -416,6 +417,26 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
     estimate.add_argument(
         "--fsdp", action="store_true", help="with --batch: fully sharded (as ZeRO stage 3)"
+    )
+    estimate.add_argument(
+        "--accum",
+        type=_whole("--accum", 1, lambda: 10_000),
+        default=1,
+        metavar="K",
+        help="with --batch: K microbatches of the batch per optimizer step (gradient accumulation)",
+    )
+    estimate.add_argument(
+        "--loss",
+        type=_spec("--loss"),
+        metavar="MODULE:CALLABLE",
+        help="with --batch: loss(output, batch) computes the loss from the forward's output "
+        "(MODULE:CALLABLE or FILE.py:CALLABLE)",
+    )
+    estimate.add_argument(
+        "--what-if",
+        action="store_true",
+        help="with --batch: a table of the same model under other batch, accumulation, "
+        "precision, optimizer and sharding choices",
     )
     estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
 
@@ -734,7 +755,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """`memtui estimate`: training memory per GPU, before renting any."""
-    from memtui.reports.estimate import estimate, parse_count, render_text
+    from memtui.reports.estimate import DEFAULT_SCHEME, estimate, parse_count, render_text
     from memtui.reports.model_count import ModelCountError, count_model
 
     if args.batch is not None:
@@ -746,18 +767,27 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         "--device-memory",
         "--budget",
         "--fsdp",
+        "--loss",
+        "--what-if",
     )
     given = [flag for flag in step_only if getattr(args, flag[2:].replace("-", "_"))]
+    if args.accum != 1:
+        given.append("--accum")
     if given:
         raise UsageError(f"{given[0]} needs --model and --batch (a training step to measure)")
     try:
         trainable = None if args.trainable is None else parse_count(args.trainable)
+        scheme, buffer_bytes = args.scheme or DEFAULT_SCHEME, 0
         if args.model is not None:
-            params, counted = count_model(args.model)
-            trainable = counted if trainable is None else trainable
+            # One weights figure for one model: its own dtype and its buffers, as --batch
+            # measures them (a fp32 model's weights are not 2 bytes a parameter).
+            model = count_model(args.model)
+            params, buffer_bytes = model.params, model.buffer_bytes
+            trainable = model.trainable if trainable is None else trainable
+            scheme = args.scheme or model.scheme
         else:
             params = parse_count(args.params)
-        result = estimate(params, trainable, args.scheme, args.gpus, args.zero or 0)
+        result = estimate(params, trainable, scheme, args.gpus, args.zero or 0, buffer_bytes)
     except (ValueError, ModelCountError) as exc:
         raise UsageError(str(exc)) from None
     if args.json:
@@ -777,7 +807,6 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 def cmd_estimate_step(args: argparse.Namespace) -> int:
     """`memtui estimate --model M:F --batch M:F`: a training step measured on fake tensors."""
     from memtui.reports.checkpoint_plan import add_plan, budget_for, plan_lines
-    from memtui.reports.estimate import DEFAULT_SCHEME
     from memtui.reports.model_estimate import (
         ModelEstimateError,
         Sharding,
@@ -786,12 +815,12 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
         render_model_text,
         variants_for,
     )
-    from memtui_protocol.estimate import FakeStepRequest, Variant
+    from memtui.reports.what_if import render_what_if, what_if_table
+    from memtui_protocol.estimate import FakeStepRequest, Variant, WhatIf
 
     if args.model is None:
         raise UsageError("--batch needs --model (the module whose step it feeds)")
-    scheme = args.scheme if args.scheme != DEFAULT_SCHEME else None
-    for flag, value in (("--scheme", scheme), ("--trainable", args.trainable)):
+    for flag, value in (("--scheme", args.scheme), ("--trainable", args.trainable)):
         if value is not None:
             raise UsageError(f"{flag} is for parameter counts; with --batch the step is measured")
     if args.gpus < 1:
@@ -805,6 +834,9 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
         autocast=Autocast(args.autocast) if args.autocast else None,
         checkpointing=args.checkpointing,
         variants=variants_for(args.checkpointing, args.device_memory),
+        accum=args.accum,
+        loss=args.loss,
+        what_ifs=list(WhatIf) if args.what_if else [],
     )
     budget = budget_for(args.budget, args.device_memory)
     if budget is not None:
@@ -814,15 +846,20 @@ def cmd_estimate_step(args: argparse.Namespace) -> int:
     except ModelEstimateError as exc:
         raise UsageError(str(exc)) from None
     sharding = Sharding(args.gpus, args.zero or 0, args.fsdp)
-    result = build_result(request, runs, sharding, args.device_memory)
+    own = [run for run in runs if not run.get("what_if")]
+    result = build_result(request, own, sharding, args.device_memory)
     if budget is not None:
-        add_plan(result, request, runs, sharding, budget, measure)
+        add_plan(result, request, own, sharding, budget, measure)
+    text = render_model_text(result)
+    if budget is not None:
+        text += "\n\n" + "\n".join(plan_lines(result))
+    if args.what_if:
+        table = what_if_table(runs, result, args.device_memory, args.budget)
+        result["what_if"] = table
+        text += "\n\n" + "\n".join(render_what_if(table))
     if args.json:
         print(json_safe(json.dumps(result)))
     else:
-        text = render_model_text(result)
-        if budget is not None:
-            text += "\n\n" + "\n".join(plan_lines(result))
         print(terminal_safe(text, keep_newlines=True))
     return 0
 

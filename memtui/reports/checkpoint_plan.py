@@ -176,7 +176,9 @@ def plan_for(
     failures: list[str] = []
 
     def measured_peak(names: list[str]) -> int | None:
-        wrapped = replace(request, variants=[Variant.AS_GIVEN], checkpoint_modules=names)
+        wrapped = replace(
+            request, variants=[Variant.AS_GIVEN], what_ifs=[], checkpoint_modules=names
+        )
         try:
             run = measure(wrapped)[0]
         except ModelEstimateError as exc:  # the wrapped step failed: no figure, said once

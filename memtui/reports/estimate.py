@@ -101,6 +101,8 @@ class Estimate:
     scheme: str
     gpus: int
     zero: int
+    buffer_bytes: int = 0
+    """Of the weights, the model's buffers (counted from `--model`): no gradient, no state."""
 
     @property
     def total(self) -> int:
@@ -126,6 +128,7 @@ class Estimate:
             "scheme": self.scheme,
             "gpus": self.gpus,
             "zero": self.zero,
+            "buffer_bytes": self.buffer_bytes,
         }
 
 
@@ -142,6 +145,7 @@ def estimate(
     scheme: str = DEFAULT_SCHEME,
     gpus: int = 1,
     zero: int = 0,
+    buffer_bytes: int = 0,
 ) -> Estimate:
     """Weights, gradients and optimizer state per GPU under ideal, even ZeRO sharding.
 
@@ -149,6 +153,9 @@ def estimate(
     optimizer state. That is why a 10M adapter on a 1B base needs 2.16 GB, not 1% of 16 GB.
     Stage 1 shards optimizer state across `gpus`, stage 2 also gradients, stage 3 also weights;
     plain data parallelism (stage 0) replicates everything, so more GPUs do not help it.
+
+    `buffer_bytes` (a counted model's buffers) are weights that are not parameters: no gradient,
+    no state.
 
     Raises:
         ValueError: for counts or options that describe no real job, in one sentence.
@@ -166,7 +173,7 @@ def estimate(
         raise ValueError(f"--zero must be 0, 1, 2 or 3, not {zero}")
     rule = SCHEMES[scheme]
     return Estimate(
-        weights=shard(params * rule.weight, gpus, zero >= 3),
+        weights=shard(params * rule.weight + buffer_bytes, gpus, zero >= 3),
         gradients=shard(trainable * rule.gradient, gpus, zero >= 2),
         optimizer_state=shard(trainable * (rule.master + rule.state), gpus, zero >= 1),
         params=params,
@@ -174,6 +181,7 @@ def estimate(
         scheme=scheme,
         gpus=gpus,
         zero=zero,
+        buffer_bytes=buffer_bytes,
     )
 
 
@@ -210,6 +218,8 @@ def render_text(result: Estimate, source: str | None = None) -> str:
     lines.append(f"  scheme  {result.scheme}, {rule.per_trainable} bytes per trainable parameter:")
     lines.append(f"          {_ledger(rule)}")
     lines.append(f"          frozen parameters: {rule.weight} bytes each (weights only)")
+    if result.buffer_bytes:
+        lines.append(f"          buffers: {result.buffer_bytes:,} bytes, in the weights")
     if zero == 0:
         sharded = "nothing sharded" + (", every GPU holds a full replica" if gpus > 1 else "")
     elif gpus == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from memtui_protocol.estimate import COUNT_PARAMS_MODULE
@@ -20,8 +21,24 @@ class ModelCountError(Exception):
     """`--model` could not be counted; the message is the child's one line."""
 
 
-def count_model(spec: str) -> tuple[int, int]:
-    """`(params, trainable)` of `module:callable`, counted by `memtui_agent.estimate.count_params`.
+@dataclass(frozen=True)
+class ModelCount:
+    """A model's parameters as built on the meta device, and the bytes they and its buffers take."""
+
+    params: int
+    trainable: int
+    param_bytes: int
+    buffer_bytes: int
+
+    @property
+    def scheme(self) -> str:
+        """The bytes-per-parameter ledger of the model as built: fp32 parameters train as
+        `fp32-adam` (what `--batch` measures with AdamW), 16-bit ones as `mixed-adam`."""
+        return "fp32-adam" if self.param_bytes == 4 * self.params else "mixed-adam"
+
+
+def count_model(spec: str) -> ModelCount:
+    """The counts of `module:callable`, by `memtui_agent.estimate.count_params`.
 
     A child process, because this side never imports torch and the user's module may print,
     exit or crash on import. The child inherits the working directory and puts it on `sys.path`,
@@ -37,7 +54,12 @@ def count_model(spec: str) -> tuple[int, int]:
         ModelCountError,
     )
     try:
-        return int(counted["params"]), int(counted["trainable"])
+        return ModelCount(
+            int(counted["params"]),
+            int(counted["trainable"]),
+            int(counted.get("param_bytes", 0)),
+            int(counted.get("buffer_bytes", 0)),
+        )
     except (KeyError, TypeError, ValueError):
         raise ModelCountError(f"counting {spec} printed no parameter counts") from None
 

@@ -189,6 +189,8 @@ def build_result(
         optimizer=request.optimizer.value,
         autocast=request.autocast.value if request.autocast else None,
         checkpointing=request.checkpointing,
+        accum=request.accum,
+        loss=request.loss,
         gpus=sharding.gpus,
         zero=sharding.stage,
         fsdp=sharding.fsdp,
@@ -250,6 +252,8 @@ def render_model_text(result: dict[str, Any]) -> str:
         extras.append(f"autocast {result['autocast']}")
     if result["checkpointing"]:
         extras.append("checkpointing")
+    if result.get("accum", 1) > 1:
+        extras.append(f"accum {result['accum']}")
     size = result["batch_size"]
     batch = f"batch {result['batch']}" + (f" (batch size {size})" if size else "")
     lines = [
@@ -257,8 +261,15 @@ def render_model_text(result: dict[str, Any]) -> str:
         f"{result['params']:,} parameters, {result['trainable']:,} trainable; measured over two "
         "training steps on fake tensors by the agent's own ledger",
     ]
-    if result.get("loss_from"):
+    if result.get("loss"):
+        lines.append(f"loss: {result['loss']}(output, batch) (backpropagated each microbatch)")
+    elif result.get("loss_from"):
         lines.append(f"loss: the forward's {result['loss_from']} (backpropagated each step)")
+    if result.get("accum", 1) > 1:
+        lines.append(
+            f"accumulation: {result['accum']} microbatches per optimizer step: activations are "
+            "one microbatch's; gradients stay live through the later microbatches' forwards"
+        )
     lines += [
         "",
         f"{'per GPU':<17}{'bytes':>18}{'decimal':>12}{'binary':>12}",

@@ -9,7 +9,7 @@ This module holds their names, the request and the result, shared by both sides.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 COUNT_PARAMS_MODULE = "memtui_agent.estimate.count_params"
@@ -53,6 +53,39 @@ class Variant(str, Enum):
     and backward outside the agent's hooks (`--budget`'s plan ranks blocks by it)."""
 
 
+class WhatIf(str, Enum):
+    """`memtui estimate --what-if`: one change to the request, each measured as its own run.
+
+    The rows a step on fake tensors can measure; the table's other rows (an 8-bit optimizer
+    state, ZeRO and FSDP sharding) are arithmetic over these (memtui.reports.what_if).
+    """
+
+    BATCH_X2 = "batch_x2"
+    """Twice the batch (dim 0 of every tensor doubled)."""
+    ACCUM_X2 = "accum_x2"
+    """Twice the accumulation: the same microbatch, twice as many per optimizer step."""
+    AUTOCAST_BF16 = "autocast_bf16"
+    WEIGHTS_BF16 = "weights_bf16"
+    """The model cast to bfloat16 (`model.to(torch.bfloat16)`), its float inputs too."""
+    ADAMW = "adamw"
+    MOMENTUM = "momentum"
+    ADAFACTOR = "adafactor"
+
+
+def with_what_if(request: FakeStepRequest, what_if: WhatIf) -> tuple[FakeStepRequest, Variant]:
+    """The request (and variant) that measures one what-if row: one field changed."""
+    changed = {
+        WhatIf.ACCUM_X2: {"accum": request.accum * 2},
+        WhatIf.AUTOCAST_BF16: {"autocast": Autocast.BF16},
+        WhatIf.WEIGHTS_BF16: {"weights_bf16": True},
+        WhatIf.ADAMW: {"optimizer": OptimizerKind.ADAMW},
+        WhatIf.MOMENTUM: {"optimizer": OptimizerKind.MOMENTUM},
+        WhatIf.ADAFACTOR: {"optimizer": OptimizerKind.ADAFACTOR},
+    }.get(what_if, {})
+    variant = Variant.DOUBLE_BATCH if what_if is WhatIf.BATCH_X2 else Variant.AS_GIVEN
+    return replace(request, variants=[variant], what_ifs=[], **changed), variant  # type: ignore[arg-type]
+
+
 @dataclass
 class FakeStepRequest:
     """What to run; passed whole to the child as one JSON argument."""
@@ -65,6 +98,15 @@ class FakeStepRequest:
     variants: list[Variant] = field(default_factory=lambda: [Variant.AS_GIVEN])
     checkpoint_modules: list[str] = field(default_factory=list)
     """Modules (qualified names) to wrap in activation checkpointing: a plan measured."""
+    accum: int = 1
+    """Microbatches per optimizer step (`--accum K`): K forwards and backwards of the batch,
+    each loss divided by K, gradients accumulating, then one `optimizer.step()`."""
+    loss: str | None = None
+    """`--loss module:callable`: `callable(output, batch)` returns the loss (docs/estimate.md)."""
+    weights_bf16: bool = False
+    """The model cast to bfloat16 before training (a what-if row)."""
+    what_ifs: list[WhatIf] = field(default_factory=list)
+    """`--what-if`: the rows measured after the variants, one run each."""
 
     def to_json(self) -> str:
         """The child's argument."""
@@ -82,6 +124,10 @@ class FakeStepRequest:
             checkpointing=bool(raw.get("checkpointing")),
             variants=[Variant(v) for v in raw.get("variants", [Variant.AS_GIVEN.value])],
             checkpoint_modules=list(raw.get("checkpoint_modules", [])),
+            accum=int(raw.get("accum", 1)),
+            loss=raw.get("loss"),
+            weights_bf16=bool(raw.get("weights_bf16")),
+            what_ifs=[WhatIf(w) for w in raw.get("what_ifs", [])],
         )
 
 
@@ -111,3 +157,5 @@ class FakeStepResult:
     loss_from: str | None = None
     """Where the loss was in the forward's output (`output[1]`, `output.loss`); None: the
     output was the loss."""
+    what_if: str | None = None
+    """The `WhatIf` row this run measured; None for the request's own variants."""

@@ -30,6 +30,7 @@ NOT_THE_CONCEPT = {
     ("input/torch_snapshot.py", "oom"): "PyTorch's own trace action name in a snapshot",
     ("model/alloc_rows.py", "oom"): "the report's `alloc_events.oom` key (an allocator event)",
     ("reports/model_estimate.py", "error"): "the key of the estimate child's failure message",
+    ("reports/what_if.py", "error"): "the key of a what-if run's failure message (the child's)",
     ("reports/snapshot_report.py", "fragmentation"): "a key of the snapshot report's JSON",
     ("reports/snapshot_report.py", "snapshot"): "a key of the snapshot report's JSON",
 }

@@ -7,14 +7,15 @@ imports torch (docs/design.md#the-shape), and because a user's module may do any
 The callable runs under `torch.device("meta")`, so a 70B model is built in a second with no
 memory: meta tensors have shapes and dtypes but no storage.
 
-Prints one JSON line, `{"params": int, "trainable": int}`. On any failure it prints one line on
-stderr and exits 2; `memtui` shows that line as its own error.
+Prints one JSON line: `params`, `trainable`, `param_bytes` (the parameters' bytes in the dtype
+the model is built in) and `buffer_bytes`. On any failure it prints one line on stderr and exits
+2; `memtui` shows that line as its own error.
 
 Known limitations: `model.parameters()` counts each Parameter object once, so weights tied by
 sharing one Parameter (the usual way) count once; two distinct Parameters that are views of one
 storage would count twice, because meta tensors have no storage pointer to compare. Buffers are
-not counted (they are not trained and are usually small). A callable that loads a checkpoint from
-disk cannot do so on the meta device and fails with its own error.
+counted as weights (`buffer_bytes`), as the agent's ledger counts them. A callable that loads a
+checkpoint from disk cannot do so on the meta device and fails with its own error.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def resolve(spec: str, flag: str = "--model") -> Any:
-    """The callable `module:attr.path` names, importing its module.
+    """The callable `module:attr.path` (or `file.py:attr.path`) names, importing its module.
 
     Raises:
         CountError: the spec is malformed, its module fails to import, or it names nothing
@@ -50,7 +51,11 @@ def resolve(spec: str, flag: str = "--model") -> Any:
     if not sep or not module_name or not attr_path:
         raise CountError(f"{flag} expects module:callable, e.g. mypkg.models:build, not {spec!r}")
     try:
-        target: Any = importlib.import_module(module_name)
+        target: Any = (
+            _import_file(module_name)
+            if module_name.endswith(".py")
+            else importlib.import_module(module_name)
+        )
     except Exception as exc:
         raise CountError(f"cannot import {module_name!r}: {one_line(exc)}") from None
     for attr in attr_path.split("."):
@@ -60,6 +65,18 @@ def resolve(spec: str, flag: str = "--model") -> Any:
     if not callable(target):
         raise CountError(f"{spec!r} is not callable")
     return target
+
+
+def _import_file(path: str) -> Any:
+    """A module from a file path (`losses.py:nll`), as `python path` would load it."""
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    if found is None or found.loader is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"no file {path}")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
 
 
 def count(spec: str) -> dict[str, int]:
@@ -80,12 +97,21 @@ def count(spec: str) -> dict[str, int]:
         raise CountError(f"{spec} raised {one_line(exc)}") from None
     if not isinstance(model, torch.nn.Module):
         raise CountError(f"{spec} returned {type(model).__name__}, not a torch.nn.Module")
-    params = trainable = 0
+    params = trainable = param_bytes = 0
     for parameter in model.parameters():  # yields a shared (tied) Parameter only once
         params += parameter.numel()
+        param_bytes += parameter.numel() * parameter.element_size()
         if parameter.requires_grad:
             trainable += parameter.numel()
-    return {"params": params, "trainable": trainable}
+    # Buffers (batch norm's statistics, a causal mask) are weights too, as `memtui run` and
+    # `--batch` count them: the same figure whatever the flags.
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    return {
+        "params": params,
+        "trainable": trainable,
+        "param_bytes": param_bytes,
+        "buffer_bytes": buffer_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

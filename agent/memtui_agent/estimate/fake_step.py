@@ -53,6 +53,7 @@ from memtui_protocol.estimate import (
     OptimizerKind,
     StepFigures,
     Variant,
+    with_what_if,
 )
 from memtui_protocol.schema import PILES
 
@@ -225,6 +226,26 @@ def apply_checkpointing(model: torch.nn.Module) -> None:
         block.forward = checkpointed
 
 
+def to_bfloat16(model: torch.nn.Module) -> None:
+    """`model.to(torch.bfloat16)` that also works on fake tensors (whose `_apply` cannot swap
+    a parameter in place): each floating parameter replaced by a bf16 one through the module's
+    own `__setattr__`, a tied parameter once (its users share the new one), buffers likewise."""
+    import torch
+
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, parameter in list(module._parameters.items()):
+            if parameter is None or not parameter.is_floating_point():
+                continue
+            if id(parameter) not in done:
+                converted = parameter.detach().to(torch.bfloat16)
+                done[id(parameter)] = torch.nn.Parameter(converted, parameter.requires_grad)
+            setattr(module, name, done[id(parameter)])
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point():
+                setattr(module, name, buffer.to(torch.bfloat16))
+
+
 def make_optimizer(
     kind: OptimizerKind, parameters: Iterable[torch.Tensor]
 ) -> torch.optim.Optimizer:
@@ -239,6 +260,24 @@ def make_optimizer(
     return optimizer
 
 
+def forward_keywords(model: torch.nn.Module, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch's entries the forward takes by name (all of them if it takes `**kwargs`).
+
+    With `--loss`, the batch may also hold what only the loss reads (targets, masks): those
+    are withheld from the forward and reach the loss in the whole batch.
+    """
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward with no signature to read: pass everything
+        return dict(batch)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(batch)
+    names = {p.name for p in parameters}
+    return {key: value for key, value in batch.items() if key in names}
+
+
 def train_steps(
     model: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -246,22 +285,42 @@ def train_steps(
     autocast: Autocast | None,
     spec: str,
     steps: int = 2,
+    accum: int = 1,
+    loss_fn: Any = None,
+    loss_spec: str = "--loss",
 ) -> str | None:
     """Steps of the plain loop, `memtui estimate`'s assumption about the job: `zero_grad`
-    (freeing the gradients), forward and loss under autocast, backward, `optimizer.step()`.
-    Returns where in the forward's output the loss was (`_loss_of`)."""
+    (freeing the gradients), then `accum` microbatches of forward and loss under autocast and
+    backward (each loss divided by `accum`, gradients accumulating), then `optimizer.step()`.
+    Returns where in the forward's output the loss was (`_loss_of`; "--loss" when `loss_fn`
+    computed it from the output and the batch)."""
     import torch
 
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(autocast)  # type: ignore[arg-type]
     where = None
+    inputs = forward_keywords(model, batch) if loss_fn is not None else dict(batch)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        cast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with cast:
-            loss, where = _loss_of(model(**batch), spec)
-        loss.backward()
+        for _ in range(accum):
+            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                output = model(**inputs)
+                if loss_fn is None:
+                    loss, where = _loss_of(output, spec)
+                else:
+                    loss, where = _loss_from(loss_fn(output, batch), loss_spec), loss_spec
+            (loss / accum if accum > 1 else loss).backward()
         optimizer.step()
     return where
+
+
+def _loss_from(value: Any, spec: str) -> Any:
+    """What `--loss` returned, if it is a one-element tensor."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value
+    shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise FakeStepError(f"{spec} returned {shown}, not a one-element loss tensor")
 
 
 def _step_without_values(optimizer: torch.optim.Optimizer) -> None:
@@ -372,11 +431,29 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         batch = _batch_of(request.batch, _call(build_batch, request.batch))
         if variant is Variant.DOUBLE_BATCH:
             batch = double_batch(batch)
+        if request.weights_bf16:
+            to_bfloat16(model)
+            batch = {
+                key: value.to(torch.bfloat16)
+                if isinstance(value, torch.Tensor) and value.is_floating_point()
+                else value
+                for key, value in batch.items()
+            }
+        loss_fn = None if request.loss is None else resolve(request.loss, "--loss")
         optimizer = make_optimizer(request.optimizer, model.parameters())
         if fake:
             _step_without_values(optimizer)
         try:
-            loss_from = train_steps(model, batch, optimizer, request.autocast, request.model)
+            loss_from = train_steps(
+                model,
+                batch,
+                optimizer,
+                request.autocast,
+                request.model,
+                accum=request.accum,
+                loss_fn=loss_fn,
+                loss_spec=request.loss or "--loss",
+            )
         except FakeStepError:
             raise
         except Exception as exc:
@@ -406,7 +483,11 @@ def run_variant(request: FakeStepRequest, variant: Variant, fake: bool = True) -
         top_modules=[(names.get(m.module, "<no module>"), m.bytes) for m in steady.top_activations],
         dtypes={pile: {d: s.bytes for d, s in by.items()} for pile, by in steady.dtypes.items()},
         seconds=round(time.perf_counter() - started, 3),
-        loss_from=None if loss_from is None else f"output{loss_from}",
+        loss_from=None
+        if loss_from is None
+        else loss_from
+        if loss_from == request.loss
+        else f"output{loss_from}",
     )
 
 
@@ -448,6 +529,13 @@ def main(argv: list[str] | None = None) -> int:
                     if variant is Variant.AS_GIVEN:
                         raise
                     results.append({"variant": variant.value, "error": str(exc)})
+            for what_if in request.what_ifs:
+                changed, variant = with_what_if(request, what_if)
+                try:
+                    result = asdict(run_variant(changed, variant))
+                except FakeStepError as exc:
+                    result = {"variant": variant.value, "error": str(exc)}
+                results.append({**result, "what_if": what_if.value})
     except (FakeStepError, CountError) as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
