@@ -436,11 +436,17 @@ def summary_line(job: JobSpec, code: int, stopped: bool = False) -> str:
 
 def recording_lines(outcome: Outcome, path: Path) -> list[str]:
     """The alerts the run raised, named by kind with their first step, and where the
-    recording is: the closing lines of `memtui run` (headless or after its TUI) and `detach`."""
+    recording is: the closing lines of `memtui run` (headless or after its TUI) and `detach`;
+    first, a run that ran out of memory or over its budget says why and what would fit."""
+    explained = [f"memtui: {terminal_safe(line)}" for line in outcome.shortfall]
     alerts = outcome.alerts.line(path)
     if alerts is None:
-        return [f"memtui: recording {path}  (memtui report {path})"]
-    return [f"memtui: {alerts}", f"memtui: recording {path}"]  # the alerts line says how to read
+        return [*explained, f"memtui: recording {path}  (memtui report {path})"]
+    return [
+        *explained,
+        f"memtui: {alerts}",
+        f"memtui: recording {path}",
+    ]  # the alerts line says how to read
 
 
 @dataclass(frozen=True)
@@ -453,6 +459,9 @@ class Outcome:
     piles: str
     """The highest of each pile, formatted."""
     alerts: AlertTally
+    shortfall: tuple[str, ...] = ()
+    """Out of memory or over budget explained (`memtui.model.out_of_memory`); empty when
+    neither happened."""
 
 
 def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
@@ -463,11 +472,13 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
         RecordingError: the recording cannot be read.
     """
     from memtui.model.alert_summary import alert_tally
+    from memtui.model.out_of_memory import explain, shortfall_lines
     from memtui.model.recording import read_recording
     from memtui.model.step_rows import NOT_KNOWN
     from memtui.reports.report import pile_peaks
 
     recording = read_recording(path)
+    shortfall = explain(recording)
     peaks = pile_peaks(recording)
     piles = ", ".join(
         f"{pile} {format_bytes(value, missing=NOT_KNOWN)}" for pile, value in peaks.items()
@@ -475,7 +486,8 @@ def outcome_of(path: Path, code: int | None, stopped: bool = False) -> Outcome:
     status = ending_words(
         recording.how_it_ended(stopped), path, code, recording.end, recording.recording_stopped
     )
-    return Outcome(status, len(recording.steps), piles, alert_tally(recording))
+    explained = tuple(shortfall_lines(shortfall)) if shortfall is not None else ()
+    return Outcome(status, len(recording.steps), piles, alert_tally(recording), explained)
 
 
 INTERRUPTED = "interrupted by Ctrl-C"
