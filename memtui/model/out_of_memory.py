@@ -238,8 +238,9 @@ def _fit_words(shortfall: Shortfall, size: Callable[[int | None], str]) -> str:
         )
     # Two decimals, rounded down: a stated fraction must fit, never pass by rounding.
     shown = floor(fraction * 100) / 100
+    fitted = " (its peak was within the budget)" if fraction >= 1 else ""
     return (
         f"largest batch that fits the budget of {budget}: {shown:.2f}x step "
-        f"{shortfall.batch_step}'s batch (assuming activations scale with the batch size and "
-        f"the other piles do not); or {ESTIMATE_HINT} for an activation checkpoint plan"
+        f"{shortfall.batch_step}'s batch{fitted} (assuming activations scale with the batch size "
+        f"and the other piles do not); or {ESTIMATE_HINT} for an activation checkpoint plan"
     )

@@ -13,6 +13,7 @@ import pytest
 from memtui.model.out_of_memory import explain, shortfall_lines
 from memtui.model.recording import Recording, apply
 from memtui.reports.report import build_report, render_text
+from memtui_agent.memory.allocator import expandable_at_start
 from memtui_agent.startup.end_frame import EndInputs, build_end
 from memtui_protocol import schema, wire
 from memtui_protocol.schema import AlertKind, ExitStatus, Phase
@@ -158,6 +159,9 @@ def test_with_a_budget_the_oom_names_the_batch_that_fits() -> None:
     assert shortfall_lines(shortfall)[-1].startswith(
         "  largest batch that fits the budget of 6.00 GiB: 0.50x step 2's batch"
     )
+    roomy = explain(_recording(_hello(budget=12 * GIB), _oom_end()))
+    assert roomy is not None and roomy.batch_fraction == 2.0
+    assert "2.00x step 2's batch (its peak was within the budget)" in shortfall_lines(roomy)[-1]
     tight = explain(_recording(_hello(budget=3 * GIB), _oom_end()))
     assert tight is not None and tight.batch_fraction == 0.0
     assert (
@@ -176,6 +180,24 @@ def test_a_cpu_run_over_budget_has_no_gpu_line() -> None:
     )
     assert not any("GPU" in line for line in lines)
     assert lines[-1].startswith("  largest batch that fits the budget of 7.00 GiB: 0.75x")
+
+
+def test_the_hello_says_expandable_segments_for_a_cuda_job_only() -> None:
+    on = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}
+    assert expandable_at_start("cuda", on) is True
+    assert expandable_at_start("cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    assert (
+        expandable_at_start("cuda", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is False
+    )
+    assert expandable_at_start("cuda", {}) is False
+    assert expandable_at_start("cpu", on) is None
+
+
+def test_the_request_size_and_line_come_from_the_alloc_events_when_the_end_lacks_one() -> None:
+    end = msgspec.structs.replace(_oom_end(), requested=None)
+    shortfall = explain(_recording(_hello(), end))
+    assert shortfall is not None and shortfall.requested == 1536 * MIB
+    assert shortfall.requested_where == "train.py:41 forward"
 
 
 def test_a_run_with_neither_says_nothing_and_old_frames_read() -> None:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memtui_agent.memory.allocator import expandable_segments_enabled
+from memtui_agent.memory.allocator import expandable_at_start
 from memtui_agent.memory.finalizer_interrupts import keep_ctrl_c_for_the_job, restore_ctrl_c
 from memtui_agent.memory.memory_readers import close_readers
 from memtui_agent.startup.agent_state import NOT_STARTED, Parts
@@ -103,9 +103,7 @@ class Agent:
             budget=self.config.budget,
             process_create_time=_create_time(),
             # Read once at start: an out-of-memory explanation says whether it was on.
-            expandable_segments=expandable_segments_enabled(dict(os.environ))
-            if device == "cuda"
-            else None,
+            expandable_segments=expandable_at_start(device, dict(os.environ)),
         )
         server = None
         if self.config.socket:
