@@ -491,13 +491,19 @@ def summary_line(
 def recording_lines(outcome: Outcome, path: Path | None) -> list[str]:
     """The alerts the run raised, named by kind with their first step, and where the
     recording is (`path` None: nothing was recorded): the closing lines of `memtui run`
-    (headless or after its TUI) and `detach`."""
+    (headless or after its TUI) and `detach`; first, a run that ran out of memory or over its
+    budget says why and what would fit."""
+    explained = [f"memtui: {terminal_safe(line)}" for line in outcome.shortfall]
     alerts = outcome.alerts.line(path)
     if path is None:
-        return [f"memtui: {alerts}"] if alerts is not None else []
+        return [*explained, f"memtui: {alerts}"] if alerts is not None else explained
     if alerts is None:
-        return [f"memtui: recording {path}  (memtui report {path})"]
-    return [f"memtui: {alerts}", f"memtui: recording {path}"]  # the alerts line says how to read
+        return [*explained, f"memtui: recording {path}  (memtui report {path})"]
+    return [
+        *explained,
+        f"memtui: {alerts}",
+        f"memtui: recording {path}",
+    ]  # the alerts line says how to read
 
 
 @dataclass(frozen=True)
@@ -515,6 +521,9 @@ class Outcome:
     alerts: AlertTally
     last_step: int | None = None
     """The number of the last step recorded (None: none)."""
+    shortfall: tuple[str, ...] = ()
+    """Out of memory or over budget explained (`memtui.model.out_of_memory`); empty when
+    neither happened."""
 
     def headline(self, code: int) -> str:
         """`job ok (exit code 0) after 12 steps; ...`; a job that exited 0 after an error says
@@ -553,6 +562,7 @@ def outcome_from(
     """`outcome_of` for a recording already read (or followed live: `path` None, nothing
     was recorded)."""
     from memtui.model.alert_summary import alert_tally
+    from memtui.model.out_of_memory import explain, shortfall_lines
     from memtui.model.step_rows import NOT_KNOWN
     from memtui.reports.report import highest_peak, pile_peaks
 
@@ -563,11 +573,19 @@ def outcome_from(
     status = ending_words(
         recording.how_it_ended(stopped), path, code, recording.end, recording.recording_stopped
     )
+    shortfall = explain(recording)
+    explained = tuple(shortfall_lines(shortfall)) if shortfall is not None else ()
     peak = highest_peak(recording.steps)
     peak_words = f"peak {format_bytes(peak, missing=NOT_KNOWN)} ({PEAK_WORDS})"
     last = recording.steps[-1].step if recording.steps else None
     return Outcome(
-        status, len(recording.steps), piles, peak_words, alert_tally(recording), last_step=last
+        status,
+        len(recording.steps),
+        piles,
+        peak_words,
+        alert_tally(recording),
+        last_step=last,
+        shortfall=explained,
     )
 
 

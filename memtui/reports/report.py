@@ -15,6 +15,7 @@ import msgspec
 from memtui.model.alert_summary import alert_tally
 from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.job_state import unrecorded_words
+from memtui.model.out_of_memory import explain, shortfall_lines
 from memtui.model.recording import Recording, StepAlert, alert_rows
 from memtui.model.step_ranges import steps_words
 from memtui.model.step_rows import (
@@ -46,6 +47,7 @@ from memtui.reports.report_format import (
     HostEntry,
     JobEntry,
     ModuleEntry,
+    OutOfMemoryEntry,
     PeakEntry,
     PeakPhases,
     PileBytes,
@@ -275,6 +277,33 @@ def report_of(recording: Recording, with_steps: bool = True) -> Report:
             for error in recording.agent_errors
         ],
         warnings=[recording.warning] if recording.warning else [],
+        out_of_memory=shortfall_entry(recording),
+    )
+
+
+def shortfall_entry(recording: Recording) -> OutOfMemoryEntry | None:
+    """The report's `out_of_memory` entry (`memtui.model.out_of_memory.explain`)."""
+    shortfall = explain(recording)
+    if shortfall is None:
+        return None
+    return OutOfMemoryEntry(
+        cause=shortfall.cause.value,
+        step=shortfall.step,
+        phase=shortfall.phase,
+        requested=shortfall.requested,
+        requested_where=shortfall.requested_where,
+        budget=shortfall.budget,
+        peak=shortfall.peak,
+        piles=_piles(shortfall.piles) if shortfall.piles is not None else None,
+        piles_at=shortfall.piles_at,
+        piles_step=shortfall.piles_step,
+        top_modules=[ModuleEntry(module=name, bytes=size) for name, size in shortfall.modules],
+        modules_step=shortfall.modules_step,
+        reserved_unallocated=shortfall.reserved_unallocated,
+        expandable_segments=shortfall.expandable_segments,
+        batch_fraction=shortfall.batch_fraction,
+        batch_fraction_why=shortfall.batch_why,
+        batch_step=shortfall.batch_step,
     )
 
 
@@ -457,6 +486,9 @@ def render_text(recording: Recording, binary: bool = True) -> str:
     for alert in fatal:
         lines.append(f"OUT OF MEMORY at step {alert.step}: {alert.message}")
     lines.append(headline)
+    shortfall = explain(recording)
+    if shortfall is not None:
+        lines.extend(shortfall_lines(shortfall, binary))
     leaks = leak_lines(recording, binary)
     lines.extend(leaks)
     hello = recording.hello

@@ -221,6 +221,30 @@ class ExitEntry(msgspec.Struct):
     alloc_events: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
+class OutOfMemoryEntry(msgspec.Struct):
+    """Out of memory explained (`memtui.model.out_of_memory`): the job died of out-of-memory
+    (`cause` "oom") or a step's peak passed `--budget` (`cause` "over_budget"); null where a
+    figure is not known."""
+
+    cause: str
+    step: int | None
+    phase: str | None
+    requested: int | None
+    requested_where: str | None
+    budget: int | None
+    peak: int | None
+    piles: PileBytes | None
+    piles_at: str
+    piles_step: int | None
+    top_modules: list[ModuleEntry]
+    modules_step: int | None
+    reserved_unallocated: int | None
+    expandable_segments: bool | None
+    batch_fraction: float | None
+    batch_fraction_why: str | None
+    batch_step: int | None
+
+
 class PeakPhases(msgspec.Struct):
     """The first update's peak apart from the steady state's (steps 2 and later)."""
 
@@ -253,6 +277,9 @@ class Report(msgspec.Struct, kw_only=True):
     peaks: PeakPhases
     agent_errors: list[AgentErrorEntry]
     warnings: list[str]
+    out_of_memory: OutOfMemoryEntry | None = None
+    """Why the job ran out of memory or over its budget, and what would fit; null when
+    neither happened."""
 
 
 def strict_json(document: Any) -> str:

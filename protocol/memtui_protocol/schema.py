@@ -444,6 +444,10 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, omit_defaults=True):
     world_size: int | None = None
     budget: int | None = None
     process_create_time: float | None = None
+    expandable_segments: bool | None = None
+    """Whether the CUDA caching allocator was set up with `expandable_segments:True` when the
+    agent started (`PYTORCH_CUDA_ALLOC_CONF` / `PYTORCH_ALLOC_CONF`); None where torch sees no
+    CUDA device, and in older recordings (not known)."""
     launch: str | None = None
     """The scheduler's launch this process belongs to (`memtui_protocol.launch`): a task of the
     same `srun` step keeps this recording when it starts into the same session folder."""
@@ -791,6 +795,10 @@ class End(msgspec.Struct, tag="end", frozen=True, omit_defaults=True):
     piles: Piles | None = None
     alerts: Annotated[list[Alert], _BOUNDED] = []
     requested: int | None = None
+    reserved_unallocated: int | None = None
+    """CUDA out-of-memory: bytes the caching allocator had reserved but not allocated when the
+    request failed (fragmentation), as torch's error stated them; None: not known (a CPU job,
+    a message without the figure, an older recording)."""
     alloc_events: AllocEvents | None = None
     late: Annotated[list[StepLate], msgspec.Meta(max_length=MAX_LATE)] = []
     """Device values of the last steps, read as the job ended (see `StepLate`)."""

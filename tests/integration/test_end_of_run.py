@@ -104,12 +104,15 @@ def test_the_run_summary_and_detach_say_the_alerts(tmp_path: Path, builder: Modu
     expected = alert_tally(read_recording(path)).line(path)
     job = JobSpec(command=[], display=["python", "train.py"], env={}, recording=path)
     lines = summary_line(job, 0).splitlines()
-    assert lines[1] == f"memtui: {expected}"
-    assert lines[2] == f"memtui: recording {path}"
+    assert lines[-2] == f"memtui: {expected}"
+    assert lines[-1] == f"memtui: recording {path}"
+    # Between them and the headline: the over-budget alert of step 21 explained.
+    assert lines[1].startswith("memtui: over budget at step 21: ")
     detached = detached_lines(path)
     assert detached[0].startswith("memtui: recorded 24 steps; peak ")
     assert "(piles + DDP/FSDP buffers); highest piles: " in detached[0]
-    assert detached[1] == f"memtui: {expected}"
+    assert detached[-2] == f"memtui: {expected}"
+    assert detached[1:-2] == lines[1:-2]
 
 
 def test_each_process_of_a_session_folder_names_its_alerts(
@@ -337,10 +340,12 @@ def test_a_headless_run_ends_naming_its_alerts(tmp_path: Path) -> None:
     recording = tmp_path / "rec.memtui"
     total = len(read_recording(recording).alerts)
     lines = result.stderr.splitlines()
-    assert lines[-3].startswith(
+    headline = next(index for index, line in enumerate(lines) if line.startswith("memtui: job"))
+    assert lines[headline].startswith(
         "memtui: job exited (exit code 0) with an error: NaN loss from step 5; "
         "after 10 steps; peak "
     )
+    assert lines[headline + 1].startswith("memtui: over budget at step 8: tracked peak ")
     assert lines[-2] == (
         # Step 6's activations follow from step 5's poisoned weights: folded, not named.
         "memtui: NaN loss from step 5; NaN/Inf gradients from step 5; "

@@ -126,6 +126,13 @@ def expandable_segments_enabled(environ: dict[str, str]) -> bool:
     return False
 
 
+def expandable_at_start(device: str, environ: dict[str, str]) -> bool | None:
+    """The hello's `expandable_segments`: whether the allocator's configuration in the
+    environment turned it on, for a job that can use CUDA; None (not known, and meaningless)
+    where torch sees no CUDA device."""
+    return expandable_segments_enabled(environ) if device == "cuda" else None
+
+
 def fragmentation_message(
     allocator: Allocator, expandable: bool, min_bytes: int = 1 << 30, min_share: float = 0.2
 ) -> str | None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memtui_agent.memory.allocator import expandable_at_start
 from memtui_agent.memory.finalizer_interrupts import keep_ctrl_c_for_the_job, restore_ctrl_c
 from memtui_agent.memory.memory_readers import close_readers
 from memtui_agent.startup.agent_state import NOT_STARTED, Parts
@@ -79,6 +80,7 @@ class Agent:
         from memtui_agent.startup.parts import build_parts
 
         started = time.time()
+        device = _device_description()
         hello = schema.Hello(
             format_version=schema.FORMAT_VERSION,
             agent_version=_agent_version(),
@@ -89,7 +91,7 @@ class Agent:
             started=_dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(),
             started_unix=started,
             torch=str(torch.__version__),
-            device=_device_description(),
+            device=device,
             python=platform.python_version(),
             hostname=os_text(_socket.gethostname()),
             cwd=os_text(os.getcwd()),
@@ -100,6 +102,8 @@ class Agent:
             world_size=_env_int("WORLD_SIZE"),
             budget=self.config.budget,
             process_create_time=_create_time(),
+            # Read once at start: an out-of-memory explanation says whether it was on.
+            expandable_segments=expandable_at_start(device, dict(os.environ)),
         )
         server = None
         if self.config.socket:

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from memtui_agent.steps.failures import ErrorContext, first_line, is_oom, requested_bytes
+from memtui_agent.steps.failures import (
+    ErrorContext,
+    first_line,
+    is_oom,
+    requested_bytes,
+    reserved_unallocated_bytes,
+)
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind, ExitStatus, Phase
 from memtui_protocol.units import format_bytes
@@ -121,6 +127,7 @@ def _raised_end(inputs: EndInputs) -> schema.End:
         status=ExitStatus.ERROR,
         code=inputs.exit_code,
         requested=requested,
+        reserved_unallocated=reserved_unallocated_bytes(error) if oom else None,
         error_type=type(error).__name__,
         error=first_line(error),
         step=inputs.step,
