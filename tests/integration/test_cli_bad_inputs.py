@@ -101,6 +101,8 @@ FLAGS: list[tuple[str, list[str], str, set[str]]] = [
     ("estimate --device-memory", ["estimate", "--params", "7B", "--device-memory", "{}"],
      REFUSED, set()),
     ("estimate --budget", ["estimate", "--params", "7B", "--budget", "{}"], REFUSED, set()),
+    ("estimate --accum", ["estimate", "--params", "7B", "--accum", "{}"], REFUSED, set()),
+    ("estimate --loss", ["estimate", "--params", "7B", "--loss", "{}"], REFUSED, set()),
 ]  # fmt: skip
 
 CASES = [
