@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from math import floor
+from math import floor, isinf
 
 from memtui.model.recording import Recording
 from memtui.model.step_rows import NOT_KNOWN, activations_known, known_piles
@@ -64,7 +64,7 @@ class Shortfall:
     batch_why: str | None
     """Why `batch_fraction` is not known (None when it is)."""
     batch_step: int | None
-    """The step whose peak `batch_fraction` scales."""
+    """The step whose peak limits `batch_fraction` (the lowest fraction of all closed steps)."""
 
 
 def explain(recording: Recording) -> Shortfall | None:
@@ -87,7 +87,9 @@ def explain(recording: Recording) -> Shortfall | None:
         piles, piles_at, piles_step = known_piles(step, step.peak), "peak", step.step
     else:
         piles, piles_at, piles_step = None, "peak", None
-    fraction, why = _batch_fraction(step, hello.budget)
+    oom = cause is AlertKind.OOM
+    closed = [item for item in recording.steps if not oom or number is None or item.step <= number]
+    fraction, why, limiting = _batch_fraction(closed, hello.budget, oom)
     gpu = hello.device == "cuda" or (end is not None and end.reserved_unallocated is not None)
     return Shortfall(
         cause=cause,
@@ -107,7 +109,7 @@ def explain(recording: Recording) -> Shortfall | None:
         expandable_segments=hello.expandable_segments,
         batch_fraction=fraction,
         batch_why=why,
-        batch_step=step.step if step is not None else None,
+        batch_step=limiting,
     )
 
 
@@ -140,24 +142,51 @@ def _top_modules(recording: Recording, step: schema.Step | None) -> tuple[tuple[
 
 
 def _batch_fraction(
-    step: schema.Step | None, budget: int | None
-) -> tuple[float | None, str | None]:
-    """The largest fraction f of the step's batch with (peak - activations) + f * activations
-    within the budget, or why it is not known."""
+    steps: list[schema.Step], budget: int | None, oom: bool
+) -> tuple[float | None, str | None, int | None]:
+    """The largest fraction f of a step's batch with (peak - activations) + f * activations
+    within the budget at every closed step (the step that limits it named), or why it is not
+    known.
+
+    Every step counts, not only the one that passed the budget: a batch that fits the first
+    step can pass it from the second on, when the optimizer state the first `step()` made is
+    held at every later peak. After an out-of-memory, the step that never closed is counted
+    too, as the last closed step's activations over what that step left held (its weights and
+    optimizer state), which the next step's peak holds as well.
+    """
     if budget is None:
-        return None, "no --budget: the device's limit in pile terms is not known"
-    if step is None:
-        return None, "no step closed, so no step's activations are known"
-    peak = known_piles(step, step.peak)
-    total, activations = peak.total, peak.activations
-    if total is None or activations is None:
-        return None, f"step {step.step}'s activations are not known"
-    if activations <= 0:
-        return None, f"step {step.step} saved no activations at its peak"
-    fixed = total - activations
+        return None, "no --budget: the device's limit in pile terms is not known", None
+    if not steps:
+        return None, "no step closed, so no step's activations are known", None
+    limits: list[tuple[float, int]] = []
+    known: list[tuple[schema.Step, int, int]] = []
+    for step in steps:
+        peak = known_piles(step, step.peak)
+        total, activations = peak.total, peak.activations
+        if total is None or activations is None:
+            continue
+        known.append((step, total - activations, activations))
+        limits.append((_fraction(total - activations, activations, budget), step.step))
+    if not known:
+        return None, "no step's activations are known", None
+    if oom:
+        last, fixed, activations = known[-1]
+        held = (last.end.weights or 0) + (last.end.optimizer_state or 0)
+        limits.append((_fraction(max(held, fixed), activations, budget), last.step))
+    fraction, step_number = min(limits, key=lambda item: item[0])  # ties: the earliest step
+    if isinf(fraction):
+        return None, "no step saved activations at its peak: the batch does not move it", None
+    return fraction, None, step_number
+
+
+def _fraction(fixed: int, activations: int, budget: int) -> float:
+    """f with fixed + f * activations = budget; 0 when the fixed part alone passes it, and
+    unbounded (inf) when the step saved no activations within the budget."""
     if fixed >= budget:
-        return 0.0, None
-    return (budget - fixed) / activations, None
+        return 0.0
+    if activations <= 0:
+        return float("inf")
+    return (budget - fixed) / activations
 
 
 def shortfall_lines(shortfall: Shortfall, binary: bool = True) -> list[str]:

@@ -77,6 +77,33 @@ def test_the_plan_fits_when_the_job_trains_with_it(tmp_path: Path) -> None:
         assert abs(measured - plan["peak_after"]) <= 0.05 * plan["peak_after"]
 
 
+def test_a_forward_that_returns_logits_gets_the_same_plan_with_its_loss() -> None:
+    """The block profile calls the forward as the training steps do: with `--loss` the batch's
+    labels go to the loss, not to a forward that does not take them (the profile failed with
+    'unexpected keyword argument' and no plan was given)."""
+    in_forward = _estimate("--budget", str(BUDGET))["checkpoint_plan"]
+    result = run_memtui(
+        "estimate",
+        "--model",
+        "checkpoint_blocks:logits_model",
+        "--batch",
+        "checkpoint_blocks:batch",
+        "--loss",
+        "checkpoint_blocks:logits_loss",
+        "--budget",
+        str(BUDGET),
+        "--json",
+        cwd=FIXTURES,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    estimated = json.loads(result.stdout)
+    plan = estimated["checkpoint_plan"]
+    assert plan is not None, estimated["checkpoint_plan_reason"]
+    assert plan["modules"] == in_forward["modules"]
+    assert plan["peak_after"] <= BUDGET
+
+
 def test_a_budget_no_plan_reaches_gives_null_and_why() -> None:
     estimated = _estimate("--budget", "4000000")
     assert estimated["checkpoint_plan"] is None

@@ -156,12 +156,13 @@ def test_with_a_budget_the_oom_names_the_batch_that_fits() -> None:
     recording = _recording(_hello(budget=6 * GIB), _oom_end())
     shortfall = explain(recording)
     assert shortfall is not None and shortfall.batch_fraction == 0.5
+    # Steps 1 and 2 peak alike: the earliest that limits the batch is named.
     assert shortfall_lines(shortfall)[-1].startswith(
-        "  largest batch that fits the budget of 6.00 GiB: 0.50x step 2's batch"
+        "  largest batch that fits the budget of 6.00 GiB: 0.50x step 1's batch"
     )
     roomy = explain(_recording(_hello(budget=12 * GIB), _oom_end()))
     assert roomy is not None and roomy.batch_fraction == 2.0
-    assert "2.00x step 2's batch (its peak was within the budget)" in shortfall_lines(roomy)[-1]
+    assert "2.00x step 1's batch (its peak was within the budget)" in shortfall_lines(roomy)[-1]
     tight = explain(_recording(_hello(budget=3 * GIB), _oom_end()))
     assert tight is not None and tight.batch_fraction == 0.0
     assert (
@@ -209,3 +210,39 @@ def test_a_run_with_neither_says_nothing_and_old_frames_read() -> None:
     shortfall = explain(_recording(_hello(expandable=None), decoded))
     assert shortfall is not None
     assert "on the GPU: not known reserved but unallocated" in "\n".join(shortfall_lines(shortfall))
+
+
+def test_the_batch_that_fits_fits_every_step_not_only_the_first_over_the_budget() -> None:
+    """A batch that fits the first step's peak (no optimizer state yet) passes the budget from
+    the second step on, which holds the state the first `step()` made: the fraction is the
+    lowest over the closed steps, and names the step that limits it."""
+    first = schema.Piles(weights=GIB, gradients=0, optimizer_state=0, activations=4 * GIB)
+    steady = schema.Piles(weights=GIB, gradients=0, optimizer_state=2 * GIB, activations=4 * GIB)
+    over = schema.Alert(kind=AlertKind.OVER_BUDGET, message="over", where="activations")
+    hello = _hello(device="cpu", expandable=None, budget=4 * GIB)
+    recording = Recording(path=Path("run.memtui"), hello=hello)
+    for message in (
+        msgspec.structs.replace(_step(1), max=first, peak=first, alerts=[over]),
+        msgspec.structs.replace(_step(2), max=steady, peak=steady),
+        msgspec.structs.replace(_step(3), max=steady, peak=steady),
+    ):
+        apply(recording, message)
+    shortfall = explain(recording)
+    assert shortfall is not None and shortfall.step == 1
+    # Step 1 alone: (4 - 1) / 4 = 0.75; steps 2 and 3 hold 2 GiB of state: (4 - 3) / 4 = 0.25.
+    assert shortfall.batch_fraction == 0.25 and shortfall.batch_step == 2
+    assert "0.25x step 2's batch" in shortfall_lines(shortfall)[-1]
+
+
+def test_after_an_oom_the_next_step_holds_what_the_last_one_left() -> None:
+    """Only step 1 closed before the out-of-memory, its peak without optimizer state; the
+    step that never closed held the state step 1's `step()` made, so the batch that fits is
+    counted with it."""
+    first = schema.Piles(weights=GIB, gradients=0, optimizer_state=0, activations=4 * GIB)
+    recording = Recording(path=Path("run.memtui"), hello=_hello(budget=4 * GIB))
+    apply(recording, msgspec.structs.replace(_step(1), max=first, peak=first))
+    apply(recording, _oom_end())
+    shortfall = explain(recording)
+    assert shortfall is not None and shortfall.cause is AlertKind.OOM
+    # Step 1's end holds 1 GiB of weights and 2 GiB of state: (4 - 3) / 4.
+    assert shortfall.batch_fraction == 0.25 and shortfall.batch_step == 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +54,13 @@ def _flops(counter: Any) -> int:
 
 
 def profile_blocks(
-    model: torch.nn.Module, batch: Mapping[str, Any], loss_of: Any, autocast: Any
+    model: torch.nn.Module, forward_loss: Callable[[], Any], autocast: Any
 ) -> BlockProfile | None:
-    """One forward and backward of `model` on `batch` (fake tensors: the caller's mode) with
-    each block's saved bytes, inputs and FLOPs; None when the model has no repeated blocks.
+    """One forward and backward of `model` (fake tensors: the caller's mode) with each
+    block's saved bytes, inputs and FLOPs; None when the model has no repeated blocks.
 
-    `loss_of(output)` returns the loss; `autocast` is a context manager for the forward.
+    `forward_loss()` runs the forward on the batch and returns the loss, as the training
+    steps do (`forward_and_loss`); `autocast` is a context manager for the forward.
     """
     import torch
     from torch.utils.flop_counter import FlopCounterMode
@@ -108,7 +109,7 @@ def profile_blocks(
         step = FlopCounterMode(display=False)
         with step, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with autocast:
-                loss = loss_of(model(**batch))
+                loss = forward_loss()
             loss.backward()
     return BlockProfile(
         prefix[id(container)], [figures[id(block)] for block in blocks], _flops(step)
@@ -123,7 +124,7 @@ def profile_request(request: FakeStepRequest) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memtui_agent.estimate.count_params import one_line, resolve
-    from memtui_agent.estimate.fake_step import _batch_of, _call, _loss_of
+    from memtui_agent.estimate.fake_step import _batch_of, _call, forward_and_loss
 
     variant = Variant.BLOCKS.value
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(request.autocast)  # type: ignore[arg-type]
@@ -138,8 +139,13 @@ def profile_request(request: FakeStepRequest) -> dict[str, Any]:
                 if dtype is not None
                 else contextlib.nullcontext()
             )
+            loss_fn = None if request.loss is None else resolve(request.loss, "--loss")
             profile = profile_blocks(
-                model, batch, lambda output: _loss_of(output, request.model)[0], cast
+                model,
+                lambda: forward_and_loss(
+                    model, batch, request.model, loss_fn, request.loss or "--loss"
+                )[0],
+                cast,
             )
     except Exception as exc:  # the step itself ran: a profile that fails only costs the plan
         return {"variant": variant, "error": f"the blocks could not be profiled: {one_line(exc)}"}

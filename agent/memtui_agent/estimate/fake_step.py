@@ -298,19 +298,30 @@ def train_steps(
 
     dtype = {Autocast.BF16: torch.bfloat16, Autocast.FP16: torch.float16}.get(autocast)  # type: ignore[arg-type]
     where = None
-    inputs = forward_keywords(model, batch) if loss_fn is not None else dict(batch)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(accum):
             with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
-                output = model(**inputs)
-                if loss_fn is None:
-                    loss, where = _loss_of(output, spec)
-                else:
-                    loss, where = _loss_from(loss_fn(output, batch), loss_spec), loss_spec
+                loss, where = forward_and_loss(model, batch, spec, loss_fn, loss_spec)
             (loss / accum if accum > 1 else loss).backward()
         optimizer.step()
     return where
+
+
+def forward_and_loss(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    spec: str,
+    loss_fn: Any = None,
+    loss_spec: str = "--loss",
+) -> tuple[Any, str | None]:
+    """One forward of the batch and its loss, as every run of the child computes it (the
+    training steps and the block profile alike): the loss and where it was (`_loss_of`;
+    `loss_spec` when `loss_fn` computed it from the output and the whole batch)."""
+    if loss_fn is None:
+        return _loss_of(model(**batch), spec)
+    output = model(**forward_keywords(model, batch))
+    return _loss_from(loss_fn(output, batch), loss_spec), loss_spec
 
 
 def _loss_from(value: Any, spec: str) -> Any:
