@@ -368,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODULE:CALLABLE",
         help="count a model's parameters on the meta device",
     )
+    counted.add_argument(
+        "--from",
+        dest="from_recording",
+        metavar="RECORDING",
+        help="with --budget: the checkpoint plan from a recorded run's measured blocks",
+    )
     estimate.add_argument("--trainable", metavar="N", help="trainable parameters (default: all)")
     estimate.add_argument(
         "--scheme",
@@ -758,6 +764,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from memtui.reports.estimate import DEFAULT_SCHEME, estimate, parse_count, render_text
     from memtui.reports.model_count import ModelCountError, count_model
 
+    if args.from_recording is not None:
+        return cmd_estimate_from(args)
     if args.batch is not None:
         return cmd_estimate_step(args)
     step_only = (
@@ -802,6 +810,40 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     return {}
+
+
+def cmd_estimate_from(args: argparse.Namespace) -> int:
+    """`memtui estimate --from RECORDING --budget B`: the checkpoint plan from a real run's
+    measured blocks (predicted, nothing trained: `memtui.reports.recorded_plan`)."""
+    from memtui.model.recording import read_recording
+    from memtui.reports.checkpoint_plan import budget_for
+    from memtui.reports.recorded_plan import recorded_plan, recorded_plan_lines
+
+    budget = budget_for(args.budget, args.device_memory)
+    if budget is None:
+        raise UsageError("--from needs --budget (or --device-memory): the plan fits a budget")
+    for flag in ("batch", "scheme", "trainable", "optimizer", "autocast", "loss", "zero"):
+        if getattr(args, flag) is not None:
+            raise UsageError(f"--{flag} is for a model's step; --from reads a recorded run")
+    extra = [
+        flag
+        for flag, given in (
+            ("--checkpointing", args.checkpointing),
+            ("--fsdp", args.fsdp),
+            ("--what-if", args.what_if),
+            ("--accum", args.accum != 1),
+            ("--gpus", args.gpus != 1),
+        )
+        if given
+    ]
+    if extra:
+        raise UsageError(f"{extra[0]} is for a model's step; --from reads a recorded run")
+    result = recorded_plan(read_recording(args.from_recording), budget)
+    if args.json:
+        print(json_safe(json.dumps(result)))
+    else:
+        print(terminal_safe("\n".join(recorded_plan_lines(result)), keep_newlines=True))
+    return 0
 
 
 def cmd_estimate_step(args: argparse.Namespace) -> int:

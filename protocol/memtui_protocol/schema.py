@@ -390,6 +390,20 @@ class ModuleBytes(msgspec.Struct, array_like=True, frozen=True):
     bytes: int
 
 
+class BlockBytes(msgspec.Struct, array_like=True, frozen=True):
+    """One repeated block of a model (a child of its largest `nn.ModuleList`/`nn.Sequential`)
+    on a step whose activations were measured: what a checkpoint over it would free and keep.
+
+    `saved`: the activation bytes saved inside the block (its modules' highs, each storage
+    counted once, under the module that saved it first); `inputs`: the bytes of the plain
+    tensors passed to it, the most of one call (what a checkpoint over it holds).
+    """
+
+    module: int
+    saved: int
+    inputs: int
+
+
 class AllocEvent(msgspec.Struct, array_like=True, frozen=True):
     """Allocator events of one size from one source line, folded (`--alloc-events`).
 
@@ -683,6 +697,9 @@ class Step(msgspec.Struct, tag="step", frozen=True, omit_defaults=True):
     gradients, sharded ones (FSDP, DTensor: a rank's shard is not the global norm), a
     non-finite norm, the check off, or on a GPU while its copy travels (then in a later
     frame's `late`)."""
+    blocks: Annotated[list[BlockBytes], _BOUNDED] = []
+    """Each repeated block's saved and input bytes, on a step whose activations were measured
+    (not carried): what `memtui estimate --from` plans activation checkpoints with."""
 
 
 def apply_late(

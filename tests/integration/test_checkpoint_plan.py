@@ -37,7 +37,7 @@ def _estimate(*extra: str) -> dict[str, Any]:
 def _measured_peak(tmp_path: Path, modules: list[str], *flags: str) -> int:
     """The highest step peak `memtui run` records while the model trains with `modules`
     wrapped (3 steps)."""
-    recording = tmp_path / f"run{len(flags)}.memtui"
+    recording = tmp_path / f"run{len(flags)}-{len(modules)}.memtui"
     script = str(FIXTURES / "checkpoint_blocks.py")
     ran = run_memtui(
         "run",
@@ -59,6 +59,28 @@ def _measured_peak(tmp_path: Path, modules: list[str], *flags: str) -> int:
     steps = json.loads(report.stdout)["steps"]
     assert len(steps) == 3
     return max(int(step["peak"]["total"]) for step in steps)
+
+
+def test_the_plan_from_a_recording_bounds_the_peak_the_job_then_measures(tmp_path: Path) -> None:
+    """`memtui estimate --from`: the plain run's recording holds each block's saved and input
+    bytes; the plan it gives is the measured plan's blocks, and its bound is at or above the
+    peak `memtui run` measures with them wrapped, and at or under the budget."""
+    plain = _measured_peak(tmp_path, [])
+    recording = tmp_path / "run0-0.memtui"
+    result = run_memtui(
+        "estimate", "--from", str(recording), "--budget", str(BUDGET), "--json", cwd=FIXTURES
+    )
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads(result.stdout)
+    assert recorded["peak"] == plain
+    assert [block["module"] for block in recorded["blocks"]] == [f"blocks.{i}" for i in range(4)]
+    plan = recorded["checkpoint_plan"]
+    assert plan is not None, recorded["checkpoint_plan_reason"]
+    assert plan["bound"] is True and plan["recompute"] is None
+    measured_plan = _estimate("--budget", str(BUDGET))["checkpoint_plan"]
+    assert plan["modules"] == measured_plan["modules"]
+    measured = _measured_peak(tmp_path, plan["modules"])
+    assert measured <= plan["peak_after"] <= BUDGET
 
 
 def test_the_plan_fits_when_the_job_trains_with_it(tmp_path: Path) -> None:

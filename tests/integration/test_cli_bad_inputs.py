@@ -103,6 +103,7 @@ FLAGS: list[tuple[str, list[str], str, set[str]]] = [
     ("estimate --budget", ["estimate", "--params", "7B", "--budget", "{}"], REFUSED, set()),
     ("estimate --accum", ["estimate", "--params", "7B", "--accum", "{}"], REFUSED, set()),
     ("estimate --loss", ["estimate", "--params", "7B", "--loss", "{}"], REFUSED, set()),
+    ("estimate --from", ["estimate", "--from", "{}", "--budget", "1GB"], REFUSED, set()),
 ]  # fmt: skip
 
 CASES = [

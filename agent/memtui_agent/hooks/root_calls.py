@@ -23,6 +23,7 @@ from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.copy_safe import CopySafeHook
 from memtui_agent.hooks.hook_arming import HookArming, forget_when_freed
 from memtui_agent.hooks.module_scout import ModuleScout
+from memtui_agent.job.blocks import repeated_blocks
 from memtui_protocol.schema import Phase
 
 if TYPE_CHECKING:  # for annotations only
@@ -51,6 +52,7 @@ class RootHooks:
         # methods' object (`copy_safe`). One pair, shared by every root.
         self._pre_hook = CopySafeHook(self._pre)
         self._post_hook = CopySafeHook(self._post)
+        self._block_hook = CopySafeHook(self._block)
 
     def hook_roots(self) -> None:
         """Hook every root not hooked yet (new model trees)."""
@@ -67,7 +69,27 @@ class RootHooks:
                 root.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
                 root.register_forward_hook(self._post_hook, always_call=True),
             ]
+            handles.extend(self._hook_blocks(root))
             hooked[id(root)] = (forget_when_freed(root, hooked), handles)
+
+    def _hook_blocks(self, root: torch.nn.Module) -> list[RemovableHandle]:
+        """A pre-hook with keyword arguments on each of the root's repeated blocks
+        (`job.blocks`): their inputs on measured steps. An error leaves them unhooked, said
+        once by the next close (`BlockWatch.error`)."""
+        watch = self._registry.blocks
+        try:
+            blocks = [
+                block
+                for block in repeated_blocks(root)
+                if self._registry.known_id(block) in watch.ranges
+            ]
+            return [
+                block.register_forward_pre_hook(self._block_hook, with_kwargs=True)
+                for block in blocks
+            ]
+        except Exception as exc:
+            watch.error = exc
+            return []
 
     def outside(self) -> None:
         """No root's forward runs now (the hooks are installed, or the followed thread moved):
@@ -110,6 +132,27 @@ class RootHooks:
                 self._gate.root_call(module, args, kwargs or {}, self._window.number)
             except Exception as exc:
                 self._disable("activations", exc)
+
+    def _block(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """A repeated block's forward starts: its inputs' bytes, while the module hooks are
+        armed (a measured step) on the followed thread, outside a backward (a checkpoint
+        recomputing it)."""
+        if (
+            is_compiling()
+            or not self._arming.modules_armed
+            or get_ident() != self._thread.ident
+            or _current_graph_task_id() != -1
+        ):
+            return
+        watch = self._registry.blocks
+        try:
+            module_id = self._registry.known_id(module)
+            if module_id is not None and module_id in watch.ranges:
+                watch.entered(module_id, args, kwargs or {})
+        except Exception as exc:
+            watch.error = exc
 
     def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: object) -> None:
         if is_compiling() or get_ident() != self._thread.ident or _current_graph_task_id() != -1:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import TYPE_CHECKING, cast
 
+from memtui_agent.job.blocks import BlockWatch, block_ranges, repeated_blocks
 from memtui_agent.memory.finalizer_interrupts import hand_back
 from memtui_protocol import schema
 
@@ -75,6 +76,8 @@ class ModuleRegistry:
         """id() of every module found by the last walk of the trees."""
         self.parameter_walks = 0
         """How many times `parameters()` walked the trees (facts about them are redone then)."""
+        self.blocks = BlockWatch()
+        """Each named tree's repeated blocks (`job.blocks`), found as the tree is named."""
 
     def known_id(self, module: torch.nn.Module) -> int | None:
         """Name id of a module of a registered tree; None for any other (the hooks' hot path:
@@ -125,10 +128,13 @@ class ModuleRegistry:
         count = self._roots_of_class[root_name] = self._roots_of_class.get(root_name, 0) + 1
         prefix = f"{root_name}#{count}" if count > 1 else ""
         new_names: list[str] = []
+        positions: dict[int, int] = {}
         for qualified, module in root.named_modules():
             name = _joined(prefix, qualified) or root_name
+            positions[id(module)] = len(new_names)
             self._by_id[id(module)] = (weakref.ref(module), first_id + len(new_names))
             new_names.append(name)
+        self._find_blocks(root, new_names, first_id, positions)
         for qualified, parameter in root.named_parameters(remove_duplicate=False):
             self.param_names.setdefault(id(parameter), _joined(prefix, qualified))
         self._names.extend(new_names)
@@ -137,6 +143,17 @@ class ModuleRegistry:
         self.generation += 1
         if new_names:
             self._publish(schema.Names(kind="module", first_id=first_id, names=new_names))
+
+    def _find_blocks(
+        self, root: torch.nn.Module, names: list[str], first_id: int, positions: dict[int, int]
+    ) -> None:
+        """The new tree's repeated blocks into `blocks`; an error leaves the tree without them
+        and is kept for the next step's close to report once (`BlockWatch.error`)."""
+        try:
+            found = [names[positions[id(block)]] for block in repeated_blocks(root)]
+            self.blocks.add(block_ranges(names, first_id, found))
+        except Exception as exc:
+            self.blocks.error = exc
 
     def _parking_ref(self, root: torch.nn.Module) -> weakref.ref[torch.nn.Module]:
         """A weakref to `root` that takes its `_parked_names` entry away when it dies."""

@@ -370,6 +370,11 @@ class Ledger:
         with self._lock:
             return self._watched_from_open and self.watching_gradients
 
+    def module_maxima(self) -> dict[int, int]:
+        """Each module's most saved-activation bytes live at once during the step (a copy)."""
+        with self._lock:
+            return {module: size for module, size in self._module_max.items() if size > 0}
+
     def top_modules(self, limit: int) -> list[ModuleBytes]:
         """Modules with the most saved-activation bytes live at once during the step."""
         with self._lock:

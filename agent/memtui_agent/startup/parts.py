@@ -72,6 +72,9 @@ Emit = Callable[[schema.Message | ClosedStep], None]
 CENSUS_EFFECT = "stopped that census (its step says so); later censuses run"
 WORKERS = "dataloader-workers"
 """The component said in the one report of an error following the DataLoader workers."""
+BLOCKS = "checkpoint-blocks"
+"""The component said in the one report of an error in the repeated blocks' figures
+(`job.blocks`), which `memtui estimate --from` plans with."""
 
 
 def build_parts(
@@ -128,6 +131,7 @@ def build_parts(
     loaders = DataLoaders(WorkerSampler(partial(fail, WORKERS)))
     closer.workers = WorkerLeaks(loaders)
     closer.workers_failed = partial(fail, WORKERS)
+    closer.blocks_failed = partial(fail, BLOCKS)
     window = StepWindow(closer, gate, ledger, emit, partial(register_live_optimizers, registry))
     context = HookContext(
         phase=phase,

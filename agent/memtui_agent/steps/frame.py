@@ -105,6 +105,8 @@ class StepInputs(msgspec.Struct, frozen=True):
     """The tensors the job keeps outside every pile, as this close's census found them."""
     workers: schema.Workers | None = None
     """The job's DataLoader workers as last sampled before the close (`worker_memory`)."""
+    blocks: tuple[schema.BlockBytes, ...] = ()
+    """The repeated blocks' saved and input bytes, on a measured step (`job.blocks`)."""
 
     def alerts(self) -> list[schema.Alert]:
         """The step's alerts in the frame's order (without the skip's, which needs the scales)."""
@@ -213,6 +215,7 @@ def build_step(
         census=inputs.census,
         kept=inputs.kept,
         workers=inputs.workers,
+        blocks=list(inputs.blocks),
     )
 
 

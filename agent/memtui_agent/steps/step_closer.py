@@ -109,6 +109,8 @@ class StepCloser:
         """The DataLoader workers' memory and growth (set by `parts.build_parts`)."""
         self.workers_failed: Callable[[BaseException], None] = _ignore
         """Told of an error in the workers' figures (said once; that close goes without)."""
+        self.blocks_failed: Callable[[BaseException], None] = _ignore
+        """Told of an error in the repeated blocks' figures (said once; closes go without)."""
 
     def close(
         self, opened: OpenStep, step: int, skipped: bool, record: OptimizerRecord | None
@@ -158,6 +160,7 @@ class StepCloser:
         )
         reading = CloseReading(step, ledger, with_nvml(allocator, device_index))
         verdict = self._gate.verdict(reading)
+        blocks = self._blocks_at_close(verdict.measured and verdict.carried is None)
         final_peak = verdict.peak(peak)
         over_budget = self.budget.judge_peak(final_peak)
         self._taken = None
@@ -201,7 +204,23 @@ class StepCloser:
             census=census_cost,
             kept=kept,
             workers=workers.workers,
+            blocks=tuple(blocks),
         )
+
+    def _blocks_at_close(self, measured: bool) -> list[schema.BlockBytes]:
+        """The repeated blocks' saved and input bytes on a measured step ([] otherwise: what
+        the hooks saw of an unmeasured step is part of it at most); the watch starts afresh
+        for the next step either way. Never raises: an error is said once (`blocks_failed`)."""
+        watch = self.registry.blocks
+        try:
+            if watch.error is not None:
+                error, watch.error = watch.error, None
+                self.blocks_failed(error)
+            taken = watch.take(self.ledger.module_maxima())
+        except Exception as exc:
+            self.blocks_failed(exc)
+            return []
+        return taken if measured else []
 
     def _workers_at_close(self, step: int) -> WorkerReport:
         """The DataLoader workers' last sample and what their growth calls for; never raises
