@@ -32,7 +32,9 @@ TIMEOUT_S = 240
 
 
 def tensorboard_points(folder: Path) -> dict[str, dict[int, float]]:
-    """tag -> step -> value, as TensorBoard's own event reader reads the export back."""
+    """tag -> step -> value, as TensorBoard's own event reader reads the export back; a byte
+    figure to the byte, from its exact series (`exact/<tag>/hi_16MiB` x 16,777,216 +
+    `exact/<tag>/lo_bytes`), since its curve is a float32."""
     from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
 
     accumulator = EventAccumulator(str(folder), size_guidance={TENSORS: 0})
@@ -42,7 +44,12 @@ def tensorboard_points(folder: Path) -> dict[str, dict[int, float]]:
         for event in accumulator.Tensors(tag):
             proto = event.tensor_proto
             if not proto.string_val:
-                points.setdefault(tag, {})[event.step] = proto.double_val[0]
+                points.setdefault(tag, {})[event.step] = proto.float_val[0]
+    for tag in [tag for tag in points if not tag.startswith("exact/")]:
+        hi, lo = points.get(f"exact/{tag}/hi_16MiB"), points.get(f"exact/{tag}/lo_bytes")
+        if hi is not None and lo is not None:
+            assert set(hi) == set(lo) == set(points[tag]), tag
+            points[tag] = {step: hi[step] * 16_777_216 + lo[step] for step in hi}
     return points
 
 

@@ -149,7 +149,7 @@ def test_alert_counts_grow_with_alerts_not_steps_times_kinds(
     accumulator.Reload()
     tags = [tag for tag in accumulator.Tags()["tensors"] if tag.startswith("alerts/")]
     assert len(tags) == steps  # one curve per kind
-    values = {tag: {e.step: e.tensor_proto.double_val[0] for e in accumulator.Tensors(tag)}
+    values = {tag: {e.step: e.tensor_proto.float_val[0] for e in accumulator.Tensors(tag)}
               for tag in tags}  # fmt: skip
     written = sum(len(points) for points in values.values())
     assert written <= 2 * steps + 3 * steps  # 2 x kinds + 3 x alerts; before: steps x kinds
