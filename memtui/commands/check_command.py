@@ -141,13 +141,13 @@ def run_check(args: argparse.Namespace) -> int:
             f"{args.path}: {recording.warning}: memtui check judges whole recordings only "
             "(memtui report shows what is readable)"
         )
-    result = check(recording, limits)
+    status = recording.how_it_ended()
+    result = msgspec.structs.replace(check(recording, limits), job=str(status))
     if args.json:
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
     else:
         lines = check_lines(result)
         broken = sum(not rule.ok for rule in result.rules)
-        status = recording.how_it_ended()
         closing = (
             f"memtui check: {len(result.rules)} rules hold"
             if result.ok

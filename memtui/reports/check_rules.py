@@ -147,6 +147,9 @@ class CheckResult(msgspec.Struct, frozen=True):
     violations: list[Violation]
     rules: list[RuleResult]
     steps: int
+    job: str | None = None
+    """How the job ended (`ExitStatus`: ok, error, killed, ...), as `memtui report` says it;
+    set by the command, which may ask the system whether the writer still runs."""
 
 
 def check(recording: Recording, limits: Limits) -> CheckResult:
