@@ -26,6 +26,11 @@ class CheckInputError(UsageError):
     """A recording `memtui check` cannot judge: exit 2, like a bad command line."""
 
 
+def _shown(text: str) -> str:
+    """A value quoted in an error, cut when long (the line stays one readable line)."""
+    return repr(text if len(text) <= 40 else text[:40] + "...")
+
+
 def size_limit(text: str) -> SizeLimit:
     """`--max-peak SIZE`: bytes, KB/MB/GB (decimal) or KiB/MiB/GiB (binary)."""
     try:
@@ -42,12 +47,11 @@ def pile_limit(text: str) -> tuple[Pile, SizeLimit]:
     name, sep, size = text.partition("=")
     names = ", ".join(pile.value for pile in Pile)
     if not sep:
-        raise argparse.ArgumentTypeError(f"give PILE=SIZE (PILE: {names}), not {text!r}")
+        raise argparse.ArgumentTypeError(f"give PILE=SIZE (PILE: {names}), not {_shown(text)}")
     try:
         pile = Pile(name.strip())
     except ValueError:
-        shown = name if len(name) <= 40 else name[:40] + "..."
-        raise argparse.ArgumentTypeError(f"no pile {shown!r}: the piles are {names}") from None
+        raise argparse.ArgumentTypeError(f"no pile {_shown(name)}: the piles are {names}") from None
     return pile, size_limit(size)
 
 
@@ -61,8 +65,7 @@ def percent(text: str) -> float:
     except ValueError:
         value = math.nan
     if not 0 <= value <= 100:  # NaN fails every comparison
-        shown = text if len(text) <= 40 else text[:40] + "..."
-        raise argparse.ArgumentTypeError(f"give a percent from 0 to 100, not {shown!r}")
+        raise argparse.ArgumentTypeError(f"give a percent from 0 to 100, not {_shown(text)}")
     return value
 
 
