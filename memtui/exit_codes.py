@@ -8,3 +8,5 @@ EXIT_USAGE = 2
 """A bad command line."""
 EXIT_PARTIAL = 3
 """A damaged recording: everything readable was shown or written, with a warning."""
+EXIT_RULE_BROKEN = 1
+"""`memtui check`: the recording breaks a rule (a recording it cannot judge is `EXIT_USAGE`)."""

@@ -446,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--json", action="store_true", help="print the JSON estimate")
 
+    from memtui.commands.check_command import add_check_parser
+
+    add_check_parser(commands)
+
     demo = commands.add_parser(
         "demo",
         help="run the bundled small training job",
@@ -743,6 +747,13 @@ def report_session(folder: Path, as_json: bool, binary: bool) -> int:
     return EXIT_PARTIAL if warnings else 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """`memtui check PATH [--max-peak SIZE] [--max PILE=SIZE]... [--no-leak] [--no-nan]`."""
+    from memtui.commands.check_command import run_check
+
+    return run_check(args)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """`memtui export PATH --format chrome-trace|csv|tensorboard [-o OUT] [--force]`."""
     from memtui.reports.export import export_command
@@ -937,6 +948,7 @@ def main(argv: list[str] | None = None) -> int:
         "detach": cmd_detach,
         "replay": cmd_replay,
         "export": cmd_export,
+        "check": cmd_check,
         "cluster": cmd_cluster,
     }
     if args.command is None:

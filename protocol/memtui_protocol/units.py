@@ -55,6 +55,18 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+DECIMAL_UNITS = frozenset({"kb", "mb", "gb", "tb"})
+"""The decimal units `parse_size` reads (the rest are binary, bytes aside)."""
+
+
+def written_decimal(text: str) -> bool:
+    """Whether a size as the user wrote it names a decimal unit (`1GB`, `500 MB`): a view that
+    sets a figure beside it then prints decimal units, so `1.20 GB` is read against `1GB` and
+    never `1.12 GiB` against it (docs/numbers.md#units-gb-and-gib)."""
+    match = _SIZE.match(text) if len(text) <= 64 else None
+    return match is not None and match.group(2).lower() in DECIMAL_UNITS
+
+
 def format_bytes(value: int | float | None, binary: bool = True, missing: str = "n/a") -> str:
     """Human size in one unit system: `format_bytes(16e9)` -> `"14.90 GiB"`."""
     if value is None:

@@ -139,6 +139,19 @@ def test_every_viewer_module_imports_without_torch_and_headless_ones_without_tex
     _run_blocked({"torch", "numpy", "memtui_agent"}, "".join(f"import {name}\n" for name in every))
 
 
+def test_the_pytest_plugin_loads_nothing_of_memtui_torch_or_textual() -> None:
+    """The plugin is loaded by every pytest run where memtui is installed (its `pytest11`
+    entry point): importing it, and pytest's configuring it, must cost a test run that never
+    asks for it nothing of torch, the agent or the viewer."""
+    body = (
+        "import memtui_pytest.plugin, sys\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in "
+        "('memtui', 'memtui_agent', 'memtui_protocol', 'torch', 'textual')))\n"
+    )
+    out = _run_blocked({"torch", "textual", "memtui", "memtui_agent", "numpy"}, body)
+    assert out.strip() == "[]"
+
+
 def test_the_protocol_loads_only_the_standard_library_and_msgspec() -> None:
     """Every module of `memtui_protocol`, imported in a fresh interpreter, brings in nothing
     but the standard library and msgspec: both halves, and the attach bootstrap inside a job
@@ -181,7 +194,7 @@ def test_the_attach_reply_goes_through_the_opener_where_msgspec_is_missing(
 def test_headless_commands_run_with_textual_and_torch_unimportable(
     tmp_path: Path, builder: Any
 ) -> None:
-    """report, export, estimate and attach --list, end to end, in an interpreter where
+    """report, export, estimate, attach --list and check, end to end, in an interpreter where
     importing Textual or torch fails."""
     recording = tmp_path / "run.memtui"
     recording.write_bytes(builder.encode_recording(builder.demo_messages()))
@@ -195,14 +208,17 @@ codes = [
     main(['export', {str(recording)!r}, '--format', 'csv', '-o', {str(tmp_path / "o.csv")!r}]),
     main(['estimate', '--params', '7e9', '--json']),
     main(['attach', '--list']),
+    main(['check', {str(recording)!r}, '--max-peak', '1TiB', '--no-leak', '--no-nan']),
 ]
 from memtui.commands.tui_commands import list_jobs_text
 print(list_jobs_text([dict(pid=1, started_unix=0, argv=['train.py'])]))
 print('codes', codes)
 """
     out = _run_blocked({"torch", "textual"}, body, cwd=tmp_path)
-    # attach --list with no live job says so, as an answer (exit 0); the others succeed.
-    assert out.strip().splitlines()[-1] == "codes [0, 0, 0, 0, 0]"
+    # attach --list with no live job says so, as an answer (exit 0); check finds the fixture's
+    # NaN loss at step 17 (exit 1); the others succeed.
+    assert out.strip().splitlines()[-1] == "codes [0, 0, 0, 0, 0, 1]"
+    assert "NaN/Inf loss at step 17" in out
     assert "no live memtui jobs" in out
 
 

@@ -16,10 +16,15 @@ ROOT = REPO
 
 
 def _source_packages() -> set[str]:
-    """Every folder with an `__init__.py` under the three packages, by import name (the folder
-    path below `memtui/`, `agent/` or `protocol/` is the import path)."""
+    """Every folder with an `__init__.py` under the four packages, by import name (the folder
+    path below `memtui/`, `agent/`, `protocol/` or `pytest_plugin/` is the import path)."""
     found = set()
-    for top in ("memtui", "agent/memtui_agent", "protocol/memtui_protocol"):
+    for top in (
+        "memtui",
+        "agent/memtui_agent",
+        "protocol/memtui_protocol",
+        "pytest_plugin/memtui_pytest",
+    ):
         for init in (ROOT / top).rglob("__init__.py"):
             relative = init.parent.relative_to(ROOT / top).parts
             found.add(".".join([top.split("/")[-1], *relative]))
@@ -55,4 +60,6 @@ def test_wheel_contains_every_subpackage(tmp_path: Path) -> None:
     assert "memtui_agent/startup/bootstrap/sitecustomize.py" in names
     assert not any(name.startswith("agent/") for name in names)
     entry_points = next(name for name in names if name.endswith("entry_points.txt"))
-    assert "memtui = memtui.commands.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    declared = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "memtui = memtui.commands.cli:main" in declared
+    assert "[pytest11]\nmemtui = memtui_pytest.plugin" in declared  # `pytest --memtui`
