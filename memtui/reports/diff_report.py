@@ -86,10 +86,12 @@ class DiffRow:
 
 
 def size_cell(value: int | None, binary: bool = True) -> str:
-    """`73.03 KiB (74,784 B)`: human and exact; "not known" for None."""
+    """`73.03 KiB (74,784 B)`: human and exact (`512 B` alone is both); "not known" for
+    None."""
     if value is None:
         return NOT_KNOWN
-    return f"{format_bytes(value, binary)} ({value:,} B)"
+    human = format_bytes(value, binary)
+    return human if abs(value) < 1000 else f"{human} ({value:,} B)"
 
 
 def change_cell(change: Change, binary: bool = True) -> str:
@@ -102,8 +104,10 @@ def change_cell(change: Change, binary: bool = True) -> str:
         return "no change"
     sign = "+" if delta > 0 else "-"
     percent = change.percent
-    share = f", {percent:+.2f}%" if percent is not None else ", from 0"
-    return f"{sign}{format_bytes(abs(delta), binary)} ({sign}{abs(delta):,} B{share})"
+    share = f"{percent:+.2f}%" if percent is not None else "from 0"
+    if abs(delta) < 1000:  # the human figure is the exact one
+        return f"{sign}{abs(delta)} B ({share})"
+    return f"{sign}{format_bytes(abs(delta), binary)} ({sign}{abs(delta):,} B, {share})"
 
 
 def _steps_cell(numbers: tuple[int, ...]) -> str:
