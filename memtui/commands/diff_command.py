@@ -32,6 +32,8 @@ def read_run(path: str, rank: str | None) -> tuple[Recording, RunName]:
         RecordingError: unreadable, not a recording, a folder without one (or with several
             that are no session), or a `--rank` the folder does not hold.
     """
+    if not path:  # Path("") is the working directory: never what the user meant
+        raise RecordingError("an empty path names no recording")
     folder = Path(path)
     if not folder.is_dir():
         return read_recording(folder), RunName(path)

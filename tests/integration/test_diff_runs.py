@@ -47,7 +47,7 @@ def report(memtui_cli: MemtuiCli, path: Path) -> dict[str, Any]:
 
 
 def highest(steps: list[dict[str, Any]], figure: str, pile: str) -> int:
-    return max(s[figure][pile] for s in steps if s[figure][pile] is not None)
+    return max(int(s[figure][pile]) for s in steps if s[figure][pile] is not None)
 
 
 def module_highs(steps: list[dict[str, Any]]) -> dict[str, int]:
