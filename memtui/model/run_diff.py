@@ -203,7 +203,7 @@ def diff_runs(a: Recording, b: Recording) -> RunDiff:
     modules_a, modules_b = module_highs(a), module_highs(b)
     known = {Side.A: modules_a is not None, Side.B: modules_b is not None}
     dtypes_a, dtypes_b = dtype_highs(a.steps), dtype_highs(b.steps)
-    alerts_a, alerts_b = alert_tally(a.alerts), alert_tally(b.alerts)
+    alerts_a, alerts_b = alerts_by_key(a.alerts), alerts_by_key(b.alerts)
     leaks_a, leaks_b = leak_index(a), leak_index(b)
     return RunDiff(
         piles=tuple(
@@ -359,7 +359,7 @@ def alert_key(item: StepAlert) -> AlertKey:
     return AlertKey(item.kind, names)
 
 
-def alert_tally(alerts: list[StepAlert]) -> dict[AlertKey, tuple[int, int | None]]:
+def alerts_by_key(alerts: list[StepAlert]) -> dict[AlertKey, tuple[int, int | None]]:
     """Each alert key: how many alerts of it, and the step of the first (in stream order)."""
     tally: dict[AlertKey, tuple[int, int | None]] = {}
     for item in alerts:

@@ -131,6 +131,19 @@ def test_a_session_folder_compares_rank_0_unless_told(tmp_path: Path) -> None:
     assert "A: " + str(session) + " (rank 1; 2 recordings in the folder)" in out
 
 
+def test_a_command_folder_compares_its_first_process(tmp_path: Path) -> None:
+    """`memtui run -o DIR -- COMMAND` writes proc-N.memtui: no rank 0, so the first process."""
+    command = tmp_path / "command"
+    small_run(command / "proc-0.memtui", range(1, 3))
+    small_run(command / "proc-1.memtui", range(1, 6))
+    code, out, _ = run_cli("diff", str(command), str(command), "--rank", "proc-1", "--json")
+    assert code == 0 and json.loads(out)["runs"]["a"] | {"path": ""} == {
+        "path": "", "rank": "proc-1", "steps": 5, "first_step": 1, "last_step": 5
+    }  # fmt: skip
+    code, out, _ = run_cli("diff", str(command), str(command), "--json")
+    assert code == 0 and json.loads(out)["runs"]["b"]["rank"] == "proc-0"
+
+
 def test_runs_with_no_steps_in_common_say_so(tmp_path: Path) -> None:
     a = small_run(tmp_path / "a.memtui", range(1, 4))
     b = small_run(tmp_path / "b.memtui", range(100, 104))
