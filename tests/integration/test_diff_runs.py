@@ -101,6 +101,32 @@ def test_two_real_runs_differ_by_what_the_reports_and_the_job_say(
     assert "appeared in B" in text.stdout and text.stderr == ""
 
 
+@pytest.mark.slow
+def test_a_leak_new_in_b_is_the_one_bs_report_names(tmp_path: Path, memtui_cli: MemtuiCli) -> None:
+    """A healthy loop against one that keeps its logits in `history` (tests/fixtures/growing):
+    the leak and its alert are new in B, named by the holder the job's code wrote, with B's
+    report's own count; nothing is gone."""
+    runs = {}
+    for name in ("healthy", "logits_list"):
+        runs[name] = tmp_path / f"{name}.memtui"
+        done = run_memtui(
+            "run", "--headless", "-o", str(runs[name]), str(FIXTURES / "growing" / f"{name}.py"),
+            "30", cwd=tmp_path, env=scrubbed_env(tmp_path / "rt"),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    done = memtui_cli("diff", str(runs["healthy"]), str(runs["logits_list"]), "--json")
+    assert done.returncode == 0, done.stderr
+    diff = json.loads(done.stdout)
+    leaks = report(memtui_cli, runs["logits_list"])["leaks"]
+    assert [leak["holder"] for leak in leaks] == ["history"]
+    assert diff["leaks"] == {
+        "new_in_b": [{"holder": "history", "kind": leaks[0]["kind"], "bytes": leaks[0]["bytes"]}],
+        "gone_in_b": [],
+    }
+    new = [(a["kind"], a["names"], a["severity"]) for a in diff["alerts"]["new_in_b"]]
+    assert ("leak", "history", "error") in new and diff["alerts"]["gone_in_b"] == []
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
