@@ -273,3 +273,28 @@ def test_the_json_names_every_section_with_its_format() -> None:
     assert set(document["piles"]) == {pile.value for pile in Pile}
     assert document["runs"]["a"]["rank"] == "0"
     assert RunName("runs/a", "0", 2).shown == "runs/a (rank 0; 2 recordings in the folder)"
+
+
+def test_every_key_of_the_json_is_in_its_contract() -> None:
+    """docs/diff.md's JSON block names every key `memtui diff --json` writes (a key added
+    without its line there fails this test)."""
+    from repo_paths import REPO
+
+    from memtui.reports import diff_report
+
+    contract = (REPO / "docs" / "diff.md").read_text().split("## `memtui diff A B --json`")[1]
+    structs = [
+        value
+        for value in vars(diff_report).values()
+        if isinstance(value, type)
+        and issubclass(value, msgspec.Struct)
+        and value.__module__ == diff_report.__name__
+    ]
+    assert len(structs) >= 10
+    missing = {
+        f"{struct.__name__}.{name}"
+        for struct in structs
+        for name in struct.__struct_fields__
+        if f'"{name}"' not in contract
+    }
+    assert missing == set()
