@@ -88,6 +88,16 @@ def _whole(flag: str, low: int, high: Callable[[], int]) -> Callable[[str], int]
     return parse
 
 
+_RANK_LABEL = re.compile(r"(?:\d{1,9}|(?:proc|pid)-\d{1,9})")
+
+
+def _rank_label(text: str) -> str:
+    """`--rank`: a rank's number, or `proc-N` of a `-- COMMAND` folder (as its file names)."""
+    if _RANK_LABEL.fullmatch(text) is None or not text.isascii():
+        raise argparse.ArgumentTypeError(f"not a rank: {_shown(text)} (e.g. 0, 3, proc-1)")
+    return str(int(text)) if text.isdigit() else text
+
+
 def _module(text: str) -> str:
     """`-m MODULE`: a dotted name of identifiers, as Python's own `-m` takes (anything else
     would start a job only for Python to say it has no such module)."""
@@ -308,6 +318,26 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("path", help="a .memtui recording or a PyTorch memory snapshot")
     report.add_argument("--json", action="store_true", help="print the JSON report")
     report.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
+
+    diff = commands.add_parser(
+        "diff",
+        help="compare two runs",
+        description="Two recordings side by side: the piles' highs and ends, the peak, the "
+        "modules whose activations moved, dtypes that appeared or vanished, alerts and leaks "
+        "new in B, and the steps the runs share (docs/diff.md).",
+    )
+    diff.add_argument("a", metavar="A", help="the first run: a .memtui recording or a folder")
+    diff.add_argument("b", metavar="B", help="the run compared to it: a recording or a folder")
+    diff.add_argument(
+        "--rank",
+        type=_rank_label,
+        metavar="R",
+        help="in a session folder, the rank (or proc-N) to compare (default: 0, else the first)",
+    )
+    shown = diff.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print the diff as JSON")
+    shown.add_argument("--tui", action="store_true", help="show the diff's table in the TUI")
+    diff.add_argument("--decimal", action="store_true", help="GB/MB instead of GiB/MiB")
 
     export = commands.add_parser(
         "export",
@@ -754,6 +784,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return run_check(args)
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    """`memtui diff A B [--rank R] [--json | --tui] [--decimal]`."""
+    from memtui.commands.diff_command import diff_command
+
+    return diff_command(args.a, args.b, args.rank, args.json, args.tui, not args.decimal)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """`memtui export PATH --format chrome-trace|csv|tensorboard [-o OUT] [--force]`."""
     from memtui.reports.export import export_command
@@ -949,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
         "replay": cmd_replay,
         "export": cmd_export,
         "check": cmd_check,
+        "diff": cmd_diff,
         "cluster": cmd_cluster,
     }
     if args.command is None:

@@ -17,6 +17,7 @@ from memtui.model.alloc_rows import events_dict, events_text
 from memtui.model.job_state import unrecorded_words
 from memtui.model.out_of_memory import explain, shortfall_lines
 from memtui.model.recording import Recording, StepAlert, alert_rows
+from memtui.model.run_diff import pile_high
 from memtui.model.step_ranges import steps_words
 from memtui.model.step_rows import (
     NOT_KNOWN,
@@ -24,7 +25,6 @@ from memtui.model.step_rows import (
     distributed_notes,
     folded_alerts,
     known_piles,
-    pile_figure,
     pile_of,
     severity_order,
     step_peak,
@@ -369,15 +369,7 @@ def pile_peaks(recording: Recording) -> dict[Pile, int | None]:
     """Each pile's highest value over the whole run, over the steps that know it: the
     activations of a step that does not know them are left out, and are None when no step
     knows them (`--activations off`)."""
-    peaks: dict[Pile, int | None] = {}
-    for pile in Pile:
-        highs = [
-            high
-            for step in recording.steps
-            if (high := pile_figure(step, step.max, pile)) is not None
-        ]
-        peaks[pile] = max(highs, default=0 if not recording.steps else None)
-    return peaks
+    return {pile: pile_high(recording.steps, pile) if recording.steps else 0 for pile in Pile}
 
 
 def activation_line(steps: list[Step]) -> str | None:
