@@ -5,6 +5,7 @@ leaks by holder across every message that carries them."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from memtui_agent.integrations import metrics
 from memtui_agent.integrations.step_figures import StepFigures
@@ -91,3 +92,15 @@ def test_a_step_is_taken_once_and_nothing_without_an_agent() -> None:
     assert metrics() == {}  # no agent runs in the test process
     figures = StepFigures("test", {})
     assert figures.take() == {}
+
+
+def test_a_failing_callback_says_so_once_and_turns_off(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = StepFigures("lightning-callback", {})
+    figures.failed(RuntimeError("logger gone"))
+    figures.failed(RuntimeError("again"))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "memtui: lightning-callback failed and is off for the rest of this run "
+        "(RuntimeError: logger gone); the job continues"
+    ]
+    assert figures.off and figures.take() == {}

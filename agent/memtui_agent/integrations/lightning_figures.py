@@ -11,6 +11,7 @@ device (a copy to the GPU, rounded above 16 MiB) that the logger then reads back
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from memtui_agent.integrations.step_figures import StepFigures
@@ -21,7 +22,7 @@ class LightningFigures:
 
     _figures: StepFigures
 
-    def _set_up(self, record: str | None, options: dict[str, Any]) -> None:
+    def _set_up(self, record: str | os.PathLike[str] | None, options: dict[str, Any]) -> None:
         self._figures = StepFigures("lightning-callback", {"record": record, **options})
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:

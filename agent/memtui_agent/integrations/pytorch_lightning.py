@@ -12,6 +12,7 @@ otherwise `setup` starts it in this process with this callback's keywords
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pytorch_lightning import Callback
@@ -22,7 +23,7 @@ from memtui_agent.integrations.lightning_figures import LightningFigures
 class MemtuiCallback(LightningFigures, Callback):  # type: ignore[misc]  # not analysed
     """memtui's figures of each logged step in the Trainer's loggers."""
 
-    def __init__(self, record: str | None = None, **options: Any) -> None:
+    def __init__(self, record: str | os.PathLike[str] | None = None, **options: Any) -> None:
         """`record`, `options`: `memtui_agent.start`'s, used only where no agent runs yet."""
         super().__init__()
         self._set_up(record, options)

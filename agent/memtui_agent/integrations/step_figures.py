@@ -87,10 +87,11 @@ class StepFigures:
             pass
 
     def note(self, message: str) -> None:
-        """Say once that the callback works in part (the agent's note, or stderr)."""
+        """Say once that the callback works in part (the agent's note, or stderr), under a
+        name of its own: a failure later is still said."""
         agent = api.current()
         if agent is not None:
-            agent.note(self._component, message)
+            agent.note(f"{self._component}-note", message)
             return
         try:
             print(f"memtui: {terminal_safe(message)}", file=sys.stderr)

@@ -23,6 +23,7 @@ Under `memtui run` the agent runs already; otherwise the first event starts it i
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from typing import Any
@@ -38,7 +39,7 @@ from memtui_agent.memory.object_access import derives
 class MemtuiCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not analysed
     """memtui's figures of each logged step in the Trainer's logs (see the module)."""
 
-    def __init__(self, record: str | None = None, **options: Any) -> None:
+    def __init__(self, record: str | os.PathLike[str] | None = None, **options: Any) -> None:
         """`record`, `options`: `memtui_agent.start`'s, used only where no agent runs yet."""
         self._figures = StepFigures("transformers-callback", {"record": record, **options})
         self._placed = False
