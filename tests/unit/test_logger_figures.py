@@ -4,10 +4,13 @@ leaks by holder across every message that carries them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 
 from memtui_agent.integrations import metrics
+from memtui_agent.integrations.lightning_figures import LightningFigures
 from memtui_agent.integrations.step_figures import StepFigures
 from memtui_agent.output.logger_figures import LoggerFigures
 from memtui_protocol import schema
@@ -104,3 +107,36 @@ def test_a_failing_callback_says_so_once_and_turns_off(capsys: pytest.CaptureFix
         "(RuntimeError: logger gone); the job continues"
     ]
     assert figures.off and figures.take() == {}
+
+
+class Logger:
+    def __init__(self, fails: bool = False) -> None:
+        self.logged: list[tuple[dict[str, int], int]] = []
+        self.fails = fails
+
+    def log_metrics(self, metrics: dict[str, int], step: int) -> None:
+        if self.fails:
+            raise OSError("disk full")
+        self.logged.append((metrics, step))
+
+
+def test_lightning_logs_at_the_trainers_cadence_and_contains_a_failing_logger(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The mixin alone (no Lightning needed): every logger gets the figures at
+    `log_every_n_steps`; a logger that raises turns the callback off, said once, and never
+    reaches the job."""
+    taken = iter(range(1, 100))
+    monkeypatch.setattr(StepFigures, "take", lambda self: {"memtui/step": next(taken)})
+    callback = LightningFigures()
+    callback._set_up(None, {})
+    logger = Logger()
+    for step in (1, 2, 3, 4):
+        trainer = SimpleNamespace(global_step=step, log_every_n_steps=2, loggers=[logger])
+        callback.on_train_batch_end(trainer, None, None, None, step - 1)
+    assert logger.logged == [({"memtui/step": 1}, 2), ({"memtui/step": 2}, 4)]
+    broken = SimpleNamespace(global_step=6, log_every_n_steps=2, loggers=[Logger(fails=True)])
+    callback.on_train_batch_end(broken, None, None, None, 5)
+    callback.on_train_batch_end(broken, None, None, None, 6)
+    assert capsys.readouterr().err.count("lightning-callback failed") == 1
+    assert callback._figures.off
