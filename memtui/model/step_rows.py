@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from memtui.model.alert_kinds import AlertKindShown
 from memtui_protocol import schema
-from memtui_protocol.peak import peak_total
+from memtui_protocol.peak import other_at_peak, peak_total
 from memtui_protocol.schema import AlertKind, Pile, Severity, TextEnum, alert_severity
 from memtui_protocol.units import format_bytes
 
@@ -258,13 +258,12 @@ def pile_rows(step: schema.Step | None, live: schema.Piles | None = None) -> tup
     piles = known_piles(step, step.peak) if step is not None else live
     if piles is None:
         return ()
-    other = None
     wrapped = step.distributed if step is not None else None
     peak_total = piles.total
     gpu = step is not None and step.allocator.peak_allocated is not None
-    if step is not None and step.allocator.peak_allocated is not None and peak_total is not None:
-        untracked = wrapped.untracked() if wrapped is not None else 0
-        other = max(0, step.allocator.peak_allocated - peak_total - untracked)
+    other = (
+        other_at_peak(piles, wrapped, step.allocator.peak_allocated) if step is not None else None
+    )
     values: dict[BarPart, int | None] = dict(pile_values(piles))
     highs = known_piles(step, step.max) if step is not None else None
     step_max: dict[BarPart, int | None] = {

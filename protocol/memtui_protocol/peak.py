@@ -31,4 +31,17 @@ def peak_total(piles_at_peak: Piles, wrapped: Distributed | None) -> int | None:
     return tracked + (wrapped.untracked() if wrapped is not None else 0)
 
 
-__all__ = ["PEAK_LABEL", "PEAK_WORDS", "peak_total"]
+def other_at_peak(
+    piles_at_peak: Piles, wrapped: Distributed | None, peak_allocated: int | None
+) -> int | None:
+    """What the allocator held at its peak beyond the peak (the piles bar's "other": temporaries,
+    workspaces, inputs, caches); GPU only. None where it is not known: no allocator figure (a
+    CPU job) or a pile at the peak not known."""
+    tracked = piles_at_peak.total
+    if peak_allocated is None or tracked is None:
+        return None
+    untracked = wrapped.untracked() if wrapped is not None else 0
+    return max(0, peak_allocated - tracked - untracked)
+
+
+__all__ = ["PEAK_LABEL", "PEAK_WORDS", "other_at_peak", "peak_total"]

@@ -94,9 +94,10 @@ class Emitter:
         """Frames the socket queue had no room for (the recording never drops one)."""
         self.bytes_written = 0
         self._server = server
-        self.export: Callable[[schema.Message], None] | None = None
-        """Handed every message once it is recorded (`--metrics-port`: the exporter keeps a
-        reference, `output.metrics`); None costs the step one attribute read."""
+        self._exports: tuple[tuple[str, Callable[[schema.Message], None]], ...] = ()
+        """Each handed every message once it is recorded, named by its component: the
+        logger figures (`output.logger_figures`) and, with `--metrics-port`, the Prometheus
+        exporter (`output.metrics`). Each keeps a reference, nothing more on most steps."""
         self._recording = recording
         self._file: OwnedFd | None = None
         """The recording's descriptor, checked to still be ours before each write and the
@@ -129,13 +130,17 @@ class Emitter:
             self._on_error("frame", exc)
             return
         self._send(frames, isinstance(message, schema.Names))
-        export = self.export
-        if export is not None:
+        for component, export in self._exports:
             try:
                 export(message)
-            except Exception as exc:
-                self.export = None
-                self._on_error("metrics", exc)
+            except Exception as exc:  # that export is off; the recording and the others go on
+                self._exports = tuple(item for item in self._exports if item[0] != component)
+                self._on_error(component, exc)
+
+    def add_export(self, component: str, export: Callable[[schema.Message], None]) -> None:
+        """Hand `export` every message recorded from now on; a failing one is removed and
+        reported once under `component`."""
+        self._exports = (*self._exports, (component, export))
 
     def held_bytes(self) -> int:
         """What the frames kept for viewers hold in the job's heap: the socket's log and the

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from memtui_agent.memory.allocator import expandable_at_start
 from memtui_agent.memory.finalizer_interrupts import keep_ctrl_c_for_the_job, restore_ctrl_c
 from memtui_agent.memory.memory_readers import close_readers
+from memtui_agent.output.logger_figures import LoggerFigures
 from memtui_agent.startup.agent_state import NOT_STARTED, Parts
 from memtui_agent.startup.end_frame import EndInputs, build_end
 from memtui_protocol import schema
@@ -70,6 +71,9 @@ class Agent:
         self.emitter: Emitter | None = None
         self.metrics: MetricsEndpoint | None = None
         """`--metrics-port`: the Prometheus endpoint (output/metrics.py)."""
+        self.logger_figures = LoggerFigures()
+        """The latest recorded step's figures for the job's own logger
+        (`memtui_agent.integrations`)."""
 
     def start(self) -> None:
         """Import torch, install hooks, open the recording and the socket."""
@@ -125,6 +129,7 @@ class Agent:
                 self._tick,
                 private_folder=self.config.record_in_folder,
             )
+            self.emitter.add_export("logger-figures", self.logger_figures.offer)
             self.parts.own_heap(self.emitter.held_bytes)
             early, self._early = self._early, []
             for error in early:
@@ -174,7 +179,7 @@ class Agent:
 
         self.metrics = start_metrics(self.config, hello, self.note)
         if self.metrics is not None and self.emitter is not None:
-            self.emitter.export = self.metrics.offer
+            self.emitter.add_export("metrics", self.metrics.offer)
 
     # ----- plumbing -----------------------------------------------------------------------------
 
