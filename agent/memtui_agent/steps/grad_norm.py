@@ -30,7 +30,14 @@ def group_norm(members: list[torch.Tensor], device: torch.device) -> torch.Tenso
     """The L2 norm of `members` (one device, one dtype) as a 0-dim tensor on `device`, with no
     host sync; NaN or Inf when some element is."""
     dtype = torch.float64 if members[0].dtype is torch.float64 else torch.float32
-    with torch.no_grad():  # gradients of a double backward require grad: record no graph
+    # Gradients of a double backward require grad: record no graph. Not `with torch.no_grad()`:
+    # a Ctrl-C landing inside its Python `__enter__`, after grad mode went off, raises before
+    # the `with` can undo it, and the job trained on with grad mode off ("element 0 of tensors
+    # does not require grad" at its next backward; 1 of 200 SIGINTs in a CI run). Here grad
+    # mode changes inside the `try`, and the `finally` restores it whatever is raised.
+    previous = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(False)
         if device.type == "cpu" and sum(map(torch.Tensor.numel, members)) < SMALL * len(members):
             norms = [
                 torch.linalg.vector_norm(_flatten(members[start : start + CHUNK]), dtype=dtype)
@@ -41,4 +48,6 @@ def group_norm(members: list[torch.Tensor], device: torch.device) -> torch.Tenso
         total: torch.Tensor = (
             norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
         )
+    finally:
+        torch._C._set_grad_enabled(previous)
     return total

@@ -313,8 +313,10 @@ class OpWatch(TorchFunctionMode):
         self._skipped = _SKIPPED_DIRS + _generated_code()
         ident = get_ident()
         if self.pushed_on is None:
-            torch._C._push_on_torch_function_stack(self)
+            # Marked before the push: a Ctrl-C raised as the push returns leaves a mode that
+            # `take` still finds and pops.
             self.pushed_on = ident
+            torch._C._push_on_torch_function_stack(self)
         if self.pushed_on == ident and self._on_top():
             self.watching = True
 
