@@ -151,10 +151,11 @@ def run_check(args: argparse.Namespace) -> int:
     else:
         lines = check_lines(result)
         broken = sum(not rule.ok for rule in result.rules)
+        count = len(result.rules)
         closing = (
-            f"memtui check: {len(result.rules)} rules hold"
+            f"memtui check: {'the rule holds' if count == 1 else f'all {count} rules hold'}"
             if result.ok
-            else f"memtui check: {broken} of {len(result.rules)} rules broken"
+            else f"memtui check: {broken} of {count} {'rule' if count == 1 else 'rules'} broken"
         )
         lines.append(f"{closing} over {result.steps} steps (job {status})")
         print(terminal_safe("\n".join(lines), keep_newlines=True))

@@ -76,7 +76,7 @@ def test_the_peak_limit_is_held_against_the_reports_peak(
     allowance = ("--max-not-known", "100")
     at = check(path, "--max-peak", str(top), *allowance)
     assert at.returncode == 0, at.stdout + at.stderr
-    assert at.stdout.splitlines()[-1] == "memtui check: 1 rules hold over 40 steps (job ok)"
+    assert at.stdout.splitlines()[-1] == "memtui check: the rule holds over 40 steps (job ok)"
     under = check(path, "--max-peak", str(top - 1), *allowance)
     assert under.returncode == 1
     first = under.stdout.splitlines()[0]
@@ -215,7 +215,7 @@ def test_every_rule_holding_is_exit_0(capsys: pytest.CaptureFixture[str], small:
     assert out.splitlines() == [
         "ok: peak 100 B at step 1 is within --max-peak 100",
         "ok: activations 60 B at step 1 is within --max activations=60",
-        "memtui check: 2 rules hold over 2 steps (job ok)",
+        "memtui check: all 2 rules hold over 2 steps (job ok)",
     ]
     code, out, _ = _main(capsys, str(small), "--max-peak", "99B")
     assert code == 1
