@@ -214,7 +214,7 @@ def test_cli_adapter_and_text() -> None:
         (["--params", "1B", "--scheme", "bf16"], "invalid choice: 'bf16'"),
         (["--params", "1B", "--gpus", "0"], "--gpus must be at least 1"),
         (["--params", "1B", "--zero", "4"], "invalid choice: 4"),
-        ([], "one of the arguments --params --model is required"),
+        ([], "one of the arguments --params --model --from is required"),
         (["--params", "1B", "--model", "m:f"], "not allowed with"),
         # The counting child imports torch (2-3 s) before it reads the spec: the full run's.
         pytest.param(["--model", "no_colon"], "module:callable", marks=pytest.mark.slow),

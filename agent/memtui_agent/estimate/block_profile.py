@@ -19,7 +19,6 @@ torch is imported lazily (this module runs only in the estimate's child).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,13 +64,13 @@ def profile_blocks(
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memtui_agent.estimate.fake_step import repeated_blocks
+    from memtui_agent.job.blocks import repeated_blocks, repeated_container
 
-    container = repeated_blocks(model)
+    container = repeated_container(model)
     if container is None:
         return None
     prefix = {id(module): name for name, module in model.named_modules()}
-    blocks = [block for block in container if next(block.parameters(), None) is not None]
+    blocks = repeated_blocks(model)
     figures = {id(block): BlockFigures(prefix[id(block)], 0, 0, 0) for block in blocks}
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     current: list[int] = []
@@ -168,22 +167,11 @@ def checkpoint_named(model: torch.nn.Module, names: list[str]) -> None:
     Raises:
         FakeStepError: a name the model does not have.
     """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    from memtui_agent.estimate.fake_step import FakeStepError
+    from memtui_agent.estimate.fake_step import FakeStepError, checkpoint_forward
 
     modules = dict(model.named_modules())
     for name in names:
         module = modules.get(name)
         if module is None:
             raise FakeStepError(f"the model has no module named {name!r} to checkpoint")
-        forward = module.forward
-
-        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            if not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            return checkpoint(functools.partial(_forward, **kwargs), *args, use_reentrant=True)
-
-        module.forward = checkpointed
+        checkpoint_forward(module)

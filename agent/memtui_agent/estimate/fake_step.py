@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from memtui_agent.estimate.block_profile import checkpoint_named, profile_request
 from memtui_agent.estimate.count_params import CountError, one_line, resolve
+from memtui_agent.job.blocks import repeated_blocks
 from memtui_protocol.estimate import (
     EXIT_FAILED,
     Autocast,
@@ -176,54 +177,44 @@ def double_batch(batch: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def repeated_blocks(model: torch.nn.Module) -> torch.nn.ModuleList | torch.nn.Sequential | None:
-    """The model's largest `nn.ModuleList` or `nn.Sequential` by parameters (its layers)."""
-    import torch
-
-    containers: list[torch.nn.ModuleList | torch.nn.Sequential] = [
-        module
-        for module in model.modules()
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) >= 2
-    ]
-    if not containers:
-        return None
-    return max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
-
-
 def apply_checkpointing(model: torch.nn.Module) -> None:
     """Activation checkpointing as the estimate assumes it (module docstring: reentrant).
 
     Raises:
         FakeStepError: the model has no repeated blocks to checkpoint.
     """
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if callable(enable) and getattr(model, "supports_gradient_checkpointing", False):
         enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         return
+    # Parameter-free layers are not blocks: nothing they save is worth recomputing, and a
+    # reentrant checkpoint breaks the in-place ones.
     blocks = repeated_blocks(model)
-    if blocks is None:
+    if not blocks:
         raise FakeStepError(
             "--checkpointing found no repeated blocks (an nn.ModuleList or nn.Sequential) "
             "to checkpoint in the model"
         )
     for block in blocks:
-        if next(block.parameters(), None) is None:
-            # Nothing saved is worth recomputing in a parameter-free layer (activation,
-            # pooling, dropout), and a reentrant checkpoint breaks the in-place ones.
-            continue
-        forward = block.forward
+        checkpoint_forward(block)
 
-        def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            if not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            # Reentrant checkpoints take positional tensors only; keywords ride in a partial.
-            return checkpoint(functools.partial(_forward, **kwargs), *args, use_reentrant=True)
 
-        block.forward = checkpointed
+def checkpoint_forward(module: torch.nn.Module) -> None:
+    """`module`'s forward through `checkpoint(use_reentrant=True)`, whose recomputation runs
+    under the agent's hooks and is counted (a call that records no graph runs plainly)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(t.requires_grad for t in tensors) or not torch.is_grad_enabled():
+            return _forward(*args, **kwargs)
+        # Reentrant checkpoints take positional tensors only; keywords ride in a partial.
+        return checkpoint(functools.partial(_forward, **kwargs), *args, use_reentrant=True)
+
+    module.forward = checkpointed
 
 
 def to_bfloat16(model: torch.nn.Module) -> None:

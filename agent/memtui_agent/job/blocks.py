@@ -65,9 +65,9 @@ def _parameter_count(module: torch.nn.Module) -> int:
     return total
 
 
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The children with parameters of the model's largest `nn.ModuleList`/`nn.Sequential` of
-    at least two modules, in order; [] when it has none."""
+def repeated_container(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's largest `nn.ModuleList`/`nn.Sequential` of at least two modules by
+    parameter count (its layers); None when it has none."""
     import torch
 
     containers = [
@@ -77,9 +77,17 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         and len(_children(module)) >= 2
     ]
     if not containers:
+        return None
+    return max(containers, key=_parameter_count)
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The children with parameters of `repeated_container`, in order ([] when it has none):
+    a parameter-free layer (activation, pooling, dropout) saves nothing worth recomputing."""
+    container = repeated_container(model)
+    if container is None:
         return []
-    largest = max(containers, key=_parameter_count)
-    return [child for child in _children(largest) if _parameter_count(child) > 0]
+    return [child for child in _children(container) if _parameter_count(child) > 0]
 
 
 def block_ranges(names: list[str], first_id: int, blocks: list[str]) -> dict[int, int]:
