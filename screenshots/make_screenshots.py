@@ -4,8 +4,9 @@
 
 Runs `memtui demo --headless` to record the bundled training job, then opens the recording in
 the TUI offscreen at two terminal sizes and saves what the screen shows. A second capture is taken
-live, while a slowed-down demo is still training, and one of a two-rank FSDP2 job's session
-(`memtui run -o DIR -- torchrun`), replayed with both ranks.
+live, while a slowed-down demo is still training, one of a two-rank FSDP2 job's session
+(`memtui run -o DIR -- torchrun`), replayed with both ranks, and `memtui diff --tui` of the demo
+against the same demo with twice the batch under bf16 from its first step.
 """
 
 from __future__ import annotations
@@ -95,8 +96,24 @@ async def capture(
     print(f"wrote screenshots/{name}.svg")
 
 
+async def capture_diff(first: Path, second: Path, name: str, size: tuple[int, int]) -> None:
+    """`memtui diff --tui first second` offscreen, saved as `screenshots/<name>.svg`."""
+    from memtui.commands.diff_command import read_run
+    from memtui.model.run_diff import diff_runs
+    from memtui.tui.diff_app import DiffApp
+
+    run_a, name_a = read_run(str(first), None)
+    run_b, name_b = read_run(str(second), None)
+    app = DiffApp(diff_runs(run_a, run_b), (name_a, name_b))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.5)
+        app.save_screenshot(filename=f"{name}.svg", path=str(HERE))
+    print(f"wrote screenshots/{name}.svg")
+
+
 def main() -> int:
-    """Record, then capture replay (two sizes), live, and a two-rank session."""
+    """Record, then capture replay (two sizes), live, a diff of two runs and a two-rank
+    session."""
     from memtui.input.sources import ReplaySource, TailSource
 
     with tempfile.TemporaryDirectory() as folder:
@@ -121,6 +138,15 @@ def main() -> int:
             job.wait()
         from memtui.commands.tui_commands import session_sources
 
+        changed = Path(folder) / "demo-bf16.memtui"
+        if record_demo(changed, "--batch", "16", "--bf16-from", "1").wait() != 0:
+            print("the second demo run failed", file=sys.stderr)
+            return 1
+        os.chdir(folder)  # the header names the runs as given: short relative paths
+        asyncio.run(
+            capture_diff(Path("demo.memtui"), Path("demo-bf16.memtui"), "diff-160x48", (160, 48))
+        )
+        os.chdir(HERE)
         ranks = session_sources(record_fsdp_session(Path(folder)))
         first = next(iter(ranks.values()))
         asyncio.run(capture(first, "ranks-fsdp2-160x48", (160, 48), settle=1.5, ranks=ranks))
