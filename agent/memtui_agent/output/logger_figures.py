@@ -12,6 +12,7 @@ host integers the frame already holds. A figure the frame does not state (activa
 
 from __future__ import annotations
 
+from memtui_agent.output.raised import raised
 from memtui_protocol import schema
 from memtui_protocol.peak import other_at_peak, peak_total
 from memtui_protocol.schema import Severity, alert_severity
@@ -44,16 +45,11 @@ class LoggerFigures:
 
     def offer(self, message: schema.Message) -> None:
         """Take a message the emitter has just recorded (a reference kept on most steps)."""
+        alerts, leaks = raised(message)
+        if alerts or leaks:
+            self._fold(alerts, leaks)
         if isinstance(message, schema.Step):
-            if message.alerts or message.late or message.leaks:
-                late = [alert for values in message.late for alert in values.alerts]
-                self._fold([*message.alerts, *late], message.leaks)
             self._step = message
-        elif isinstance(message, schema.AlertNow):
-            self._fold([message.alert], [])
-        elif isinstance(message, schema.End):
-            late = [alert for values in message.late for alert in values.alerts]
-            self._fold([*message.alerts, *late], message.leaks)
 
     def _fold(self, alerts: list[schema.Alert], leaks: list[schema.Leak]) -> None:
         """Copy, change, swap: a reader on another thread never sees a half-changed dict."""

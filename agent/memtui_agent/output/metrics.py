@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from memtui_agent.output.metrics_server import MetricsServer
+from memtui_agent.output.raised import raised
 from memtui_agent.output.scrape_target import ScrapeTarget, write_target
 from memtui_protocol import metrics, schema
 from memtui_protocol.config import AgentConfig
@@ -59,14 +60,9 @@ class MetricsExporter:
         """Take a message the emitter has just recorded (never raises, never blocks)."""
         if isinstance(message, schema.Step):
             self._step = message
-            if message.alerts or message.late or message.leaks:
-                late = [alert for values in message.late for alert in values.alerts]
-                self._fold([*message.alerts, *late], message.leaks)
-        elif isinstance(message, schema.AlertNow):
-            self._fold([message.alert], [])
-        elif isinstance(message, schema.End):
-            late = [alert for values in message.late for alert in values.alerts]
-            self._fold([*message.alerts, *late], message.leaks)
+        alerts, leaks = raised(message)
+        if alerts or leaks:
+            self._fold(alerts, leaks)
 
     def _fold(self, alerts: list[schema.Alert], leaks: list[schema.Leak]) -> None:
         """Copy, change, swap: a scrape reading the old dictionary never sees one half-changed."""
