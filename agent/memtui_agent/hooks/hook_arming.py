@@ -77,6 +77,19 @@ class ArmedHooks(Protocol):
         ...
 
 
+class ModuleArmingFollower(Protocol):
+    """Hooks that are installed only while the global module hooks are (the root hooks' pre-hooks
+    on repeated blocks, `root_calls`): an unmeasured step runs none of them."""
+
+    def modules_armed(self) -> None:
+        """The global module hooks were just installed."""
+        ...
+
+    def modules_disarmed(self) -> None:
+        """The global module hooks were just removed."""
+        ...
+
+
 def _unbound(*args: object) -> NoReturn:
     raise RuntimeError("HookArming used before bind()")
 
@@ -94,6 +107,7 @@ class HookArming:
         self._unpack = unpack
         self._grad_ready: Callable[[torch.Tensor], None] = _unbound
         self._module_handles: list[RemovableHandle] = []
+        self._followers: list[ModuleArmingFollower] = []
         self.grad_hooked: dict[int, tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         """id(parameter) -> (weakref, hook handle); the entry leaves when the parameter dies."""
         self.pushed_on: int | None = None
@@ -108,6 +122,10 @@ class HookArming:
         self._module_post = hooks.module_post
         self._pack = hooks.pack
         self._grad_ready = hooks.grad_ready
+
+    def follow(self, follower: ModuleArmingFollower) -> None:
+        """Tell `follower` each time the module hooks are installed or removed."""
+        self._followers.append(follower)
 
     # ----- module hooks ----------------------------------------------------------------------
 
@@ -125,12 +143,18 @@ class HookArming:
             module_mod.register_module_forward_pre_hook(self._module_pre),
             module_mod.register_module_forward_hook(self._module_post, always_call=True),
         ]
+        for follower in self._followers:
+            follower.modules_armed()
 
     def disarm_modules(self) -> None:
         """Remove the global module hooks."""
+        if not self._module_handles:
+            return
         for handle in self._module_handles:
             handle.remove()
         self._module_handles = []
+        for follower in self._followers:
+            follower.modules_disarmed()
 
     # ----- saved-tensor hooks ------------------------------------------------------------------
 
