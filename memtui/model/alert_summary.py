@@ -37,6 +37,7 @@ KIND_WORDS: dict[AlertKind, str] = {
     AlertKind.CHECKPOINT_LIMIT: "checkpointed activations not counted",
     AlertKind.STEP_RULE: "step rule changed",
     AlertKind.ACTIVATIONS_VARY: "activations vary",
+    AlertKind.COMPILED: "torch.compile: every step measured",
     AlertKind.LEAK: "leak",
     AlertKind.ATTACHED: "attached",
     AlertKind.SNAPSHOT: "snapshot",

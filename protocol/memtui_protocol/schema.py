@@ -80,6 +80,9 @@ class AlertKind(TextEnum):
     CHECKPOINT_LIMIT = "checkpoint_limit"
     STEP_RULE = "step_rule"
     ACTIVATIONS_VARY = "activations_vary"
+    COMPILED = "compiled"
+    """The job runs `torch.compile`d code: `--activations auto` measures every step from here
+    (switching the agent's hooks between steps would make dynamo compile the model again)."""
     DIVERGENCE = "divergence"
     """The loss or the global gradient norm grew by orders of magnitude in a few steps (a
     warning, raised while the values are still finite; `Alert.began` is the climb's first step)."""
@@ -142,6 +145,7 @@ ALERT_SEVERITY: dict[AlertKind, Severity] = {
     AlertKind.FIRST_STEP_FORECAST: Severity.NOTE,
     AlertKind.FIRST_STEP_GROWTH: Severity.NOTE,
     AlertKind.ACTIVATIONS_VARY: Severity.NOTE,
+    AlertKind.COMPILED: Severity.NOTE,
     AlertKind.ATTACHED: Severity.NOTE,
     AlertKind.STEP_RULE: Severity.NOTE,
     AlertKind.SNAPSHOT: Severity.NOTE,

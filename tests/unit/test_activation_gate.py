@@ -364,3 +364,30 @@ def test_a_graph_built_unarmed_and_held_leaves_activations_not_known_while_held(
     kept.clear()
     armed, verdict = job.run()
     assert armed and verdict.measured and verdict.why_at is None
+
+
+def test_once_the_job_has_compiled_the_hooks_stay_and_it_is_told_once(
+    monkeypatch: Any,
+) -> None:
+    # Whether dynamo compiled is read from dynamo's counters (`job.compiled`); here it is set.
+    from memtui_agent.steps import gate as gate_module
+
+    compiled = [False]
+    monkeypatch.setattr(gate_module, "has_compiled", lambda: compiled[0])
+    job = Job()
+    job.run()
+    assert job.switch.log[-1] == "disarm"  # nothing compiled yet: `auto` as ever
+    compiled[0] = True
+    armed, verdict = job.run()  # from other piles: measured, and the close sees the compile
+    assert armed and verdict.measured
+    assert verdict.note is not None and verdict.note.kind is AlertKind.COMPILED
+    assert "torch.compile" in verdict.note.message
+    assert job.gate.mode is ActivationMode.EVERY
+    since = len(job.switch.log)
+    for _ in range(3):  # repeats that `auto` would carry, hooks off
+        armed, verdict = job.run()
+        assert armed and verdict.measured and verdict.note is None
+    assert "disarm" not in job.switch.log[since:]
+    compiled[0] = False  # dynamo's counters reset: the job still compiles
+    armed, verdict = job.run()
+    assert armed and verdict.measured and job.gate.mode is ActivationMode.EVERY

@@ -81,6 +81,8 @@ class Case:
     recent: tuple[bool, ...] | None = None
     crossings: int | None = None
     measure_why: Cause | None = None
+    compiled: bool = False
+    """`auto` turned into `every` because the job compiles."""
 
 
 def auto(**history: Any) -> DecisionState:
@@ -183,6 +185,44 @@ CASES = [
     ),
     # A repeat: carried when its counters confirm it.
     Case("repeat", auto(), REPEATS, carried=True, cause=Cause.REPEAT, recent=(True,)),
+    # The job has compiled: the close stands as it would, and no hook moves again (dynamo's
+    # guards read them), so every step is measured from the next one on.
+    Case(
+        "compiled, measured",
+        auto(),
+        MEASURED_WHOLE,
+        reading={"compiled": True},
+        measured=True,
+        mode=EVERY,
+        compiled=True,
+    ),
+    Case(
+        "compiled, a repeat",
+        auto(),
+        REPEATS,
+        reading={"compiled": True},
+        carried=True,
+        cause=Cause.REPEAT,
+        recent=(True,),
+        mode=EVERY,
+        compiled=True,
+    ),
+    Case(
+        "compiled, every already",
+        DecisionState(EVERY),
+        MEASURED_WHOLE,
+        reading={"compiled": True},
+        measured=True,
+        mode=EVERY,
+    ),
+    Case(
+        "compiled, off",
+        DecisionState(OFF),
+        MEASURED_WHOLE,
+        reading={"compiled": True},
+        cause=Cause.OFF,
+        mode=OFF,
+    ),
     Case(
         "repeat, graphs held",
         auto(),
@@ -446,6 +486,7 @@ def test_each_close_is_decided_as_its_case_says(case: Case) -> None:
     assert decision.next_mode is case.mode
     assert decision.measure_next == case.measure_next
     assert decision.also is case.also
+    assert decision.compiled is case.compiled
     if case.recent is not None:
         assert decision.next_state.recent == case.recent
     if case.crossings is not None:
@@ -458,7 +499,12 @@ def test_the_cases_cover_every_cause_and_every_mode_transition() -> None:
     assert {case.cause for case in CASES} == set(Cause)
     transitions = {(case.state.mode, case.mode) for case in CASES}
     assert transitions == {(AUTO, AUTO), (AUTO, EVERY), (EVERY, EVERY), (OFF, OFF)}
-    assert {case.cause for case in CASES if (case.state.mode, case.mode) == (AUTO, EVERY)} == {
+    switched = [case for case in CASES if (case.state.mode, case.mode) == (AUTO, EVERY)]
+    assert {case.name for case in switched if case.compiled} == {
+        "compiled, measured",
+        "compiled, a repeat",
+    }
+    assert {case.cause for case in switched if not case.compiled} == {
         Cause.DATA_DEPENDENT,
         Cause.HELD_CROSSING,
         Cause.HELD_UNARMED,  # its data-dependent `also` switched

@@ -14,6 +14,12 @@ hooks from then on). A few microseconds a step; none inside the models' forwards
 
 A module first called inside a known root's forward while the hooks are disarmed is not seen
 here (a tree walk finds it only if it is attached to that root).
+
+A root's first call is found here, from torch's copy of the global pre-hooks taken before any
+ran, so the root's own pre-hook (which takes this one out) is not among them: the scout leaves
+by itself then, and the root's post-hook, which torch reads after the forward, puts it back. A
+`torch.compile`d root would otherwise run its first forward with one global hook more than
+every later one, and dynamo, whose guards read them, would compile it twice.
 """
 
 from __future__ import annotations
@@ -47,11 +53,17 @@ class ModuleScout:
         self._enabled = context.switches
         self._disable = context.switches.disable
         self._found: Callable[[], None] = _unbound
+        self._hooked_root: Callable[[torch.nn.Module], bool] = lambda _module: False
         self._handle: RemovableHandle | None = None
 
-    def bind(self, found: Callable[[], None]) -> None:
-        """`found` registers, hooks and counts what appeared (`ObjectSync.sync_objects`)."""
+    def bind(
+        self, found: Callable[[], None], hooked_root: Callable[[torch.nn.Module], bool]
+    ) -> None:
+        """`found` registers, hooks and counts what appeared (`ObjectSync.sync_objects`);
+        `hooked_root` says whether a module carries the root hooks (`RootHooks.hooks`), whose
+        post-hook puts this one back when the root's forward returns."""
         self._found = found
+        self._hooked_root = hooked_root
 
     @property
     def installed(self) -> bool:
@@ -77,16 +89,19 @@ class ModuleScout:
         if is_compiling() or get_ident() != self._thread.ident or not self._enabled["modules"]:
             return
         registry = self._registry
-        if registry.known_id(module) is not None or _current_graph_task_id() != -1:
+        if _current_graph_task_id() != -1:
             return
         try:
             with self._thread.following() as followed:
                 if not followed:
                     return
-                generation = registry.generation
-                registry.lookup(module)
-                if registry.generation != generation:
-                    self._found()
+                if registry.known_id(module) is None:
+                    generation = registry.generation
+                    registry.lookup(module)
+                    if registry.generation != generation:
+                        self._found()
+                if self._hooked_root(module):
+                    self.off()  # a root's forward starts; its post-hook puts the scout back
         except Exception as exc:
             self.off()
             self._disable("modules", exc)

@@ -86,6 +86,11 @@ class RootHooks:
             if self._arming.modules_armed:
                 self._hook_blocks(found)
 
+    def hooks(self, module: torch.nn.Module) -> bool:
+        """Whether `module` is a root carrying these hooks now."""
+        known = self._hooked.get(id(module))
+        return known is not None and known[0]() is module
+
     def _find_blocks(self, root: torch.nn.Module) -> list[weakref.ref[torch.nn.Module]]:
         """The root's repeated blocks whose bytes the watch keeps (`job.blocks`). An error
         leaves them unhooked, said once by the next close (`BlockWatch.error`)."""

@@ -147,7 +147,7 @@ def build_parts(
     scout = ModuleScout(context)
     roots = RootHooks(context, arming, scout)
     objects = ObjectSync(context, roots, data_parallel, watermark)
-    scout.bind(objects.sync_objects)
+    scout.bind(objects.sync_objects, roots.hooks)
     counting = CountingHooks(context, arming, health, data_parallel, objects)
     arming.bind(counting)
     first_steps = FirstSteps(budget, emit, AllocatorReader.active)

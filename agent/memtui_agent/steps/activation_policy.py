@@ -129,6 +129,8 @@ class Verdict:
     carried: Figures | None = None
     """The measured step whose figures this one repeats (None: measured, or not known)."""
     alert: schema.Alert | None = None
+    note: schema.Alert | None = None
+    """How the steps are measured from now on, said once apart from `alert` (`compiled`)."""
     why_at: int | None = None
     """Not known: the step whose alert says why (`activation_wording.SaidOnce.said_at`)."""
 

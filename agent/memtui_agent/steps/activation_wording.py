@@ -33,6 +33,14 @@ _HELD = (
     "are measured, so graphs built from now on are counted"
 )
 
+COMPILED_NOTE = (
+    "the job runs torch.compile'd code: memtui measures its activations at every step from now "
+    "on, with its hooks left in place, because installing and removing them between steps makes "
+    "dynamo compile the model again (its guards read torch's global module hooks), up to its "
+    "recompile limit, after which the model runs uncompiled"
+)
+"""The note said once when `auto` turns into `every` for a compiling job (`AlertKind.COMPILED`)."""
+
 _VARY = (
     "activations differ between steps ({hint}): memtui measures every step where it cannot "
     "prove a repeat; "

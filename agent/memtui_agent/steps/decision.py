@@ -86,6 +86,9 @@ class ActivationReading:
     """The step began while the agent followed another thread."""
     counter: bool = True
     """Whether this torch has autograd's node counter (without it no carry is confirmed)."""
+    compiled: bool = False
+    """The job has run code `torch.compile` made (`job.compiled`): switching the hooks between
+    steps would make dynamo compile it again."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ class Decision:
     """The measured step the decision compared this one with."""
     mismatch: Mismatch | None = None
     """What differed from the twin (a repeat not confirmed)."""
+    compiled: bool = False
+    """`auto` turned into `every` at this close because the job compiles (said once, as a note
+    of its own: `AlertKind.COMPILED`)."""
 
     @property
     def next_mode(self) -> ActivationMode:
@@ -146,6 +152,11 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
             decision = _held_unarmed(decision)
         elif decision.verdict.carried is not None:
             decision = _confirm(decision)
+    if reading.compiled and decision.next_state.mode is ActivationMode.AUTO:
+        # Hooks installed for a measured step and removed for a carried one fail the guards of
+        # every graph dynamo compiled (`job.compiled`): from here they stay, every step measured.
+        every = replace(decision.next_state, mode=ActivationMode.EVERY)
+        decision = replace(decision, next_state=every, compiled=True)
     return _measure(decision, held, Cause.GRAPHS_HELD)
 
 

@@ -116,6 +116,8 @@ class StepInputs(msgspec.Struct, frozen=True):
         alerts.extend(self.health)
         if self.verdict.alert is not None:
             alerts.append(self.verdict.alert)
+        if self.verdict.note is not None:
+            alerts.append(self.verdict.note)
         if self.over_budget is not None:
             alerts.append(self.over_budget)
         alerts.extend(self.leak_alerts)

@@ -10,7 +10,9 @@ gradient (README, "Overhead"). Whether they run on a step is decided here, and o
   probes armed (`health`), FSDP (its gathered parameters are seen by the module hooks), a peak
   that came near the budget (`budget`);
 - events that make the next steps measured: a new optimizer and its first steps, an alert of
-  `ALERTS_TO_MEASURE`.
+  `ALERTS_TO_MEASURE`;
+- a job that has run `torch.compile`d code (`job.compiled`): `auto` becomes `every` and the
+  hooks stay, since dynamo's guards read torch's global module hooks.
 
 At a close, `verdict` gathers what the close read (the ledger's figures, the step's counters,
 the graphs still held, whether a forward ran unseen), asks `decision.decide` whether the step's
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
+from memtui_agent.job.compiled import has_compiled
 from memtui_agent.job.modules import ModuleRegistry
 from memtui_agent.memory.tensor_reads import next_sequence_number
 from memtui_agent.steps.activation_cause import Cause
@@ -38,7 +41,7 @@ from memtui_agent.steps.activation_policy import (
     Verdict,
     call_signature,
 )
-from memtui_agent.steps.activation_wording import SaidOnce
+from memtui_agent.steps.activation_wording import COMPILED_NOTE, SaidOnce
 from memtui_agent.steps.budget import Budget
 from memtui_agent.steps.decision import (
     MEASURE_WHILE_HELD,
@@ -52,7 +55,7 @@ from memtui_agent.steps.health import HealthMonitor
 from memtui_agent.steps.held_graphs import Adopter, HeldGraphs
 from memtui_agent.steps.hook_share import Costs
 from memtui_agent.steps.step_signature import SignatureRecorder
-from memtui_protocol.schema import ActivationMode, AlertKind, Pile
+from memtui_protocol.schema import ActivationMode, Alert, AlertKind, Pile
 
 if TYPE_CHECKING:  # for annotations only
     from torch import nn
@@ -160,6 +163,8 @@ class ActivationGate:
         self.probing = health.watching_modules(1)
         """Whether the module hooks probe outputs for NaN/Inf in the step now open (`health`):
         decided as the step opens, read by every module call of the step."""
+        self._compiled = False
+        """The job has run `torch.compile`d code (kept: dynamo's counters can be reset)."""
 
     @property
     def mode(self) -> ActivationMode:
@@ -277,8 +282,15 @@ class ActivationGate:
             blind=blind,
             moved=moved,
             counter=self.signatures.available,
+            compiled=self._compiled_now(),
         )
         return self._apply(decide(self._state, close))
+
+    def _compiled_now(self) -> bool:
+        """Whether the job has compiled by this close (`job.compiled`)."""
+        if not self._compiled and self._state.mode is ActivationMode.AUTO:
+            self._compiled = has_compiled()
+        return self._compiled
 
     def _apply(self, decision: Decision) -> Verdict:
         """The one place a decision takes effect: the mode, the steps measured next, the
@@ -292,7 +304,8 @@ class ActivationGate:
             self.policy.forget_closed()
         said = self._said
         alert = said.alert(decision)
-        return replace(decision.verdict, alert=alert, why_at=said.said_at(decision))
+        note = Alert(kind=AlertKind.COMPILED, message=COMPILED_NOTE) if decision.compiled else None
+        return replace(decision.verdict, alert=alert, note=note, why_at=said.said_at(decision))
 
     def step_opens(self, after: StepInputs) -> None:
         """A step opens after the step `after`: arm or disarm the hooks for it."""
