@@ -276,6 +276,20 @@ CASES = [
     # A forward the agent did not see.
     Case("job hooks", auto(), Match(), reading={"blind": True}, cause=Cause.JOB_HOOKS),
     Case(
+        "hooks disabled by torch.func",
+        auto(),
+        Match(),
+        reading={"disabled": True},
+        cause=Cause.HOOKS_DISABLED,
+    ),
+    Case(
+        "hooks disabled, a thread moved too: the move is said",
+        auto(),
+        Match(),
+        reading={"disabled": True, "moved": True},
+        cause=Cause.THREAD_MOVED,
+    ),
+    Case(
         "job hooks, graphs held",
         auto(),
         Match(),

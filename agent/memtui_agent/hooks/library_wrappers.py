@@ -14,24 +14,33 @@ decide what that means:
   a `torch.compile`d module warns about global hooks only where the job has some of its own.
 - `_MultiProcessingDataLoaderIter.__init__`: the DataLoader workers it started, and their
   dataset, handed to `job.data_loaders` (their memory is sampled off the training thread).
+- `torch.autograd.graph.disable_saved_tensors_hooks`: torch.func's grad, vjp, jacrev and hessian
+  enter it, and it raises when any saved-tensor hooks are on the thread's stack; the agent's
+  pair leaves for the region and comes back after it (`SavedHooksDisabled`).
 
 `Tracker._wrap` installs them and restores the originals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from threading import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
+from torch._C import _current_graph_task_id
+from torch.compiler import is_compiling
+
 from memtui_agent.hooks.context import HookContext
+from memtui_agent.hooks.hook_arming import HookArming
 from memtui_agent.hooks.training_thread import TrainingThread
 from memtui_agent.job.data_loaders import DataLoaders
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
 
-if TYPE_CHECKING:  # annotations only (torch is not imported here at run time)
+if TYPE_CHECKING:  # annotations only
     import torch
 
 Wrapper = Callable[..., Any]
@@ -203,6 +212,65 @@ GLOBAL_MODULE_HOOKS = (
 """The dicts of global module hooks `torch.nn.modules.module._has_any_global_hook` reads (its
 two other dicts only flag entries of `_global_forward_hooks`)."""
 AGENT_PACKAGE = __name__.split(".", 1)[0] + "."
+
+
+class SavedHooksDisabled:
+    """`torch.autograd.graph.disable_saved_tensors_hooks`, with the agent's pair out meanwhile.
+
+    torch.func's grad, vjp, jacrev and hessian run their function inside it, and torch raises
+    ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks") when any
+    saved-tensor hooks are on the calling thread's stack: with the agent's pair pushed for a
+    measured step, a job using them died at its first step. On the followed thread, outside a
+    backward, the pair leaves as the region begins (only from the top of the stack, as ever)
+    and is pushed back as it ends, if the stack is empty again; the gate is told, and the step's
+    activations are not known (what the region saves reaches no hook).
+    """
+
+    def __init__(self, context: HookContext, arming: HookArming) -> None:
+        self._thread = context.thread
+        self._gate = context.gate
+        self._arming = arming
+        self._disable = context.switches.disable
+
+    def _leave(self) -> bool:
+        """Pop the agent's pair if it is on top of this thread's stack; whether it left."""
+        arming = self._arming
+        if (
+            is_compiling()
+            or arming.pushed_on != get_ident()
+            or get_ident() != self._thread.ident
+            or _current_graph_task_id() != -1
+        ):
+            return False
+        try:
+            if not (arming.pack_removable and arming.pop_pack()):
+                return False
+            self._gate.hooks_disabled()
+            return True
+        except Exception as exc:
+            self._disable("activations", exc)
+            return False
+
+    def _back(self) -> None:
+        """Push the pair again where it was (nothing on the stack, hooks enabled)."""
+        try:
+            if self._arming.modules_armed:
+                self._arming.push_pack()
+        except Exception as exc:
+            self._disable("activations", exc)
+
+    def disable(self, original: Wrapper) -> Wrapper:
+        @contextlib.contextmanager
+        def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+            left = self._leave()
+            try:
+                with original(error_message):
+                    yield
+            finally:
+                if left:
+                    self._back()
+
+        return disable_saved_tensors_hooks
 
 
 class DataLoaderWrappers:

@@ -41,6 +41,7 @@ from memtui_agent.hooks.library_wrappers import (
     ClipWarning,
     DataLoaderWrappers,
     GradScalerWrappers,
+    SavedHooksDisabled,
     Wrapper,
     global_hooks_but_ours,
     script_without_ours,
@@ -68,6 +69,7 @@ class HookSet:
     scaler: GradScalerWrappers
     clip: ClipWarning
     checkpoint: CheckpointNotes
+    saved_off: SavedHooksDisabled | None = None
     loaders: DataLoaderWrappers | None = None
 
 
@@ -111,6 +113,9 @@ class Tracker:
         for name in ("clip_grad_norm_", "clip_grad_value_"):
             self._wrap(torch.nn.utils, name, self.hooks.clip.clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self.hooks.checkpoint.checkpoint)
+        if self.hooks.saved_off is not None:
+            graph = torch.autograd.graph
+            self._wrap(graph, "disable_saved_tensors_hooks", self.hooks.saved_off.disable)
         self._wrap(torch.optim.Optimizer, "__init__", steps.optimizer_init)
         # The module trees change: a close walks them again only then (`pile_watch`).
         module_hooks = torch.nn.modules.module

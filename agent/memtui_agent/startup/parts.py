@@ -30,6 +30,7 @@ from memtui_agent.hooks.library_wrappers import (
     ClipWarning,
     DataLoaderWrappers,
     GradScalerWrappers,
+    SavedHooksDisabled,
 )
 from memtui_agent.hooks.module_scout import ModuleScout
 from memtui_agent.hooks.objects import CloseSync, ObjectSync, Watermark
@@ -160,6 +161,7 @@ def build_parts(
         scaler=GradScalerWrappers(context, steps),
         clip=ClipWarning(window, thread),
         checkpoint=CheckpointNotes(window, emit, thread),
+        saved_off=SavedHooksDisabled(context, arming),
         loaders=DataLoaderWrappers(loaders, partial(fail, WORKERS)),
     )
     return AgentParts(

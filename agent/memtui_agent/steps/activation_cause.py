@@ -47,6 +47,9 @@ class Cause(Enum):
     the model saves depends on the data; every step is measured."""
     JOB_HOOKS = "job hooks"
     """The job's own saved-tensor hooks were on top when the model ran: not known."""
+    HOOKS_DISABLED = "hooks disabled"
+    """A forward of the step ran where torch disables saved-tensor hooks (torch.func's grad,
+    vjp, jacrev, hessian): what it saved is not counted, not known."""
     THREAD_MOVED = "thread moved"
     """The step began while the agent followed another thread: its forward ran unseen."""
     HELD_UNARMED = "held"

@@ -50,6 +50,7 @@ _BRANCH_HINT = "dropout, a skipped layer or a branch on the data?"
 LEADS: dict[Cause, str] = {
     Cause.DATA_DEPENDENT: _VARY.format(hint="routing or masks that depend on the data?"),
     Cause.JOB_HOOKS: "activations not counted under the job's own saved-tensor hooks: ",
+    Cause.HOOKS_DISABLED: "activations not counted where torch.func disables saved-tensor hooks: ",
     Cause.THREAD_MOVED: "memtui now follows the thread that steps the optimizer: ",
     Cause.PARTIAL: _VARY.format(hint=_SIZES_HINT),
     Cause.HELD_UNARMED: "activations not known while graphs from earlier steps are held: ",
@@ -74,6 +75,12 @@ TEMPLATES: dict[Cause, str] = {
         "step {step} repeats step {twin} (the same calls, shapes, piles and autograd ops) but its "
         "activations differ ({differences}): what the model saves depends on the data (routing, "
         "masks), so every step is measured from now on"
+    ),
+    Cause.HOOKS_DISABLED: (
+        "in step {step} the job ran torch.func's grad, vjp, jacrev or hessian, which refuse "
+        "saved-tensor hooks (torch raises if any are active): memtui takes its own out while "
+        "they run, so what they save is not counted and the activations of such steps are not "
+        "known"
     ),
     Cause.JOB_HOOKS: (
         "in step {step} the job's own saved-tensor hooks (torch.utils.checkpoint over the model, "

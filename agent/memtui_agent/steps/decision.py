@@ -82,6 +82,8 @@ class ActivationReading:
     """Of the unarmed ones, those no earlier close found held."""
     blind: bool = False
     """A forward ran under the job's own saved-tensor hooks (nothing of it counted)."""
+    disabled: bool = False
+    """A forward ran where torch disables saved-tensor hooks (torch.func's transforms)."""
     moved: bool = False
     """The step began while the agent followed another thread."""
     counter: bool = True
@@ -143,8 +145,11 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
     # Graphs kept across this close: what the next steps build is counted by the pack hook, the
     # only record of what a graph saves.
     held = MEASURE_WHILE_HELD if reading.graphs_held else 0
-    if reading.moved or reading.blind:
-        cause = Cause.THREAD_MOVED if reading.moved else Cause.JOB_HOOKS
+    if reading.moved or reading.blind or reading.disabled:
+        if reading.moved:
+            cause = Cause.THREAD_MOVED
+        else:
+            cause = Cause.HOOKS_DISABLED if reading.disabled else Cause.JOB_HOOKS
         decision = Decision(NOT_KNOWN, cause, state, reading)
     else:
         decision = _from_match(state, reading)

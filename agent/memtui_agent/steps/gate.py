@@ -148,6 +148,9 @@ class ActivationGate:
         self._blind = False
         """A forward of the open step ran where the agent's saved-tensor pair could not count
         it (the job's own hooks on top): the step's activations are not known."""
+        self._disabled = False
+        """Part of the open step ran where torch disables saved-tensor hooks (torch.func's
+        transforms): the step's activations are not known."""
         self._call_first = 0
         """The sequence number of the first node the root call in progress may build."""
         self._moved = False
@@ -224,6 +227,12 @@ class ActivationGate:
         own hooks on top): the open step's activations are not known."""
         self._blind = True
 
+    def hooks_disabled(self) -> None:
+        """The job entered a region where torch disables saved-tensor hooks (torch.func's
+        grad, vjp, jacrev, hessian): the agent's pair left for it, and what it saves there is
+        not counted: the open step's activations are not known."""
+        self._disabled = True
+
     def thread_moved(self) -> None:
         """The agent moved to the thread that stepped the first optimizer: the open step's
         forwards ran on it unseen, its activations are not known."""
@@ -271,7 +280,8 @@ class ActivationGate:
         held = self.held.held()
         blind, self._blind = self._blind, False
         moved, self._moved = self._moved, False
-        match = self.policy.close(reading.step, figures, blind=blind or moved)
+        disabled, self._disabled = self._disabled, False
+        match = self.policy.close(reading.step, figures, blind=blind or moved or disabled)
         close = ActivationReading(
             step=reading.step,
             figures=figures,
@@ -280,6 +290,7 @@ class ActivationGate:
             unarmed_held=held.unarmed,
             new_unarmed=held.new_unarmed,
             blind=blind,
+            disabled=disabled,
             moved=moved,
             counter=self.signatures.available,
             compiled=self._compiled_now(),
@@ -333,6 +344,7 @@ class ActivationGate:
             self.signatures.aside(lambda: switch.arm(None))
         policy.begin(after.start_of_next())
         self._blind = False
+        self._disabled = False
         if mode is not ActivationMode.OFF and switch.armed:
             policy.first_armed()
             self._blind = switch.pack_missing
