@@ -14,9 +14,9 @@ decide what that means:
   a `torch.compile`d module warns about global hooks only where the job has some of its own.
 - `_MultiProcessingDataLoaderIter.__init__`: the DataLoader workers it started, and their
   dataset, handed to `job.data_loaders` (their memory is sampled off the training thread).
-- `torch.autograd.graph.disable_saved_tensors_hooks`: torch.func's grad, vjp, jacrev and hessian
-  enter it, and it raises when any saved-tensor hooks are on the thread's stack; the agent's
-  pair leaves for the region and comes back after it (`SavedHooksDisabled`).
+- `torch._C._autograd._saved_tensors_hooks_disable`/`_enable`: torch.func's grad, vjp, jacrev and
+  hessian disable saved-tensor hooks, which raises when any are on the thread's stack; the
+  agent's pair leaves for the region and comes back after it (`SavedHooksDisabled`).
 
 `Tracker._wrap` installs them and restores the originals.
 """
@@ -30,7 +30,6 @@ from threading import get_ident
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch._C import _current_graph_task_id
-from torch.compiler import is_compiling
 
 from memtui_agent.hooks.context import HookContext
 from memtui_agent.hooks.hook_arming import HookArming
@@ -214,8 +213,26 @@ two other dicts only flag entries of `_global_forward_hooks`)."""
 AGENT_PACKAGE = __name__.split(".", 1)[0] + "."
 
 
+@contextlib.contextmanager
+def _stack_in_view() -> Iterator[None]:
+    """The thread's saved-tensor stack as it is, while AOTAutograd traces too: its tracing flag
+    hides the top of the stack from `_top_saved_tensors_default_hooks`, not from the check that
+    raises, so the agent's pair could not be seen to be taken out."""
+    import torch
+
+    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
+    if set_tracing is None:
+        yield
+        return
+    prior = set_tracing(False)
+    try:
+        yield
+    finally:
+        set_tracing(prior)
+
+
 class SavedHooksDisabled:
-    """`torch.autograd.graph.disable_saved_tensors_hooks`, with the agent's pair out meanwhile.
+    """torch's switch that disables saved-tensor hooks, with the agent's pair out meanwhile.
 
     torch.func's grad, vjp, jacrev and hessian run their function inside it, and torch raises
     ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks") when any
@@ -224,6 +241,11 @@ class SavedHooksDisabled:
     backward, the pair leaves as the region begins (only from the top of the stack, as ever)
     and is pushed back as it ends, if the stack is empty again; the gate is told, and the step's
     activations are not known (what the region saves reaches no hook).
+
+    Wrapped are torch's C functions that `torch.autograd.graph.disable_saved_tensors_hooks`
+    calls (`_saved_tensors_hooks_disable`, then `_saved_tensors_hooks_enable` as the outermost
+    region ends), not that context manager: dynamo, tracing a `torch.compile`d function that uses
+    torch.func, models the context manager itself and calls the C functions directly.
     """
 
     def __init__(self, context: HookContext, arming: HookArming) -> None:
@@ -231,20 +253,24 @@ class SavedHooksDisabled:
         self._gate = context.gate
         self._arming = arming
         self._disable = context.switches.disable
+        self._left: int | None = None
+        """The thread whose disabled region took the pair out (None: none did)."""
 
     def _leave(self) -> bool:
         """Pop the agent's pair if it is on top of this thread's stack; whether it left."""
         arming = self._arming
+        # Not `is_compiling()`: dynamo, tracing torch.func inside a compiled function, calls
+        # torch's C function itself (while its compiling flag is up), and that call raises too.
         if (
-            is_compiling()
-            or arming.pushed_on != get_ident()
+            arming.pushed_on != get_ident()
             or get_ident() != self._thread.ident
             or _current_graph_task_id() != -1
         ):
             return False
         try:
-            if not (arming.pack_removable and arming.pop_pack()):
-                return False
+            with _stack_in_view():
+                if not (arming.pack_removable and arming.pop_pack()):
+                    return False
             self._gate.hooks_disabled()
             return True
         except Exception as exc:
@@ -260,17 +286,27 @@ class SavedHooksDisabled:
             self._disable("activations", exc)
 
     def disable(self, original: Wrapper) -> Wrapper:
-        @contextlib.contextmanager
-        def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
-            left = self._leave()
-            try:
-                with original(error_message):
-                    yield
-            finally:
-                if left:
-                    self._back()
+        """`torch._C._autograd._saved_tensors_hooks_disable`: the pair leaves first when the
+        call would raise because of it (`fail_if_non_empty`, torch's default)."""
 
-        return disable_saved_tensors_hooks
+        def _saved_tensors_hooks_disable(message: str, fail_if_non_empty: bool = True) -> Any:
+            if fail_if_non_empty and self._left is None and self._leave():
+                self._left = get_ident()
+            return original(message, fail_if_non_empty)
+
+        return _saved_tensors_hooks_disable
+
+    def enable(self, original: Wrapper) -> Wrapper:
+        """`torch._C._autograd._saved_tensors_hooks_enable`: the pair comes back after."""
+
+        def _saved_tensors_hooks_enable() -> Any:
+            result = original()
+            if self._left is not None and self._left == get_ident():
+                self._left = None
+                self._back()
+            return result
+
+        return _saved_tensors_hooks_enable
 
 
 class DataLoaderWrappers:

@@ -114,8 +114,9 @@ class Tracker:
             self._wrap(torch.nn.utils, name, self.hooks.clip.clip)
         self._wrap(torch.utils.checkpoint, "checkpoint", self.hooks.checkpoint.checkpoint)
         if self.hooks.saved_off is not None:
-            graph = torch.autograd.graph
-            self._wrap(graph, "disable_saved_tensors_hooks", self.hooks.saved_off.disable)
+            autograd = torch._C._autograd
+            self._wrap(autograd, "_saved_tensors_hooks_disable", self.hooks.saved_off.disable)
+            self._wrap(autograd, "_saved_tensors_hooks_enable", self.hooks.saved_off.enable)
         self._wrap(torch.optim.Optimizer, "__init__", steps.optimizer_init)
         # The module trees change: a close walks them again only then (`pile_watch`).
         module_hooks = torch.nn.modules.module
