@@ -11,12 +11,13 @@ test's live job is never another's `attach --list`. Importable because pytest pu
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 MEMTUI: Final = (sys.executable, "-m", "memtui")
 """The CLI as `python -m memtui`: the interpreter running the suite, whatever its PATH."""
@@ -86,4 +87,44 @@ def start_memtui(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+    )
+
+
+def alone_and_recorded(
+    job: Path, tmp_path: Path, job_args: Sequence[str] = (), memtui_args: Sequence[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A fixture job that writes its results as JSON to the path it is given first, run alone and
+    under `memtui run --headless MEMTUI_ARGS`, both in `scrubbed_env()` (torch on one thread
+    alike): (its results alone, its results under memtui, `memtui report --json` of the
+    recording). Each run must succeed."""
+    cwd = job.parent
+    alone_out, recorded_out = tmp_path / "alone.json", tmp_path / "recorded.json"
+    recording = tmp_path / "job.memtui"
+    alone = subprocess.run(
+        [sys.executable, str(job), str(alone_out), *job_args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=DEFAULT_TIMEOUT_S,
+        env=scrubbed_env(),
+    )
+    assert alone.returncode == 0, alone.stderr
+    ran = run_memtui(
+        "run",
+        "--headless",
+        *memtui_args,
+        "-o",
+        str(recording),
+        str(job),
+        str(recorded_out),
+        *job_args,
+        cwd=cwd,
+    )
+    assert ran.returncode == 0, ran.stderr
+    report = run_memtui("report", str(recording), "--json", cwd=cwd)
+    assert report.returncode == 0, report.stderr
+    return (
+        json.loads(alone_out.read_text()),
+        json.loads(recorded_out.read_text()),
+        json.loads(report.stdout),
     )

@@ -10,14 +10,10 @@ between-roots hook leaves as a root's first forward starts (`module_scout`).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from cli_harness import run_memtui, scrubbed_env
+from cli_harness import alone_and_recorded
 from repo_paths import FIXTURES
 
 pytestmark = pytest.mark.slow  # torch children, with and without `memtui run`
@@ -25,47 +21,12 @@ pytestmark = pytest.mark.slow  # torch children, with and without `memtui run`
 JOB = FIXTURES / "compiled_recompiles.py"
 
 
-def _plain(tmp_path: Path) -> dict[str, Any]:
-    out = tmp_path / "plain.json"
-    done = subprocess.run(
-        [sys.executable, str(JOB), str(out)],
-        capture_output=True,
-        text=True,
-        cwd=FIXTURES,
-        timeout=300,
-        env=scrubbed_env(),  # as `run_memtui`'s children: torch on one thread alike
-    )
-    assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
-def _monitored(tmp_path: Path, mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    out = tmp_path / f"{mode}.json"
-    recording = tmp_path / f"{mode}.memtui"
-    ran = run_memtui(
-        "run",
-        "--headless",
-        "--activations",
-        mode,
-        "-o",
-        str(recording),
-        str(JOB),
-        str(out),
-        cwd=FIXTURES,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stderr
-    report = run_memtui("report", str(recording), "--json", cwd=FIXTURES)
-    assert report.returncode == 0, report.stderr
-    return json.loads(out.read_text()), json.loads(report.stdout)
-
-
 @pytest.mark.parametrize("mode", ["auto", "every"])
 def test_the_agent_makes_dynamo_compile_nothing_more(tmp_path: Path, mode: str) -> None:
-    plain = _plain(tmp_path)
+    plain, monitored, report = alone_and_recorded(
+        JOB, tmp_path, memtui_args=["--activations", mode]
+    )
     assert plain["graphs"] == 4  # the fixture's premise: one graph per batch size
-    monitored, report = _monitored(tmp_path, mode)
     assert monitored["graphs"] == plain["graphs"]
     assert monitored["losses"] == plain["losses"]
     steps = report["steps"]

@@ -10,14 +10,10 @@ once.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from cli_harness import run_memtui, scrubbed_env
+from cli_harness import alone_and_recorded
 from repo_paths import FIXTURES
 
 pytestmark = pytest.mark.slow  # torch children, with and without `memtui run`
@@ -32,43 +28,15 @@ def test_torch_func_grad_runs_and_its_steps_say_not_known(
     tmp_path: Path, mode: str, backend: str | None
 ) -> None:
     compiled = [] if backend is None else ["--compile", backend]
-    plain_out = tmp_path / "plain.json"
-    done = subprocess.run(
-        [sys.executable, str(JOB), str(plain_out), *compiled],
-        capture_output=True,
-        text=True,
-        cwd=FIXTURES,
-        timeout=300,
-        env=scrubbed_env(),
+    plain, monitored, found = alone_and_recorded(
+        JOB, tmp_path, job_args=compiled, memtui_args=["--activations", mode]
     )
-    assert done.returncode == 0, done.stderr
-    plain: dict[str, Any] = json.loads(plain_out.read_text())
-    out, recording = tmp_path / "monitored.json", tmp_path / "job.memtui"
-    ran = run_memtui(
-        "run",
-        "--headless",
-        "--activations",
-        mode,
-        "-o",
-        str(recording),
-        str(JOB),
-        str(out),
-        *compiled,
-        cwd=FIXTURES,
-        timeout=300,
-    )
-    assert ran.returncode == 0, ran.stderr
-    monitored: dict[str, Any] = json.loads(out.read_text())
     assert monitored["losses"] == plain["losses"]
-    report = run_memtui("report", str(recording), "--json", cwd=FIXTURES)
-    assert report.returncode == 0, report.stderr
-    found = json.loads(report.stdout)
     steps = found["steps"]
     assert len(steps) == 8
     for step in steps:
         # The piles read at the close are exact; a within-step high the agent could not see
-        # (gradients assigned by hand, no hook fires) is not known, never another number;
-        # activations are not known, never 0.
+        # (gradients assigned by hand, no hook fires) is not known, never another number.
         assert step["end"]["weights"] == step["end"]["gradients"] == plain["weights"]
         assert step["max"]["gradients"] in (None, plain["weights"]), step["step"]
         if backend is None or step["step"] == 1:
