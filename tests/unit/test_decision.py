@@ -89,6 +89,22 @@ def auto(**history: Any) -> DecisionState:
     return DecisionState(AUTO, **history)
 
 
+def not_empty(why: str, now: Figures, **reading: Any) -> Case:
+    """An unarmed step that repeats nothing and is not proven empty: measured in part, not
+    known, as before (a graph held also measures the next steps while held)."""
+    held = bool(reading.get("graphs_held"))
+    return Case(
+        f"not empty: {why}",
+        auto(),
+        Match(partial=True),
+        now=now,
+        reading=reading,
+        cause=Cause.PARTIAL,
+        measure_next=MEASURE_WHILE_HELD if held else 1,
+        measure_why=Cause.GRAPHS_HELD if held else None,
+    )
+
+
 ARMED_FOR = [
     Cause.NEW_SIGNATURE,
     Cause.FIRST_STEPS,
@@ -185,6 +201,20 @@ CASES = [
     ),
     # A repeat: carried when its counters confirm it.
     Case("repeat", auto(), REPEATS, carried=True, cause=Cause.REPEAT, recent=(True,)),
+    # Unarmed, but nothing could be saved: no autograd node, no backward, nothing held.
+    Case(
+        "nothing saved: a second optimizer's close",
+        auto(),
+        Match(partial=True),
+        now=figures(7, high=0, nodes=(0,)),
+        measured=True,
+        cause=Cause.NOTHING_SAVED,
+    ),
+    not_empty("a node recorded", figures(7, high=0, nodes=(1,))),
+    not_empty("a backward ran", figures(7, high=0, nodes=(0, 0))),
+    not_empty("held at its start", figures(7, high=0, nodes=(0,), start=8)),
+    not_empty("no counter", figures(7, high=0, nodes=(0,)), counter=False),
+    not_empty("a graph held", figures(7, high=0, nodes=(0,)), graphs_held=1),
     # The job has compiled: the close stands as it would, and no hook moves again (dynamo's
     # guards read them), so every step is measured from the next one on.
     Case(
@@ -536,7 +566,7 @@ def test_deciding_changes_nothing_it_was_given() -> None:
         assert first == again
 
 
-QUIET = {Cause.MEASURED, Cause.REPEAT, Cause.OFF, *ARMED_FOR}
+QUIET = {Cause.MEASURED, Cause.NOTHING_SAVED, Cause.REPEAT, Cause.OFF, *ARMED_FOR}
 """Causes worth no alert: the figures are the step's own, confirmed, or simply not asked for.
 Every other step that is not known says why (a step measured in part too: a Trainer with
 gradient accumulation left 26 of 100 steps not known without a word)."""

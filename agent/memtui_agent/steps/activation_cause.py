@@ -35,6 +35,10 @@ class Cause(Enum):
     """Measured: an audit step (every `audit_every` steps)."""
     WHOLE_AFTER_PARTIAL = "whole after partial"
     """Measured whole: a step from a start whose last step was measured in part."""
+    NOTHING_SAVED = "nothing saved"
+    """Measured without hooks: the step recorded no autograd node and ran no backward, and no
+    graph was held at its start or close, so nothing was saved: its activations were 0 (the
+    second optimizer's close when two step after one backward)."""
     REPEAT = "repeat"
     """It repeats a measured step, and its counters confirm it: that step's figures."""
     OFF = "off"

@@ -151,6 +151,8 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
         else:
             cause = Cause.HOOKS_DISABLED if reading.disabled else Cause.JOB_HOOKS
         decision = Decision(NOT_KNOWN, cause, state, reading)
+    elif _nothing_saved(reading):
+        decision = Decision(MEASURED, Cause.NOTHING_SAVED, state, reading)
     else:
         decision = _from_match(state, reading)
         if reading.unarmed_held:
@@ -163,6 +165,27 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
         every = replace(decision.next_state, mode=ActivationMode.EVERY)
         decision = replace(decision, next_state=every, compiled=True)
     return _measure(decision, held, Cause.GRAPHS_HELD)
+
+
+def _nothing_saved(reading: ActivationReading) -> bool:
+    """A step the hooks did not see and that repeats no measured one, whose activations are 0
+    all the same: autograd's node counter (exact) recorded no node in it and no backward ran, so
+    no tensor was saved, and no graph held activations at its start or at its close. Only where
+    the counter exists; a repeat is carried as ever."""
+    match = reading.match
+    if match.armed_throughout or match.twin is not None or not reading.counter:
+        return False
+    if reading.graphs_held:
+        return False
+    figures = reading.figures
+    signature = figures.signature
+    return (
+        signature is not None
+        and signature.nodes == (0,)
+        and figures.start_activations == 0
+        and figures.end_activations == 0
+        and figures.high.activations == 0
+    )
 
 
 def _measure(decision: Decision, steps: int, why: Cause) -> Decision:
