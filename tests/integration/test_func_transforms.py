@@ -51,3 +51,14 @@ def test_torch_func_grad_runs_and_its_steps_say_not_known(
     said = [alert for alert in found["alerts"] if alert["kind"] == "activations_vary"]
     assert [alert["step"] for alert in said] == [1]
     assert "torch.func" in said[0]["message"]
+
+
+def test_a_model_called_inside_the_transforms_is_said_to_be_torch_funcs(tmp_path: Path) -> None:
+    # The model runs inside hessian/jacfwd, where torch disabled saved-tensor hooks: no pair can
+    # be pushed there, and the reason given is torch.func, never "the job's own hooks".
+    plain, monitored, found = alone_and_recorded(FIXTURES / "func_hessian_loss.py", tmp_path)
+    assert monitored["losses"] == plain["losses"]
+    assert all(step["max"]["activations"] is None for step in found["steps"])
+    said = [alert for alert in found["alerts"] if alert["kind"] == "activations_vary"]
+    assert said and all("torch.func" in alert["message"] for alert in said), said
+    assert not any("job's own" in alert["message"] for alert in said)

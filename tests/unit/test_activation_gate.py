@@ -36,13 +36,19 @@ class Switch:
         self.log: list[str] = []
         self.job_hooks = False
         """The job's own saved-tensor hooks are on top (the agent's pair cannot be pushed)."""
+        self.disabled = False
+        """torch disabled saved-tensor hooks (a torch.func transform runs the model)."""
 
     def foreign_hooks(self) -> bool:
-        return self.job_hooks
+        return self.job_hooks or self.disabled
 
     @property
     def pack_missing(self) -> bool:
-        return self.armed and self.job_hooks
+        return self.armed and (self.job_hooks or self.disabled)
+
+    @property
+    def saved_hooks_disabled(self) -> bool:
+        return self.disabled
 
     @property
     def installed(self) -> bool:
@@ -391,3 +397,19 @@ def test_once_the_job_has_compiled_the_hooks_stay_and_it_is_told_once(
     compiled[0] = False  # dynamo's counters reset: the job still compiles
     armed, verdict = job.run()
     assert armed and verdict.measured and job.gate.mode is ActivationMode.EVERY
+
+
+def test_a_forward_no_hook_saw_is_said_with_its_cause() -> None:
+    # The job's own saved-tensor hooks on top, or torch's disabling them for a torch.func
+    # transform that runs the model: both leave the step not known, each with its own words.
+    for flag, words in (
+        ("job_hooks", "the job's own saved-tensor hooks"),
+        ("disabled", "torch.func"),
+    ):
+        job = Job()
+        job.settle()
+        setattr(job.switch, flag, True)
+        _armed, verdict = job.run(OTHER_BATCH)  # a new signature, and nothing can count it
+        assert not verdict.measured and verdict.carried is None
+        assert verdict.alert is not None and verdict.alert.kind is AlertKind.ACTIVATIONS_VARY
+        assert words in verdict.alert.message, (flag, verdict.alert.message)

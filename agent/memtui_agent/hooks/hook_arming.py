@@ -331,6 +331,11 @@ class GateSwitch:
         return self._arming.pack_missing
 
     @property
+    def saved_hooks_disabled(self) -> bool:
+        """torch has disabled saved-tensor hooks on this thread now (torch.func's transforms)."""
+        return not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+
+    @property
     def installed(self) -> bool:
         """Whether any hook of the set is still installed."""
         return self._arming.installed

@@ -114,6 +114,12 @@ class HookSwitch(Protocol):
         """Armed, without the agent's saved-tensor pair where this thread's forwards pack."""
         ...
 
+    @property
+    def saved_hooks_disabled(self) -> bool:
+        """torch has disabled saved-tensor hooks on this thread now (a torch.func transform runs):
+        no pair can be pushed, the job's or the agent's."""
+        ...
+
 
 class ActivationGate:
     """Arms the activation hooks for the steps that must be measured, and judges each close."""
@@ -212,20 +218,29 @@ class ActivationGate:
         foreign = self._switch.foreign_hooks()
         signature = (call_signature(module, args, kwargs), foreign)
         if foreign:
-            self._blind = True
+            self._unseen()
         if self.policy.root_call(signature, step, self._must_measure(), alive) and (
             not foreign or self._must_measure()
         ):
             self.signatures.aside(lambda: self._switch.arm(module))
         if self._switch.armed and self._switch.pack_missing:
-            self._blind = True
+            self._unseen()
         if self.probing:
             self._health.forward_starts()  # which call makes a NaN (`nan_origin`)
 
     def forward_unseen(self) -> None:
         """A measured forward began where the agent's saved-tensor pair cannot count it (the job's
         own hooks on top): the open step's activations are not known."""
-        self._blind = True
+        self._unseen()
+
+    def _unseen(self) -> None:
+        """What the open step runs now reaches no hook of the agent's: because torch disabled
+        saved-tensor hooks (a torch.func transform runs the model), or because the job's own
+        hooks are on top. Either way its activations are not known, each said with its cause."""
+        if self._switch.saved_hooks_disabled:
+            self._disabled = True
+        else:
+            self._blind = True
 
     def hooks_disabled(self) -> None:
         """The job entered a region where torch disables saved-tensor hooks (torch.func's
