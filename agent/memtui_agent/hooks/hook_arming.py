@@ -165,10 +165,16 @@ class HookArming:
         the agent cannot count."""
         if torch._C._current_graph_task_id() != -1:
             return True
-        if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
+        if self.saved_hooks_disabled:
             return True
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return top is not None and top[0] is not self._pack
+
+    @property
+    def saved_hooks_disabled(self) -> bool:
+        """torch has disabled saved-tensor hooks on this thread now (torch.func's transforms):
+        no pair can be pushed, the job's or the agent's."""
+        return not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
 
     def push_pack(self) -> bool:
         """Push the agent's pair on the calling thread (the one that runs the forward) if the
@@ -333,7 +339,7 @@ class GateSwitch:
     @property
     def saved_hooks_disabled(self) -> bool:
         """torch has disabled saved-tensor hooks on this thread now (torch.func's transforms)."""
-        return not torch._C._autograd._saved_tensors_hooks_is_enabled()  # type: ignore[attr-defined]
+        return self._arming.saved_hooks_disabled
 
     @property
     def installed(self) -> bool:

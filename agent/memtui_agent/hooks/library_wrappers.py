@@ -27,8 +27,9 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from threading import get_ident
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+import torch
 from torch._C import _current_graph_task_id
 
 from memtui_agent.hooks.context import HookContext
@@ -38,9 +39,6 @@ from memtui_agent.job.data_loaders import DataLoaders
 from memtui_agent.steps.window import StepWindow
 from memtui_protocol import schema
 from memtui_protocol.schema import AlertKind
-
-if TYPE_CHECKING:  # annotations only
-    import torch
 
 Wrapper = Callable[..., Any]
 
@@ -218,8 +216,6 @@ def _stack_in_view() -> Iterator[None]:
     """The thread's saved-tensor stack as it is, while AOTAutograd traces too: its tracing flag
     hides the top of the stack from `_top_saved_tensors_default_hooks`, not from the check that
     raises, so the agent's pair could not be seen to be taken out."""
-    import torch
-
     set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
     if set_tracing is None:
         yield
@@ -269,7 +265,7 @@ class SavedHooksDisabled:
             return False
         try:
             with _stack_in_view():
-                if not (arming.pack_removable and arming.pop_pack()):
+                if not arming.pop_pack():  # only from the top of the stack
                     return False
             self._gate.hooks_disabled()
             return True
@@ -346,8 +342,6 @@ def global_hooks_but_ours(original: Wrapper) -> Wrapper:
     """
 
     def has_any_global_hook() -> Any:
-        import torch
-
         found = original()
         if not found:
             return found
@@ -465,6 +459,4 @@ def script_without_ours(original: Wrapper) -> Wrapper:
 
 
 def _module_type() -> type[Any]:
-    import torch
-
     return torch.nn.Module

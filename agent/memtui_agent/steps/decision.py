@@ -148,8 +148,10 @@ def decide(state: DecisionState, reading: ActivationReading) -> Decision:
     if reading.moved or reading.blind or reading.disabled:
         if reading.moved:
             cause = Cause.THREAD_MOVED
+        elif reading.disabled:
+            cause = Cause.HOOKS_DISABLED
         else:
-            cause = Cause.HOOKS_DISABLED if reading.disabled else Cause.JOB_HOOKS
+            cause = Cause.JOB_HOOKS
         decision = Decision(NOT_KNOWN, cause, state, reading)
     elif _nothing_saved(reading):
         decision = Decision(MEASURED, Cause.NOTHING_SAVED, state, reading)
